@@ -1,0 +1,3 @@
+from meshlm.cli import main
+
+main()

@@ -1,0 +1,61 @@
+"""Typed configuration, one frozen dataclass per concern, parsed once in the CLI.
+
+Values derived at run time (the resolved dtype, the KV budget in tokens) live
+on the objects that derive them, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "demo"  # a HF-layout directory, or "demo" for SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA
+    max_model_len: int | None = None  # None: the model's own context length
+    served_name: str | None = None  # name reported by /v1/models; None: derived from path
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 32  # sequences running at once
+    max_tokens_per_step: int = 512  # prefill chunk tokens + decode tokens in one step
+    max_waiting: int = 256  # bounded waiting queue; beyond it requests get 429
+    kv_cache_memory: int | None = None  # bytes for KV; None: a fraction of RAM
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_tokens_per_step", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_tokens_per_step < self.max_batch_size:
+            raise ValueError("max_tokens_per_step must be >= max_batch_size (one decode token each)")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_tokens_default: int = 512  # when a request names no max_tokens
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)

@@ -1,0 +1,45 @@
+"""Incremental detokenization that never splits a UTF-8 character.
+
+Byte-level BPE tokens can end mid-character; decoding a short window of
+recent tokens and holding back text that ends in U+FFFD (the replacement
+character) until the next token completes it keeps every emitted piece valid.
+The window (prefix_offset..read_offset) follows vLLM's incremental detokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (maybe empty)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        new = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return new
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (a dangling partial character)."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

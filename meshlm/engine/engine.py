@@ -1,0 +1,231 @@
+"""The engine: owns the scheduler and the step loop, on its own thread.
+
+Each step is five moves (after nano-vllm): schedule, execute, sample, update,
+emit. The HTTP layer talks to it only through `submit` and `abort`, both
+thread-safe, and receives `StepOutput`s through the callback it passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from meshlm.config import SchedulerConfig
+from meshlm.engine.detokenizer import IncrementalDetokenizer
+from meshlm.engine.plan import StepPlan
+from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
+from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+from meshlm.engine.stop import StopMatcher
+from meshlm.metrics import Metrics
+from meshlm.model.runner import StepResult
+from meshlm.model.sampler import SeqSampling, sample
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[StepOutput], None]
+
+
+class Executor(Protocol):
+    """Runs a plan on every rank and returns rank 0's logits."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def kv_bytes(self) -> int: ...
+
+    def reset(self) -> bool:
+        """Drop all sequence state after a failed step; False if the executor cannot recover."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    sampling: SeqSampling
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    emit: OutputCallback
+    last_token_time: float | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer,
+        config: SchedulerConfig,
+        max_model_len: int,
+        kv_budget_tokens: int,
+        eos_token_ids: frozenset[int],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.metrics = metrics or Metrics()
+        self.scheduler = Scheduler(config, kv_budget_tokens, max_model_len, eos_token_ids)
+        self._tracked: dict[int, _Tracked] = {}
+        self._uids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._preemptions_seen = 0
+        self.error: str | None = None  # set when the executor failed; /health reports it
+
+    # -- public, thread-safe ----------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback) -> int:
+        """Queue a sequence. Raises PromptTooLong, QueueFull, or RuntimeError when unhealthy."""
+        if self.error:
+            raise RuntimeError(f"engine unavailable: {self.error}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {len(prompt_ids)} tokens (at least one must be left to generate)."
+            )
+        with self._wake:
+            uid = next(self._uids)
+            seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
+            self.scheduler.add(seq)  # may raise QueueFull
+            self._tracked[uid] = _Tracked(
+                seq, SeqSampling.create(params), IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit
+            )
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self._wake.notify()
+        return uid
+
+    def abort(self, uid: int) -> None:
+        with self._wake:
+            self.scheduler.abort(uid)
+            self._wake.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.executor.close()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.scheduler.has_work:
+                    self._wake.wait(0.5)
+                if self._stopping:
+                    break
+                plan, ended = self.scheduler.schedule()
+            self._finish_all(ended)
+            try:
+                self.step(plan)
+            except Exception as exc:  # a failed step must end requests, not the process
+                log.exception("engine step failed")
+                self._fail(f"{type(exc).__name__}: {exc}")
+
+    def step(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        result = self.executor.execute(plan)
+        sampled, logprobs = self._sample(result)
+        with self._lock:
+            finished = self.scheduler.update(plan, sampled)
+            self._update_gauges()
+        for uid, token in sampled.items():
+            self._emit_token(uid, token, logprobs.get(uid))
+        self._finish_all(finished)
+        self.metrics.step_time.observe(time.perf_counter() - t0)
+
+    def _sample(self, result: StepResult):
+        if result.logits is None:
+            return {}, {}
+        states = [self._tracked[u].sampling for u in result.uids]
+        tokens, lps = sample(result.logits, states)
+        sampled = dict(zip(result.uids, tokens))
+        return sampled, {u: lp for u, lp in zip(result.uids, lps) if lp is not None}
+
+    def _emit_token(self, uid: int, token: int, logprob) -> None:
+        t = self._tracked.get(uid)
+        if t is None or t.seq.aborted:
+            return
+        now = time.monotonic()
+        if t.last_token_time is None:
+            self.metrics.ttft.observe(now - t.seq.arrival)
+        else:
+            self.metrics.itl.observe(now - t.last_token_time)
+        t.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        is_eos = t.seq.finished and t.seq.finish_reason is FinishReason.STOP
+        text = "" if is_eos else t.stop.feed(t.detok.add(token))
+        if t.stop.stopped and not t.seq.finished:
+            with self._lock:
+                self.scheduler.finish(t.seq, FinishReason.STOP)
+        if text or logprob is not None or not t.seq.finished:
+            t.emit(StepOutput(uid, text, (token,), (logprob,) if logprob else ()))
+
+    def _finish_all(self, finished: list[Finished]) -> None:
+        for f in finished:
+            self._finish(f.seq.uid, f.reason)
+        # Stop strings finish sequences outside scheduler.update; collect those too.
+        for uid in [u for u, t in list(self._tracked.items()) if t.seq.finished]:
+            self._finish(uid, self._tracked[uid].seq.finish_reason)
+
+    def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> None:
+        t = self._tracked.pop(uid, None)
+        if t is None:
+            return
+        # A dangling partial character or held-back stop prefix is released unless
+        # the sequence ended on a stop token or string (which are never shown).
+        tail = "" if reason is FinishReason.STOP else t.stop.feed(t.detok.flush()) + t.stop.flush()
+        self.metrics.requests.labels(status=reason.value).inc()
+        self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
+        t.emit(
+            StepOutput(
+                uid,
+                tail,
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=len(t.seq.prompt_ids),
+                completion_tokens=len(t.seq.output_ids),
+                cached_tokens=t.seq.num_cached_tokens,
+            )
+        )
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            seqs = self.scheduler.fail_all()
+        for seq in seqs:
+            self._finish(seq.uid, FinishReason.ERROR, error=message)
+        self._on_failure(message)
+
+    def _on_failure(self, message: str) -> None:
+        """A local executor recovers with fresh KV state; a cluster that cannot is unhealthy."""
+        if not self.executor.reset():
+            self.error = message
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self.scheduler.waiting))
+        self.metrics.batch_size.set(len(self.scheduler.running))
+        self.metrics.kv_bytes.set(self.executor.kv_bytes())
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = self.scheduler.num_preemptions
+
+
+__all__ = ["Engine", "Executor", "PromptTooLong", "QueueFull"]

