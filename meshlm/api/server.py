@@ -1,0 +1,115 @@
+"""The FastAPI app: routes only. Validation lives in schemas, translation in serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshlm.api.errors import APIError, bad_request
+from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
+from meshlm.api.serving import Serving, now
+from meshlm.api.streaming import Completion, watch_disconnect
+
+log = logging.getLogger(__name__)
+
+
+def create_app(serving: Serving, health=None) -> FastAPI:
+    """`health()` returns None when healthy or a message naming what is wrong."""
+    app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    engine = serving.engine
+    health = health or (lambda: engine.error)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return _validation_response(exc.errors())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), type_="invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
+
+    @app.get("/health")
+    async def _health():
+        problem = health()
+        if problem:
+            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+        return {"status": "ok", "model": serving.model_name}
+
+    @app.get("/metrics")
+    async def _metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def _models():
+        card = {"id": serving.model_name, "object": "model", "created": now(), "owned_by": "meshlm",
+                "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        serving.check_model(req)
+        return await _respond(request, Completion(serving, req, [serving.chat_prompt(req)], chat=True))
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        serving.check_model(req)
+        return await _respond(request, Completion(serving, req, serving.completion_prompts(req), chat=False))
+
+    return app
+
+
+async def _parse(request: Request, model):
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors())
+
+
+def _validation_error(errors: list) -> APIError:
+    first = errors[0] if errors else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    return bad_request(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None)
+
+
+def _validation_response(errors: list) -> JSONResponse:
+    return _validation_error(errors).response()
+
+
+async def _respond(request: Request, completion: Completion):
+    if completion.req.stream:
+        return StreamingResponse(completion.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    task = asyncio.ensure_future(completion.whole())
+    watcher = asyncio.ensure_future(watch_disconnect(request, completion, task))
+    try:
+        return JSONResponse(await task)
+    except asyncio.CancelledError:
+        completion.close()
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()

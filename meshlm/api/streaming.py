@@ -1,0 +1,96 @@
+"""Response bodies for chat and text completions, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from meshlm.api.errors import APIError
+from meshlm.api.schemas import _Request
+from meshlm.api.serving import Choice, Serving, new_id, now, sse
+
+
+class Completion:
+    """One OpenAI completion (chat or text) over n choices, for one HTTP request."""
+
+    def __init__(self, serving: Serving, req: _Request, prompts: list[list[int]], chat: bool) -> None:
+        self.serving, self.req, self.prompts, self.chat = serving, req, prompts, chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = now()
+        self.uids, self.choices, self.queue = serving.submit(prompts, req)
+        self.finished = False
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.model_name}
+
+    def _logprobs(self, c: Choice, lps) -> dict | None:
+        if self.req.logprob_count() is None:
+            return None
+        return self.serving.chat_logprobs(lps) if self.chat else self.serving.completion_logprobs(lps)
+
+    async def whole(self) -> dict:
+        try:
+            async for _, out in self.serving.outputs(self.choices, self.queue):
+                if out.error:
+                    raise APIError(503, f"generation failed: {out.error}", type_="server_error", code="engine_error")
+            self.finished = True
+        finally:
+            self.close()
+        return {**self._head(self.object), "choices": [self._choice(c) for c in self.choices],
+                "usage": self.serving.usage(self.choices, self.prompts)}
+
+    def _choice(self, c: Choice) -> dict:
+        text = "".join(c.text)
+        body = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c, c.logprobs)}
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        return body
+
+    async def stream(self) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        try:
+            if self.chat:
+                for c in self.choices:
+                    yield sse({**self._head(obj), "choices": [self._delta(c, {"role": "assistant", "content": ""})]})
+            async for c, out in self.serving.outputs(self.choices, self.queue):
+                if out.error:
+                    yield sse(APIError(503, f"generation failed: {out.error}", type_="server_error").body())
+                    break
+                if out.text or out.logprobs or out.finish_reason:
+                    delta = {"content": out.text} if out.text else {}
+                    chunk = self._delta(c, delta, list(out.logprobs))
+                    chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
+                    yield sse({**self._head(obj), "choices": [chunk]})
+            else:
+                self.finished = True
+                if self.req.include_usage:
+                    yield sse({**self._head(obj), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)})
+            yield sse("[DONE]")
+        finally:
+            # Runs on normal end, on error, and when the client disconnects
+            # (Starlette cancels this generator): unfinished sequences are aborted.
+            self.close()
+
+    def _delta(self, c: Choice, delta: dict, lps=None) -> dict:
+        body = {"index": c.index, "logprobs": self._logprobs(c, lps or []) if lps else None, "finish_reason": None}
+        if self.chat:
+            body["delta"] = delta
+        else:
+            body["text"] = delta.get("content", "")
+        return body
+
+    def close(self) -> None:
+        if not self.finished:
+            self.serving.abort(self.uids)
+
+
+async def watch_disconnect(request, completion: Completion, task: asyncio.Task) -> None:
+    """Cancel a non-streaming completion whose client went away."""
+    while not task.done():
+        if await request.is_disconnected():
+            task.cancel()
+            return
+        await asyncio.sleep(0.5)

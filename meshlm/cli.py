@@ -1,0 +1,101 @@
+"""The `meshlm` command line: parses arguments once into typed configs, then hands off."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+from meshlm.config import DTYPES, ModelConfig, SchedulerConfig, ServeConfig, ServerConfig
+
+log = logging.getLogger("meshlm")
+
+
+def parse_bytes(text: str) -> int:
+    """'8GB', '512MiB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GB or 512MiB)")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    value = int(float(m.group(1)) * scale)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return value
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="demo", help="HF-layout model directory, or 'demo' (SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="name reported by /v1/models")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk + decode tokens per step")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 4GB")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser("demo-model", help="write the demo model (or a tiny random one) as a HF directory")
+    p.add_argument("out", type=Path)
+    p.add_argument("--tiny", action="store_true", help="tiny random-weight model with an offline tokenizer")
+    p.add_argument("--model-type", default="llama", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _demo_parser(sub)
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
+        scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
+        server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level),
+    )
+
+
+def _demo_model(args: argparse.Namespace) -> None:
+    from meshlm.model.demo import export_demo, make_tiny
+
+    if args.tiny:
+        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, seed=args.seed)
+    else:
+        out = export_demo(args.out, args.dtype)
+    print(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            config = serve_config(args)
+            from meshlm.platform import maybe_reexec_with_openblas
+
+            maybe_reexec_with_openblas(argv)
+            from meshlm.app import serve
+
+            serve(config)
+        elif args.command == "demo-model":
+            _demo_model(args)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        sys.exit(2)
