@@ -1,0 +1,83 @@
+"""Real servers over real sockets: each fixture starts `python -m meshlm serve` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path | str, *args: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(self.port), *args]
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """A tiny-model server with a small context so over-long prompts are cheap to build."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "512", "--max-batch-size", "16",
+                        "--max-tokens-per-step", "256", log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c

@@ -1,0 +1,133 @@
+"""The OpenAI API over a real socket: shapes, parameters, streaming, the official client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "temperature": 0, "max_tokens": 12}
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_health_models_metrics(client):
+    assert client.get("/health").json()["status"] == "ok"
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-llama"
+    client.post("/v1/chat/completions", json=CHAT)
+    text = client.get("/metrics").text
+    for name in ("meshlm_requests_total", "meshlm_prompt_tokens_total", "meshlm_generation_tokens_total",
+                 "meshlm_time_to_first_token_seconds_bucket", "meshlm_inter_token_latency_seconds_bucket",
+                 "meshlm_queue_depth", "meshlm_batch_size", "meshlm_kv_cache_bytes"):
+        assert name in text, name
+
+
+def test_chat_usage_and_finish_reason(client):
+    body = client.post("/v1/chat/completions", json=CHAT).json()
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion"
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 12 and u["total_tokens"] == u["prompt_tokens"] + 12
+
+
+def test_stream_equals_whole_and_ends_with_done(client):
+    whole = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
+    req = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 12
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"])
+    assert text == whole
+    finals = [e["choices"][0]["finish_reason"] for e in events[:-2] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+
+
+def test_completions_prompt_forms(client):
+    ids = client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0}).json()
+    assert ids["object"] == "text_completion" and ids["usage"]["prompt_tokens"] == 4
+    many = client.post("/v1/completions", json={"prompt": ["a cat", "a dog"], "max_tokens": 3, "temperature": 0}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1]
+
+
+def test_seed_reproducible_and_n(client):
+    req = {**CHAT, "temperature": 1.0, "seed": 1234, "max_tokens": 16, "n": 2}
+    a = client.post("/v1/chat/completions", json=req).json()
+    b = client.post("/v1/chat/completions", json=req).json()
+    texts_a = [c["message"]["content"] for c in a["choices"]]
+    assert texts_a == [c["message"]["content"] for c in b["choices"]]
+    assert len(texts_a) == 2 and texts_a[0] != texts_a[1]  # choice i uses seed + i
+    other = client.post("/v1/chat/completions", json={**req, "seed": 99, "n": 1}).json()
+    assert other["choices"][0]["message"]["content"] != texts_a[0]
+
+
+def test_stop_string_not_leaked(client):
+    req = {"prompt": "once upon a time", "max_tokens": 20, "temperature": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    stop = full[6:9]  # spans token boundaries in general
+    cut = full[: full.index(stop)]
+    got = client.post("/v1/completions", json={**req, "stop": [stop]}).json()["choices"][0]
+    assert got["text"] == cut and got["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions", json={**req, "stop": stop, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+
+
+def test_logprobs_chat(client):
+    body = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 3}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 12
+    for item in content:
+        tops = [t["logprob"] for t in item["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert item["logprob"] <= tops[0] + 1e-6  # greedy: the chosen token is the top one
+        assert abs(item["logprob"] - tops[0]) < 1e-5
+
+
+def test_penalties_change_output(client):
+    base = {"prompt": "the the the", "max_tokens": 24, "temperature": 0}
+    plain = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    pen = client.post("/v1/completions", json={**base, "frequency_penalty": 2.0, "presence_penalty": 2.0}).json()
+    assert pen["choices"][0]["text"] != plain
+
+
+def test_openai_client_chat_and_completions(server):
+    oc = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = oc.models.list().data[0].id
+    chat = oc.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=8, temperature=0, user="u1")
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+    stream = oc.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=8, temperature=0,
+                                        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content and chunks[-1].usage.completion_tokens == 8
+    comp = oc.completions.create(model=model, prompt="hello", max_tokens=6, temperature=0)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].text for c in oc.completions.create(
+        model=model, prompt="hello", max_tokens=6, temperature=0, stream=True))
+    assert streamed == comp.choices[0].text
+
+
+def test_openai_client_errors(server):
+    oc = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        oc.chat.completions.create(model="no-such-model", messages=CHAT["messages"])
+    with pytest.raises(openai.BadRequestError) as err:
+        oc.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "word " * 2000}])
+    assert "512" in str(err.value)

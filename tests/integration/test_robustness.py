@@ -1,0 +1,151 @@
+"""Bad input, load and disconnects: always an OpenAI-shaped answer, never a dead server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, ["not valid JSON"]),
+        (b"[1, 2]", 400, ["JSON object"]),
+        (b'{"model": "tiny-llama"}', 400, ["messages"]),
+        (b'{"messages": []}', 400, ["messages"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, ["temperature"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 400, ["max_tokens"]),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, ["role"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, ["max_tokens"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}', 400, ["max_tokens"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', 400, ["n"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, ["top_p"]),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}', 404, ["gpt-9"]),
+    ],
+)
+def test_bad_chat_input(client, body, status, words):
+    assert_error(client.post("/v1/chat/completions", content=body), status, *words)
+
+
+def test_bad_completion_input(client):
+    assert_error(client.post("/v1/completions", json={"prompt": []}), 400, "prompt")
+    assert_error(client.post("/v1/completions", json={"prompt": 5}), 400, "prompt")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "logprobs": 50}), 400, "logprobs")
+
+
+def test_prompt_longer_than_context_gives_numbers(client):
+    err = assert_error(client.post("/v1/completions", json={"prompt": list(range(3, 603))}), 400, "512", "600")
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_absurd_max_tokens_is_clamped_to_context(client):
+    prompt = list(range(3, 503))  # 500 of 512 tokens
+    body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10**12, "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_fields_and_user_are_ignored(client):
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "user": "x", "foo": {"a": 1}})
+    assert r.status_code == 200
+
+
+async def _chat_all(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[
+            c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": p}],
+                                                  "max_tokens": max_tokens, "temperature": 0})
+            for p in prompts])
+    return [r.json() for r in rs]
+
+
+def test_batched_greedy_equals_one_at_a_time(server, client):
+    prompts = [f"Prompt number {i}: " + "tell me about cats and dogs " * (i % 5 + 1) for i in range(16)]
+    together = asyncio.run(_chat_all(server.url, prompts, 16))
+    alone = [client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": p}],
+                                                      "max_tokens": 16, "temperature": 0}).json() for p in prompts]
+    got = [r["choices"][0]["message"]["content"] for r in together]
+    want = [r["choices"][0]["message"]["content"] for r in alone]
+    assert got == want
+    assert len(set(want)) > 1
+
+
+def test_64_concurrent_requests_all_complete(server):
+    prompts = [f"request {i} about the sea" for i in range(64)]
+    results = asyncio.run(_chat_all(server.url, prompts, 8))
+    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+    assert len({r["id"] for r in results}) == 64
+
+
+def _wait_idle(server: ServerProcess, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("meshlm_batch_size") == 0 and server.metric("meshlm_kv_cache_bytes") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("sequences still running after the client went away")
+
+
+def test_disconnect_mid_stream_frees_the_sequence(server):
+    aborted_before = _counter(server, "abort")
+    req = {"messages": MSG, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=req) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 5:
+                    break
+    _wait_idle(server)
+    assert _counter(server, "abort") == aborted_before + 1
+
+
+def test_disconnect_while_waiting_for_whole_response(server):
+    aborted_before = _counter(server, "abort")
+    req = {"messages": MSG, "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=req, timeout=0.5)
+    _wait_idle(server)
+    assert _counter(server, "abort") == aborted_before + 1
+
+
+def _counter(server: ServerProcess, status: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'meshlm_requests_total{{status="{status}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
+    srv = ServerProcess(tiny_model, "--max-batch-size", "1", "--max-tokens-per-step", "8", "--max-queue", "2",
+                        log_dir=tmp_path)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(*[
+                    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30, "ignore_eos": True})
+                    for _ in range(8)])
+        rs = asyncio.run(burst())
+        codes = sorted(r.status_code for r in rs)
+        assert 200 in codes and 429 in codes
+        rejected = next(r for r in rs if r.status_code == 429)
+        assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
