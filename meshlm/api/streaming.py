@@ -93,4 +93,4 @@ async def watch_disconnect(request, completion: Completion, task: asyncio.Task) 
         if await request.is_disconnected():
             task.cancel()
             return
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)

@@ -48,6 +48,15 @@ class PromptTooLong(ValueError):
 
 
 @dataclass
+class _Pending:
+    """A step's results waiting to be streamed while the next step computes."""
+
+    sampled: dict[int, int]
+    logprobs: dict[int, object]
+    finished: list[Finished]
+
+
+@dataclass
 class _Tracked:
     seq: Sequence
     sampling: SeqSampling
@@ -127,31 +136,58 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------
     def _loop(self) -> None:
+        """Double-buffered: while step t+1's forward runs (`mx.async_eval`), the
+        host detokenizes and streams step t's tokens. A stop string found then
+        ends its sequence one step late; the extra token is discarded."""
+        pending: _Pending | None = None
         while True:
-            with self._wake:
-                while not self._stopping and not self.scheduler.has_work:
-                    self._wake.wait(0.5)
-                if self._stopping:
-                    break
-                plan, ended = self.scheduler.schedule()
+            plan, ended = self._next_plan(block=pending is None)
             self._finish_all(ended)
-            try:
-                self.step(plan)
-            except Exception as exc:  # a failed step must end requests, not the process
-                log.exception("engine step failed")
-                self._fail(f"{type(exc).__name__}: {exc}")
+            result = self._guard(self.executor.execute, plan) if plan is not None else None
+            if pending is not None:
+                self._emit(pending)
+                pending = None
+            if plan is None:
+                if self._stopping:
+                    return
+                continue
+            if result is not None:
+                pending = self._guard(self._collect, plan, result)
+
+    def _next_plan(self, block: bool) -> tuple[StepPlan | None, list[Finished]]:
+        with self._wake:
+            while block and not self._stopping and not self.scheduler.has_work:
+                self._wake.wait(0.5)
+            if self._stopping or not self.scheduler.has_work:
+                return None, []
+            return self.scheduler.schedule()
+
+    def _guard(self, fn, *args):
+        """Run one part of a step; a failure ends the requests, never the process."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return None
 
     def step(self, plan: StepPlan) -> None:
+        """Run one whole step synchronously (tests and tools; the loop overlaps steps)."""
+        self._emit(self._collect(plan, self.executor.execute(plan)))
+
+    def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()
-        result = self.executor.execute(plan)
         sampled, logprobs = self._sample(result)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
             self._update_gauges()
-        for uid, token in sampled.items():
-            self._emit_token(uid, token, logprobs.get(uid))
-        self._finish_all(finished)
-        self.metrics.step_time.observe(time.perf_counter() - t0)
+        self.metrics.step_time.observe(time.perf_counter() - t0 + result.launch_seconds)
+        return _Pending(sampled, logprobs, finished)
+
+    def _emit(self, pending: "_Pending") -> None:
+        for uid, token in pending.sampled.items():
+            self._emit_token(uid, token, pending.logprobs.get(uid))
+        self._finish_all(pending.finished)
 
     def _sample(self, result: StepResult):
         if result.logits is None:
@@ -174,18 +210,16 @@ class Engine:
         self.metrics.generation_tokens.inc()
         is_eos = t.seq.finished and t.seq.finish_reason is FinishReason.STOP
         text = "" if is_eos else t.stop.feed(t.detok.add(token))
+        if text or logprob is not None or not t.seq.finished:
+            t.emit(StepOutput(uid, text, (token,), (logprob,) if logprob else ()))
         if t.stop.stopped and not t.seq.finished:
             with self._lock:
                 self.scheduler.finish(t.seq, FinishReason.STOP)
-        if text or logprob is not None or not t.seq.finished:
-            t.emit(StepOutput(uid, text, (token,), (logprob,) if logprob else ()))
+            self._finish(uid, FinishReason.STOP)
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for f in finished:
             self._finish(f.seq.uid, f.reason)
-        # Stop strings finish sequences outside scheduler.update; collect those too.
-        for uid in [u for u, t in list(self._tracked.items()) if t.seq.finished]:
-            self._finish(uid, self._tracked[uid].seq.finish_reason)
 
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> None:
         t = self._tracked.pop(uid, None)

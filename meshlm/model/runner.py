@@ -12,6 +12,7 @@ own shard of the model with the same plan.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -28,7 +29,8 @@ class SplitBrain(RuntimeError):
 @dataclass
 class StepResult:
     uids: list[int]  # rows of `logits`, in order
-    logits: mx.array | None  # (len(uids), vocab), float32, lazy
+    logits: mx.array | None  # (len(uids), vocab), float32, evaluating asynchronously
+    launch_seconds: float = 0.0  # host time spent building and launching the step
 
 
 class Runner:
@@ -42,6 +44,7 @@ class Runner:
 
     # -- plan application -------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
         self._remove(plan.removed)
         by_uid = {c.uid: c for c in plan.chunks}
         rows: list[tuple[list[int], mx.array]] = []
@@ -63,7 +66,8 @@ class Runner:
             return StepResult([], None)
         uids = [u for us, _ in rows for u in us]
         logits = mx.concatenate([lg for _, lg in rows], axis=0).astype(mx.float32)
-        return StepResult(uids, logits)
+        mx.async_eval(logits)
+        return StepResult(uids, logits, time.perf_counter() - t0)
 
     def _remove(self, removed: tuple[int, ...]) -> None:
         gone = set(removed)

@@ -1,0 +1,58 @@
+"""meshlm's greedy tokens equal mlx-lm's own generate on the same model directory."""
+
+from __future__ import annotations
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def mlx_lm_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
+    model, _ = load(str(path))
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n):
+        out.append(int(token))
+    return out
+
+
+def meshlm_greedy_texts(url: str, prompt_ids: list[int], n: int) -> list[int]:
+    body = httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "logprobs": 0, "ignore_eos": True}).json()
+    # Token ids are not in the OpenAI response; logprob tokens are their texts, so compare the texts.
+    return body["choices"][0]["logprobs"]["tokens"]
+
+
+def test_tiny_greedy_matches_mlx_lm(server, tiny_model):
+    from mlx_lm import load as _load
+
+    _, tok = _load(str(tiny_model))
+    for prompt in ("the quick brown fox", "a story about the sea and the sky"):
+        ids = tok.encode(prompt)
+        want = [tok.decode([t]) for t in mlx_lm_greedy(tiny_model, ids, 24)]
+        assert meshlm_greedy_texts(server.url, ids, 24) == want
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    srv = ServerProcess("demo", "--max-model-len", "2048", log_dir=tmp_path_factory.mktemp("demo-logs"))
+    yield srv
+    srv.stop()
+
+
+def test_demo_model_answers_and_matches_mlx_lm(demo_server):
+    from meshlm.model.demo import demo_model_dir
+
+    r = httpx.post(demo_server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20, "temperature": 0}).json()
+    assert "Paris" in r["choices"][0]["message"]["content"]
+    _, tok = load(str(demo_model_dir()))
+    ids = tok.encode("The three primary colors are")
+    want = [tok.decode([t]) for t in mlx_lm_greedy(demo_model_dir(), ids, 16)]
+    assert meshlm_greedy_texts(demo_server.url, ids, 16) == want
