@@ -5,11 +5,18 @@ from __future__ import annotations
 import logging
 import os
 
+from pathlib import Path
+
 import uvicorn
 
 from meshlm.api.server import create_app
 from meshlm.api.serving import Serving
+from meshlm.cache.keys import CacheSalt
+from meshlm.cache.pool import BlockPool
+from meshlm.cache.prefix import PrefixCache
+from meshlm.cache.ssd import SSDConfig, SSDTier
 from meshlm.config import ServeConfig
+from meshlm.metrics import PrefixCacheCollector
 from meshlm.engine.engine import Engine
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.parallel.local import LocalExecutor
@@ -24,20 +31,38 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_budget_tokens(config: ServeConfig, per_token: int) -> int:
-    budget = config.scheduler.kv_cache_memory or min(int(physical_memory() * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
-    return max(budget // per_token, 1)
+def kv_budget_bytes(config: ServeConfig) -> int:
+    return config.scheduler.kv_cache_memory or min(int(physical_memory() * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
+
+
+def build_prefix_cache(config: ServeConfig, loaded: LoadedModel, layout: str = "tp1", rank: int = 0):
+    """Salt, RAM pool and (unless turned off) the SSD tier for this rank; None when disabled."""
+    c = config.cache
+    if not c.enabled:
+        return None
+    salt = CacheSalt(loaded.fingerprint, loaded.dtype, layout, c.block_size)
+    ssd = None
+    if c.ssd:
+        ssd_config = SSDConfig(Path(c.cache_dir).expanduser(), int(c.ssd_cache_gb * 2**30), c.ssd_ttl_days)
+        ssd = SSDTier(ssd_config, salt, rank)
+    return PrefixCache(salt, BlockPool(kv_budget_bytes(config)), ssd)
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel) -> Engine:
-    executor = LocalExecutor(loaded.model)
+    prefix = build_prefix_cache(config, loaded)
+    budget = kv_budget_bytes(config)
+    executor = LocalExecutor(loaded.model, prefix, budget)
     per_token = executor.kv_bytes_per_token()
-    kv_tokens = kv_budget_tokens(config, per_token)
+    kv_tokens = max(budget // per_token, 1)
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
     if max_len < 2:
         raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
     log.info("KV budget: %d tokens (%d bytes/token); max model len %d", kv_tokens, per_token, max_len)
-    return Engine(executor, loaded.tokenizer, config.scheduler, max_len, kv_tokens, loaded.eos_token_ids)
+    engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, kv_tokens, loaded.eos_token_ids,
+                    prefix=prefix)
+    if prefix is not None:
+        engine.metrics.registry.register(PrefixCacheCollector(prefix))
+    return engine
 
 
 def serve(config: ServeConfig) -> None:

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import DTYPES, ModelConfig, SchedulerConfig, ServeConfig, ServerConfig
+from meshlm.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, ServeConfig, ServerConfig
 
 log = logging.getLogger("meshlm")
 
@@ -38,6 +38,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 4GB")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per prefix-cache block")
+    p.add_argument("--kv-cache-dir", default="~/.cache/meshlm/kv", help="root of the SSD tier")
+    p.add_argument("--ssd-cache-gb", type=float, default=20.0)
+    p.add_argument("--ssd-ttl-days", type=float, default=7.0)
+    p.add_argument("--no-ssd-cache", action="store_true", help="keep prefix blocks in RAM only")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -66,6 +72,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
+        cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
+                          args.ssd_cache_gb, args.ssd_ttl_days),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level),
     )
 

@@ -43,6 +43,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """Prefix cache: RAM block pool (shares --kv-cache-memory with running sequences) and SSD tier."""
+
+    enabled: bool = True
+    block_size: int = 16
+    ssd: bool = True
+    cache_dir: str = "~/.cache/meshlm/kv"
+    ssd_cache_gb: float = 20.0
+    ssd_ttl_days: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.ssd_cache_gb <= 0 or self.ssd_ttl_days <= 0:
+            raise ValueError("ssd_cache_gb and ssd_ttl_days must be positive")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -58,4 +76,5 @@ class ServerConfig:
 class ServeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

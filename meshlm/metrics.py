@@ -24,3 +24,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """Reads prefix-cache counters at scrape time (the cache itself stays free of Prometheus)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.cache
+        hits = CounterMetricFamily("meshlm_prefix_cache_hits", "Blocks found, by tier", labels=["tier"])
+        hits.add_metric(["ram"], c.stats.hits_ram)
+        hits.add_metric(["ssd"], c.stats.hits_ssd)
+        yield hits
+        yield CounterMetricFamily("meshlm_prefix_cache_misses", "Lookups with no cached block", value=c.stats.misses)
+        ev = CounterMetricFamily("meshlm_prefix_cache_evictions", "Blocks evicted, by tier", labels=["tier"])
+        ev.add_metric(["ram"], c.pool.evictions)
+        ev.add_metric(["ssd"], c.ssd.evictions if c.ssd else 0)
+        yield ev
+        size = GaugeMetricFamily("meshlm_prefix_cache_bytes", "Bytes held, by tier", labels=["tier"])
+        size.add_metric(["ram"], c.pool.nbytes)
+        size.add_metric(["ssd"], c.ssd.nbytes if c.ssd else 0)
+        yield size
+        yield CounterMetricFamily("meshlm_prefix_cache_ssd_dropped", "SSD block files rejected as torn, garbled or foreign",
+                                  value=c.ssd.dropped if c.ssd else 0)

@@ -18,7 +18,7 @@ from meshlm.config import SchedulerConfig
 from meshlm.engine.detokenizer import IncrementalDetokenizer
 from meshlm.engine.plan import StepPlan
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
-from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+from meshlm.engine.scheduler import Finished, PrefixIndex, QueueFull, Scheduler
 from meshlm.engine.stop import StopMatcher
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
@@ -77,12 +77,13 @@ class Engine:
         kv_budget_tokens: int,
         eos_token_ids: frozenset[int],
         metrics: Metrics | None = None,
+        prefix: PrefixIndex | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.metrics = metrics or Metrics()
-        self.scheduler = Scheduler(config, kv_budget_tokens, max_model_len, eos_token_ids)
+        self.scheduler = Scheduler(config, kv_budget_tokens, max_model_len, eos_token_ids, prefix)
         self._tracked: dict[int, _Tracked] = {}
         self._uids = itertools.count()
         self._lock = threading.Lock()

@@ -18,8 +18,9 @@ from meshlm.engine.request import SamplingParams
 @dataclass(frozen=True)
 class NewSequence:
     uid: int
-    cached_len: int  # tokens already in KV (prefix cache hit); the first chunk starts here
+    cached_len: int  # tokens restored from the prefix cache; the first chunk starts here
     params: SamplingParams
+    prefix_ids: tuple[int, ...] = ()  # the cached tokens themselves, so every rank derives the block keys
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,17 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshlm.config import SchedulerConfig
 from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
 from meshlm.engine.request import FinishReason, Sequence, SeqStatus
+
+
+class PrefixIndex(Protocol):
+    """What the scheduler needs of the prefix cache: counts, never arrays."""
+
+    def match(self, token_ids: list[int]) -> int: ...
 
 
 class QueueFull(Exception):
@@ -38,7 +45,9 @@ class Scheduler:
         kv_budget_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        prefix: PrefixIndex | None = None,
     ) -> None:
+        self.prefix = prefix
         self.config = config
         self.kv_budget_tokens = kv_budget_tokens
         self.max_model_len = max_model_len
@@ -116,9 +125,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            ids = seq.all_ids
+            if self.prefix is not None:
+                # The last token is always computed: its logits give the next token.
+                seq.num_cached_tokens = self.prefix.match(ids[: len(ids) - 1])
             seq.num_computed_tokens = seq.num_cached_tokens
             self.running.append(seq)
-            new.append(NewSequence(seq.uid, seq.num_cached_tokens, seq.params))
+            prefix_ids = tuple(ids[: seq.num_cached_tokens])
+            new.append(NewSequence(seq.uid, seq.num_cached_tokens, seq.params, prefix_ids))
             want = min(seq.remaining, budget)
             chunks.append(_chunk(seq, want))
             budget -= want

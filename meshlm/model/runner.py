@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from meshlm.engine.plan import Chunk, StepPlan, batch_fingerprint
+from meshlm.cache.prefix import PrefixCache
+from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
 
 
 class SplitBrain(RuntimeError):
@@ -34,8 +35,10 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
+        self.tokens: dict[int, list[int]] = {}  # token ids whose KV each sequence holds
         self.num_layers = len(model.layers)
         self.decode_uids: list[int] = []
         self.decode_cache: list[BatchKVCache] | None = None
@@ -46,6 +49,8 @@ class Runner:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self._remove(plan.removed)
+        for new in plan.new:
+            self._admit(new)
         by_uid = {c.uid: c for c in plan.chunks}
         rows: list[tuple[list[int], mx.array]] = []
         if self.decode_uids:
@@ -56,10 +61,11 @@ class Runner:
             if logits is not None:
                 rows.append((uids, logits))
                 joiners.append((uids, caches))
-        for uids, caches in joiners:
-            self._join(uids, caches)
         for c in plan.chunks:
             self.lengths[c.uid] = c.start + len(c.token_ids)
+            self.tokens[c.uid] = self.tokens.get(c.uid, [])[: c.start] + list(c.token_ids)
+        for uids, caches in joiners:
+            self._join(uids, caches)
         if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
         if not rows:
@@ -69,21 +75,36 @@ class Runner:
         mx.async_eval(logits)
         return StepResult(uids, logits, time.perf_counter() - t0)
 
+    def _admit(self, new: NewSequence) -> None:
+        if not new.prefix_ids:
+            return
+        if self.prefix_cache is None:
+            raise SplitBrain(f"sequence {new.uid} has a cached prefix but this rank has no prefix cache")
+        cache = [KVCache() for _ in range(self.num_layers)]
+        for c, (k, v) in zip(cache, self.prefix_cache.restore(list(new.prefix_ids))):
+            c.state = (k, v, k.shape[2])
+        self.prefill_caches[new.uid] = cache
+        self.tokens[new.uid] = list(new.prefix_ids)
+        self.lengths[new.uid] = len(new.prefix_ids)
+
     def _remove(self, removed: tuple[int, ...]) -> None:
         gone = set(removed)
+        keep = [i for i, u in enumerate(self.decode_uids) if u not in gone]
+        if len(keep) < len(self.decode_uids):
+            for i, uid in enumerate(self.decode_uids):
+                if uid in gone:
+                    self._store(uid, [c.extract(i) for c in self.decode_cache])
+            self.decode_uids = [self.decode_uids[i] for i in keep]
+            if keep:
+                idx = mx.array(keep)
+                for c in self.decode_cache:
+                    c.filter(idx)
+            else:
+                self.decode_cache = None
         for uid in gone:
             self.prefill_caches.pop(uid, None)
             self.lengths.pop(uid, None)
-        if not gone & set(self.decode_uids):
-            return
-        keep = [i for i, u in enumerate(self.decode_uids) if u not in gone]
-        self.decode_uids = [self.decode_uids[i] for i in keep]
-        if not keep:
-            self.decode_cache = None
-            return
-        idx = mx.array(keep)
-        for c in self.decode_cache:
-            c.filter(idx)
+            self.tokens.pop(uid, None)
 
     def _decode(self, by_uid: dict[int, Chunk]) -> mx.array:
         missing = [u for u in self.decode_uids if u not in by_uid]
@@ -121,13 +142,26 @@ class Runner:
 
     def _join(self, uids: list[int], caches) -> None:
         if not isinstance(caches[0], BatchKVCache):
+            self._store(uids[0], caches)
             caches = [BatchKVCache.merge([c]) for c in caches]
+        else:
+            for i, uid in enumerate(uids):
+                self._store(uid, [c.extract(i) for c in caches])
         if self.decode_cache is None:
             self.decode_cache = caches
         else:
             for mine, theirs in zip(self.decode_cache, caches):
                 mine.extend(theirs)
         self.decode_uids.extend(uids)
+
+    def _store(self, uid: int, cache: list[KVCache]) -> None:
+        """Give a sequence's full blocks to the prefix cache (write-through after prefill, and at exit)."""
+        if self.prefix_cache is None:
+            return
+        n = min(self.lengths.get(uid, 0), cache[0].offset)
+        ids = self.tokens.get(uid, [])[:n]
+        if len(ids) >= self.prefix_cache.block_size:
+            self.prefix_cache.store(ids, [(c.keys, c.values) for c in cache])
 
     # -- introspection ----------------------------------------------------
     @property

@@ -25,7 +25,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(self.port),
+               "--kv-cache-dir", str(log_dir / "kv"), *args]
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=env)
         self._wait_ready()

@@ -1,0 +1,41 @@
+"""Block keys: a block of `block_size` tokens is named by hash(parent key, its token ids).
+
+The chain starts from a salt of everything that changes what a block's KV
+means: the model fingerprint, the KV dtype, the block size and the parallel
+layout (tp/pp/cp sizes). The rank is deliberately not in the salt: keys are
+identical on every rank by construction, each rank storing its own shard of
+the block's KV (the rank only names the SSD directory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class CacheSalt:
+    model_fingerprint: str
+    kv_dtype: str
+    layout: str  # e.g. "tp1", "tp2"
+    block_size: int
+
+    def root(self) -> bytes:
+        text = f"meshlm-kv/1|{self.model_fingerprint}|{self.kv_dtype}|{self.layout}|{self.block_size}"
+        return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def block_keys(token_ids: list[int], salt: CacheSalt) -> list[bytes]:
+    """Keys of every full block of `token_ids`, in order (a partial tail has none)."""
+    bs = salt.block_size
+    parent = salt.root()
+    keys = []
+    for start in range(0, len(token_ids) - bs + 1, bs):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(array("q", token_ids[start : start + bs]).tobytes())
+        parent = h.digest()
+        keys.append(parent)
+    return keys
