@@ -60,6 +60,46 @@ class CacheConfig:
             raise ValueError("ssd_cache_gb and ssd_ttl_days must be positive")
 
 
+BACKENDS = ("ring", "jaccl", "mpi")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks, how they find each other, and every deadline."""
+
+    tensor_parallel: int = 1
+    backend: str = "ring"
+    hostfile: str | None = None  # mlx.launch format; None with tensor_parallel > 1: spawn local ranks
+    rank: int = 0
+    control_addr: str | None = None  # leader's host:port for StepPlans; None: derived
+    step_timeout: float = 60.0  # a forward outliving this is ended by the watchdog
+    worker_timeout: float = 5.0  # a worker hearing nothing (not even a heartbeat) this long exits
+    heartbeat_interval: float = 0.5
+    ibv_devices: str | None = None  # jaccl: MLX_IBV_DEVICES
+    jaccl_coordinator: str | None = None  # jaccl: MLX_JACCL_COORDINATOR host:port
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError("--tensor-parallel must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {BACKENDS}")
+        if not 0 <= self.rank < self.tensor_parallel:
+            raise ValueError(f"rank {self.rank} outside 0..{self.tensor_parallel - 1}")
+        if self.backend == "jaccl" and self.tensor_parallel > 1 and not (self.ibv_devices and self.jaccl_coordinator):
+            raise ValueError("the jaccl backend needs --ibv-devices (MLX_IBV_DEVICES) and --jaccl-coordinator "
+                             "(MLX_JACCL_COORDINATOR host:port); see docs/DISTRIBUTED.md")
+        if self.heartbeat_interval >= self.worker_timeout:
+            raise ValueError("heartbeat interval must be shorter than the worker timeout")
+
+    @property
+    def distributed(self) -> bool:
+        return self.tensor_parallel > 1
+
+    @property
+    def layout(self) -> str:
+        return f"tp{self.tensor_parallel}"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -77,4 +117,5 @@ class ServeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

@@ -106,10 +106,11 @@ class Engine:
         with self._wake:
             uid = next(self._uids)
             seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
-            self.scheduler.add(seq)  # may raise QueueFull
-            self._tracked[uid] = _Tracked(
+            tracked = _Tracked(
                 seq, SeqSampling.create(params), IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit
             )
+            self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
+            self._tracked[uid] = tracked
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self._wake.notify()
         return uid

@@ -51,6 +51,7 @@ class Runner:
         self._remove(plan.removed)
         for new in plan.new:
             self._admit(new)
+        self._check_continuity(plan)
         by_uid = {c.uid: c for c in plan.chunks}
         rows: list[tuple[list[int], mx.array]] = []
         if self.decode_uids:
@@ -74,6 +75,13 @@ class Runner:
         logits = mx.concatenate([lg for _, lg in rows], axis=0).astype(mx.float32)
         mx.async_eval(logits)
         return StepResult(uids, logits, time.perf_counter() - t0)
+
+    def _check_continuity(self, plan: StepPlan) -> None:
+        """Every chunk must start where this rank's KV ends: a rank that missed or replayed a step stops here."""
+        for c in plan.chunks:
+            held = self.lengths.get(c.uid, 0)
+            if c.start != held:
+                raise SplitBrain(f"step {plan.step_id}: uid {c.uid} chunk starts at {c.start}, this rank holds {held}")
 
     def _admit(self, new: NewSequence) -> None:
         if not new.prefix_ids:

@@ -24,7 +24,8 @@ class SeqSampling:
 
     @classmethod
     def create(cls, params: SamplingParams) -> "SeqSampling":
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        # Any integer is a valid OpenAI seed; MLX keys take an unsigned 64-bit value.
+        seed = params.seed % 2**64 if params.seed is not None else random.getrandbits(63)
         return cls(params, mx.random.key(seed))
 
     def next_key(self) -> mx.array:

@@ -1,0 +1,703 @@
+"""Leader -> worker control channel for tensor parallelism (pure Python, no MLX).
+
+One plain TCP connection per worker, framed by `codec`. Plain sockets rather
+than pyzmq because a dead peer must be *noticed*: the kernel closes a killed
+process's socket, so the leader reads EOF at once, while zmq reconnects
+silently and can drop or replay messages across a reconnect, which would break
+the sequence-number invariant. Every wait below has a deadline.
+
+Protocol:
+  1. Each worker connects (retrying until its deadline) and sends HELLO
+     (rank, world size, model fingerprint).
+  2. Once every rank 1..N-1 has said HELLO and all fingerprints match, the
+     leader sends WELCOME to all. Any mismatch: REJECT(reason) to everyone and
+     `HandshakeError` on both sides.
+  3. The leader broadcasts PLAN frames (identical bytes to every worker, so
+     leader->worker sequence numbers agree across ranks), HEARTBEAT when idle,
+     SHUTDOWN at the end.
+  4. After applying a plan a worker sends ACK(step_id, its batch fingerprint,
+     error). Acks come back in plan order; the leader may collect them late
+     (pipelining) but checks every one.
+
+Failures surface as `ControlError` subclasses: `HandshakeError`,
+`ProtocolError`, `WorkerLost`, `WorkerFailed`, `SplitBrain` (leader side) and
+`LeaderLost` (worker side).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from types import TracebackType
+
+from meshlm.engine.plan import StepPlan
+from meshlm.parallel.codec import (
+    DEFAULT_MAX_PAYLOAD,
+    LEADER_KINDS,
+    WORKER_KINDS,
+    Ack,
+    ControlError,
+    Frame,
+    FrameDecoder,
+    Hello,
+    Kind,
+    ProtocolError,
+    Welcome,
+    decode_ack,
+    decode_empty,
+    decode_hello,
+    decode_plan,
+    decode_reason,
+    decode_welcome,
+    encode_ack,
+    encode_frame,
+    encode_hello,
+    encode_plan,
+    encode_reason,
+    encode_welcome,
+)
+
+__all__ = [
+    "Ack",
+    "ControlError",
+    "ControlLeader",
+    "ControlWorker",
+    "HandshakeError",
+    "LeaderLost",
+    "ProtocolError",
+    "SplitBrain",
+    "WorkerFailed",
+    "WorkerLost",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 10.0
+_RECV_BYTES = 1 << 20
+
+
+class HandshakeError(ControlError):
+    """The cluster could not form: missing ranks, mismatched model, bad rank numbering, or rejected."""
+
+
+class LeaderLost(ControlError):
+    """Worker side: the leader closed the connection or went silent past the timeout."""
+
+
+class WorkerLost(ControlError):
+    """Leader side: a worker's connection closed, failed, or it missed a deadline."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"worker rank {rank} lost: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+class WorkerFailed(ControlError):
+    """A worker reported that it could not apply a plan (the error text comes from its ACK)."""
+
+    def __init__(self, rank: int, step_id: int, error: str) -> None:
+        super().__init__(f"worker rank {rank} failed step {step_id}: {error}")
+        self.rank, self.step_id, self.error = rank, step_id, error
+
+
+class SplitBrain(ControlError):
+    """A worker's batch fingerprint after a step differs from the leader's: ranks diverged."""
+
+    def __init__(self, rank: int, step_id: int, expected: int, actual: int) -> None:
+        super().__init__(
+            f"split brain at step {step_id}: rank {rank} batch fingerprint {actual:#018x}, leader expects {expected:#018x}"
+        )
+        self.rank, self.step_id, self.expected, self.actual = rank, step_id, expected, actual
+
+
+class _Closed(Exception):
+    """Internal: the peer closed the connection or the socket failed."""
+
+
+class _TimedOut(Exception):
+    """Internal: a deadline passed."""
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _set_opt(sock: socket.socket, level: int, name: str, value: int) -> None:
+    """Set a platform-specific TCP option when this OS has it (Linux and macOS name them differently)."""
+    opt = getattr(socket, name, None)
+    if opt is None:
+        return
+    try:
+        sock.setsockopt(level, opt, value)
+    except OSError:
+        pass
+
+
+def _tune(sock: socket.socket, liveness: float) -> None:
+    """Low latency for small frames; let the kernel give up on a vanished host (no FIN) within `liveness`."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(liveness / 2))
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPIDLE", idle)  # Linux
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPALIVE", idle)  # macOS
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1)
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPCNT", max(1, int(liveness / 2)))
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(liveness * 1000))  # Linux: unacked sends fail
+
+
+class _Link:
+    """One TCP connection: buffered frame decoding, inbound sequence check, deadline-bounded I/O."""
+
+    def __init__(self, sock: socket.socket, accepts: frozenset[Kind], max_payload: int) -> None:
+        self.sock = sock
+        self.accepts = accepts
+        self.decoder = FrameDecoder(max_payload)
+        self.next_seq = 0  # next sequence number expected from the peer
+        self.closed = False
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
+        except OSError:
+            self.peer = "?"
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, data: bytes, timeout: float) -> None:
+        if self.closed:
+            raise _Closed("connection already closed")
+        try:
+            self.sock.settimeout(max(timeout, 1e-3))
+            self.sock.sendall(data)
+        except socket.timeout:
+            raise _Closed(f"send blocked for {timeout:.1f} s (peer not reading)") from None
+        except OSError as e:
+            raise _Closed(f"send failed: {e}") from None
+
+    def read_available(self) -> None:
+        """Read what the socket holds now (call only when it polled readable)."""
+        try:
+            self.sock.settimeout(0.0)
+            data = self.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            raise _Closed(f"receive failed: {e}") from None
+        if not data:
+            raise _Closed("connection closed by peer")
+        self.decoder.feed(data)
+
+    def next_frame(self) -> Frame | None:
+        """A whole buffered frame, checked for kind and sequence, or None."""
+        frame = self.decoder.next_frame()
+        if frame is None:
+            return None
+        if frame.kind not in self.accepts:
+            raise ProtocolError(f"unexpected {frame.kind.name} frame from {self.peer}")
+        if frame.seq != self.next_seq:
+            what = "gap (frames lost)" if frame.seq > self.next_seq else "duplicate or replayed frame"
+            raise ProtocolError(f"sequence {frame.seq} from {self.peer}, expected {self.next_seq}: {what}")
+        self.next_seq += 1
+        return frame
+
+    def recv(self, deadline: float) -> Frame:
+        """Block until one whole frame arrives; `_TimedOut` at the deadline, `_Closed` on EOF."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            while (frame := self.next_frame()) is None:
+                if not sel.select(_remaining(deadline)) and _remaining(deadline) == 0:
+                    raise _TimedOut()
+                self.read_available()
+        return frame
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+
+def _wait_readable(links: Iterable[_Link], deadline: float) -> list[_Link]:
+    """Links with bytes (or EOF) to read, waiting at most until `deadline` (0 = just poll)."""
+    with selectors.DefaultSelector() as sel:
+        for link in links:
+            sel.register(link.sock, selectors.EVENT_READ, link)
+        return [key.data for key, _ in sel.select(_remaining(deadline))]
+
+
+# -- leader -------------------------------------------------------------------------
+
+
+class ControlLeader:
+    """Rank 0's end: admits the workers, broadcasts plans, collects acks, notices dead workers.
+
+    Thread-safe (one lock), so a helper thread may call `maybe_heartbeat` while
+    the engine thread broadcasts. After any `ControlError` the cluster is
+    unusable: call `shutdown()` (best effort to the survivors) and start over.
+    """
+
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        world_size: int = 2,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        fingerprint: str | None = None,
+        heartbeat_interval: float = 1.0,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers`.
+
+        `fingerprint`: the leader's model fingerprint; every worker must match it.
+        None: workers must only agree with each other. `timeout` bounds the
+        handshake, every ack wait and every send unless a call passes its own.
+        """
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.fingerprint = fingerprint
+        self.heartbeat_interval = heartbeat_interval
+        self.max_payload = max_payload
+        self._listener = socket.create_server((bind_host, port), backlog=world_size + 8)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._links: dict[int, _Link] = {}  # rank -> link, once admitted
+        self._pending: dict[int, collections.deque[tuple[int, int]]] = {}  # rank -> (step_id, fingerprint) unacked
+        self._seq = 0  # leader -> worker sequence number, shared by every link
+        self._last_step = -1
+        self._last_send = time.monotonic()
+        self._lock = threading.RLock()
+        self._dropped: list[str] = []  # why stray connections were refused during the handshake
+
+    # -- handshake ------------------------------------------------------------------
+
+    def wait_for_workers(self, timeout: float | None = None) -> dict[int, Hello]:
+        """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        hellos: dict[int, Hello] = {}
+        with self._lock, selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            try:
+                while len(hellos) < self.world_size - 1:
+                    self._handshake_round(sel, hellos, deadline)
+                self._send_all(Kind.WELCOME, encode_welcome(Welcome(self.world_size, self._expected_fingerprint(hellos))))
+            except BaseException as e:
+                self._abort(sel, f"cluster start aborted: {e}")
+                raise
+            finally:
+                self._close_unadmitted(sel)
+        self._listener.close()  # a static world: late or extra workers must not get in
+        return hellos
+
+    def _handshake_round(self, sel: selectors.BaseSelector, hellos: dict[int, Hello], deadline: float) -> None:
+        if _remaining(deadline) == 0:
+            raise HandshakeError(self._missing_message(hellos))
+        for key, _ in sel.select(_remaining(deadline)):
+            if key.fileobj is self._listener:
+                self._accept(sel)
+            else:
+                self._read_hello(sel, key.data, hellos)
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        _tune(sock, max(self.timeout, 5.0))
+        sel.register(sock, selectors.EVENT_READ, _Link(sock, WORKER_KINDS, self.max_payload))
+
+    def _read_hello(self, sel: selectors.BaseSelector, link: _Link, hellos: dict[int, Hello]) -> None:
+        try:
+            link.read_available()
+            frame = link.next_frame()
+            if frame is None:
+                return
+            if frame.kind is not Kind.HELLO:
+                raise ProtocolError(f"first frame was {frame.kind.name}, expected HELLO")
+            hello = decode_hello(frame.payload)
+        except (ProtocolError, _Closed) as e:
+            # A stray client (port scan, wrong service) must not abort the cluster: drop it, remember why.
+            self._dropped.append(f"{link.peer}: {e}")
+            log.warning("control: dropped connection from %s during handshake: %s", link.peer, e)
+            self._reject(link, str(e))
+            sel.unregister(link.sock)
+            return
+        self._check_hello(hello, hellos, link)
+        sel.unregister(link.sock)
+        hellos[hello.rank] = hello
+        self._links[hello.rank] = link
+        self._pending[hello.rank] = collections.deque()
+
+    def _check_hello(self, hello: Hello, hellos: dict[int, Hello], link: _Link) -> None:
+        """A HELLO from a real meshlm worker that does not fit is a configuration error: abort loudly."""
+        problem = self._hello_problem(hello, hellos)
+        if problem:
+            self._reject(link, problem)
+            raise HandshakeError(problem)
+
+    def _hello_problem(self, hello: Hello, hellos: dict[int, Hello]) -> str | None:
+        r = hello.rank
+        if hello.world_size != self.world_size:
+            return f"rank {r} was started with world size {hello.world_size}, the leader with {self.world_size}"
+        if not 1 <= r < self.world_size:
+            return f"worker claims rank {r}; worker ranks are 1..{self.world_size - 1}"
+        if r in hellos:
+            return f"two workers claim rank {r}"
+        expected = self._expected_fingerprint(hellos)
+        if expected is not None and hello.fingerprint != expected:
+            source = "the leader's" if self.fingerprint is not None else f"rank {min(hellos)}'s"
+            return (
+                f"rank {r} loaded model fingerprint {hello.fingerprint!r} but {source} is {expected!r}: "
+                "every rank must load the same model revision"
+            )
+        return None
+
+    def _expected_fingerprint(self, hellos: dict[int, Hello]) -> str | None:
+        if self.fingerprint is not None:
+            return self.fingerprint
+        return hellos[min(hellos)].fingerprint if hellos else None
+
+    def _missing_message(self, hellos: dict[int, Hello]) -> str:
+        missing = [r for r in range(1, self.world_size) if r not in hellos]
+        msg = f"timed out waiting for workers on port {self.port}: missing ranks {missing}"
+        if self._dropped:
+            msg += f"; refused connections: {'; '.join(self._dropped)}"
+        return msg
+
+    def _reject(self, link: _Link, reason: str) -> None:
+        try:
+            link.send(encode_frame(Kind.REJECT, 0, encode_reason(reason)), timeout=1.0)
+        except _Closed:
+            pass
+        link.close()
+
+    def _abort(self, sel: selectors.BaseSelector, reason: str) -> None:
+        """Tell admitted workers why the cluster will not start, then close everything."""
+        for link in self._links.values():
+            self._reject(link, reason)
+        self._links.clear()
+        self._pending.clear()
+        self._listener.close()
+
+    def _close_unadmitted(self, sel: selectors.BaseSelector) -> None:
+        for key in list(sel.get_map().values()):
+            if isinstance(key.data, _Link):
+                key.data.close()
+
+    # -- steady state ---------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._links)
+
+    def broadcast(self, plan: StepPlan) -> int:
+        """Send `plan` to every worker; returns its sequence number. Step ids must increase."""
+        with self._lock:
+            if plan.step_id <= self._last_step:
+                raise ValueError(f"step {plan.step_id} broadcast after step {self._last_step}; step ids must increase")
+            seq = self._send_all(Kind.PLAN, encode_plan(plan))
+            self._last_step = plan.step_id
+            for pending in self._pending.values():
+                pending.append((plan.step_id, plan.fingerprint))
+            return seq
+
+    def heartbeat(self) -> None:
+        """Tell idle workers the leader is alive; first notice any worker that died meanwhile."""
+        with self._lock:
+            self.check_workers()
+            self._send_all(Kind.HEARTBEAT, b"")
+
+    def maybe_heartbeat(self) -> bool:
+        """Call often from an idle loop: checks liveness, sends a heartbeat when one is due."""
+        with self._lock:
+            self.check_workers()
+            if time.monotonic() - self._last_send < self.heartbeat_interval:
+                return False
+            self._send_all(Kind.HEARTBEAT, b"")
+            return True
+
+    def check_workers(self) -> None:
+        """Non-blocking: raise WorkerLost for a worker whose connection closed (e.g. process killed)."""
+        with self._lock:
+            for link in _wait_readable(self._live_links(), deadline=0):
+                self._read(self._rank_of(link), link)
+
+    def collect_acks(self, step_id: int, timeout: float | None = None) -> dict[int, Ack]:
+        """Wait for every worker's ACK up to `step_id`, checking each (also earlier, uncollected ones).
+
+        Raises WorkerLost (closed, or no ack by the deadline), WorkerFailed
+        (the worker reported an error), SplitBrain (fingerprint differs from the
+        plan's; plans with fingerprint 0 are not checked) or ProtocolError.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._lock:
+            self._check_outstanding(step_id)
+            acks: dict[int, Ack] = {}
+            waiting = set(self._links)
+            while True:
+                self._take_acks(waiting, step_id, acks)
+                if not waiting:
+                    return acks
+                self._wait_for(waiting, step_id, deadline)
+
+    def _check_outstanding(self, step_id: int) -> None:
+        if self._links and not any(s == step_id for p in self._pending.values() for s, _ in p):
+            raise ValueError(f"no outstanding acks for step {step_id}")
+
+    def _take_acks(self, waiting: set[int], step_id: int, acks: dict[int, Ack]) -> None:
+        for rank in sorted(waiting):
+            while (frame := self._frame(rank)) is not None:
+                ack = self._check_ack(rank, frame)
+                if ack.step_id == step_id:
+                    acks[rank] = ack
+                    waiting.discard(rank)
+                    break
+
+    def _check_ack(self, rank: int, frame: Frame) -> Ack:
+        if frame.kind is not Kind.ACK:
+            raise ProtocolError(f"rank {rank} sent {frame.kind.name} after the handshake")
+        ack = _decode_from(rank, decode_ack, frame.payload)
+        if not self._pending[rank]:
+            raise ProtocolError(f"rank {rank} acked step {ack.step_id}, but no plan is outstanding")
+        step_id, fingerprint = self._pending[rank].popleft()
+        if ack.step_id != step_id:
+            raise ProtocolError(f"rank {rank} acked step {ack.step_id}, expected step {step_id}")
+        if ack.error:
+            raise WorkerFailed(rank, step_id, ack.error)
+        if fingerprint and ack.fingerprint != fingerprint:
+            raise SplitBrain(rank, step_id, fingerprint, ack.fingerprint)
+        return ack
+
+    def _frame(self, rank: int) -> Frame | None:
+        try:
+            return self._links[rank].next_frame()
+        except ProtocolError as e:
+            raise ProtocolError(f"rank {rank}: {e}") from None
+
+    def _wait_for(self, waiting: set[int], step_id: int, deadline: float) -> None:
+        links = [self._links[r] for r in sorted(waiting)]
+        ready = _wait_readable(links, deadline)
+        if not ready and _remaining(deadline) == 0:
+            others = sorted(waiting)[1:]
+            extra = f" (also missing: ranks {others})" if others else ""
+            first = min(waiting)
+            self._lose(first)
+            raise WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}")
+        for link in ready:
+            self._read(self._rank_of(link), link)
+
+    def _read(self, rank: int, link: _Link) -> None:
+        try:
+            link.read_available()
+        except _Closed as e:
+            self._lose(rank)
+            raise WorkerLost(rank, f"{e} ({link.peer}; process died or host unreachable)") from None
+
+    def _send_all(self, kind: Kind, payload: bytes) -> int:
+        """One encoding, the same bytes (and sequence number) to every live worker."""
+        seq = self._seq
+        data = encode_frame(kind, seq, payload, max_payload=self.max_payload)
+        self._seq += 1
+        self._last_send = time.monotonic()
+        for rank in sorted(self._links):
+            link = self._links[rank]
+            if link.closed:
+                continue
+            try:
+                link.send(data, self.timeout)
+            except _Closed as e:
+                self._lose(rank)
+                raise WorkerLost(rank, f"{e} ({link.peer})") from None
+        return seq
+
+    def _live_links(self) -> list[_Link]:
+        return [link for link in self._links.values() if not link.closed]
+
+    def _rank_of(self, link: _Link) -> int:
+        return next(r for r, lk in self._links.items() if lk is link)
+
+    def _lose(self, rank: int) -> None:
+        self._links[rank].close()
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def shutdown(self, reason: str = "leader shutting down", linger: float = 2.0) -> None:
+        """Best effort: SHUTDOWN to every live worker, wait up to `linger` s for them to hang up, close."""
+        with self._lock:
+            frame = encode_frame(Kind.SHUTDOWN, self._seq, encode_reason(reason))
+            self._seq += 1
+            for link in self._live_links():
+                self._send_quietly(link, frame)
+            self._drain_until_closed(time.monotonic() + linger)
+            self.close()
+
+    def _send_quietly(self, link: _Link, data: bytes) -> None:
+        try:
+            link.send(data, timeout=1.0)
+            link.sock.shutdown(socket.SHUT_WR)
+        except (_Closed, OSError):
+            link.close()
+
+    def _drain_until_closed(self, deadline: float) -> None:
+        # Closing with unread bytes would send RST, which can destroy the SHUTDOWN frame in flight.
+        while (live := self._live_links()) and _remaining(deadline) > 0:
+            for link in _wait_readable(live, deadline):
+                try:
+                    link.read_available()
+                    link.decoder = FrameDecoder(self.max_payload)  # late acks no longer matter
+                except _Closed:
+                    link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for link in self._links.values():
+                link.close()
+            self._listener.close()
+
+    def __enter__(self) -> ControlLeader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.shutdown(reason=f"leader stopped: {exc}" if exc else "leader shutting down")
+
+
+def _decode_from(rank: int, decode, payload: bytes):  # type: ignore[no-untyped-def]
+    try:
+        return decode(payload)
+    except ProtocolError as e:
+        raise ProtocolError(f"rank {rank}: {e}") from None
+
+
+# -- worker -----------------------------------------------------------------------------
+
+
+class ControlWorker:
+    """A worker rank's end: connect and say HELLO, then receive plans in order and ACK them.
+
+    Loop:  while (plan := w.next_plan()) is not None: apply(plan); w.ack(plan.step_id, fp)
+    """
+
+    def __init__(
+        self,
+        leader_host: str,
+        port: int,
+        rank: int,
+        fingerprint: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        world_size: int,
+        connect_timeout: float | None = None,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        """`timeout`: longest silence from the leader (heartbeats included) before LeaderLost.
+        `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME;
+        make it at least the leader's handshake timeout."""
+        if not 1 <= rank < world_size:
+            raise ValueError(f"worker rank must be in 1..{world_size - 1}, got {rank}")
+        self.leader_host, self.port = leader_host, port
+        self.rank, self.world_size, self.fingerprint = rank, world_size, fingerprint
+        self.timeout = timeout
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self.max_payload = max_payload
+        self._link: _Link | None = None
+        self._seq = 0  # worker -> leader sequence number
+
+    def connect(self) -> Welcome:
+        """Connect (retrying until the deadline), send HELLO, wait for WELCOME. Raises HandshakeError."""
+        deadline = time.monotonic() + self.connect_timeout
+        self._link = _Link(self._dial(deadline), LEADER_KINDS, self.max_payload)
+        try:
+            self._send(Kind.HELLO, encode_hello(Hello(self.rank, self.world_size, self.fingerprint)))
+            welcome = self._await_welcome(deadline)
+        except BaseException:
+            self.close()
+            raise
+        if welcome.world_size != self.world_size:
+            self.close()
+            raise HandshakeError(f"leader runs world size {welcome.world_size}, this rank expects {self.world_size}")
+        return welcome
+
+    def _dial(self, deadline: float) -> socket.socket:
+        delay, last = 0.02, "no attempt made"
+        while True:
+            try:
+                sock = socket.create_connection((self.leader_host, self.port), timeout=max(_remaining(deadline), 0.05))
+                _tune(sock, max(self.timeout, 5.0))
+                return sock
+            except OSError as e:
+                last = str(e)
+            if _remaining(deadline) == 0:
+                raise HandshakeError(f"could not reach the leader at {self.leader_host}:{self.port}: {last}")
+            time.sleep(min(delay, _remaining(deadline)))
+            delay = min(delay * 2, 0.5)
+
+    def _await_welcome(self, deadline: float) -> Welcome:
+        try:
+            frame = self._link_or_raise().recv(deadline)
+        except _TimedOut:
+            raise HandshakeError(f"rank {self.rank}: no WELCOME from the leader before the deadline") from None
+        except _Closed as e:
+            raise HandshakeError(f"rank {self.rank}: leader hung up during the handshake ({e})") from None
+        if frame.kind is Kind.REJECT:
+            raise HandshakeError(f"leader rejected rank {self.rank}: {decode_reason(frame.payload)}")
+        if frame.kind is not Kind.WELCOME:
+            raise ProtocolError(f"expected WELCOME or REJECT, got {frame.kind.name}")
+        return decode_welcome(frame.payload)
+
+    def recv(self, timeout: float | None = None) -> Frame:
+        """Next PLAN, HEARTBEAT or SHUTDOWN frame. LeaderLost if nothing at all arrives within `timeout`."""
+        wait = self.timeout if timeout is None else timeout
+        try:
+            frame = self._link_or_raise().recv(time.monotonic() + wait)
+        except _TimedOut:
+            raise LeaderLost(f"rank {self.rank}: nothing from the leader for {wait:.1f} s (not even a heartbeat)") from None
+        except _Closed as e:
+            raise LeaderLost(f"rank {self.rank}: {e}") from None
+        if frame.kind not in (Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN):
+            raise ProtocolError(f"unexpected {frame.kind.name} frame after the handshake")
+        return frame
+
+    def next_plan(self, timeout: float | None = None) -> StepPlan | None:
+        """The next plan, skipping heartbeats (each restarts the silence timer); None on SHUTDOWN."""
+        while True:
+            frame = self.recv(timeout)
+            if frame.kind is Kind.PLAN:
+                return decode_plan(frame.payload)
+            if frame.kind is Kind.SHUTDOWN:
+                self.shutdown_reason = decode_reason(frame.payload)
+                self.close()
+                return None
+            decode_empty(frame.payload, "HEARTBEAT")
+
+    def ack(self, step_id: int, fingerprint: int, error: str = "") -> None:
+        """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit)."""
+        self._send(Kind.ACK, encode_ack(Ack(step_id, fingerprint, error)))
+
+    def _send(self, kind: Kind, payload: bytes) -> None:
+        data = encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
+        try:
+            self._link_or_raise().send(data, self.timeout)
+        except _Closed as e:
+            raise LeaderLost(f"rank {self.rank}: {e}") from None
+        self._seq += 1
+
+    def _link_or_raise(self) -> _Link:
+        if self._link is None or self._link.closed:
+            raise LeaderLost(f"rank {self.rank}: not connected")
+        return self._link
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+
+    def __enter__(self) -> ControlWorker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

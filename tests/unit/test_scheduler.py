@@ -1,0 +1,414 @@
+"""The scheduler without a model: token accounting, batching, preemption, finishing.
+
+`make_scheduler` builds one in microseconds; `step` plays the runner and the
+sampler (every chunk that reaches the end of its sequence gets a token).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from meshlm.config import SchedulerConfig
+from meshlm.engine.plan import StepPlan, batch_fingerprint
+from meshlm.engine.request import FinishReason, SamplingParams, Sequence, SeqStatus
+from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+
+EOS = 2
+TOKEN = 7  # what the fake model samples unless told otherwise
+
+
+def make_scheduler(
+    max_batch_size: int = 8,
+    max_tokens_per_step: int = 64,
+    max_waiting: int = 64,
+    kv_budget: int = 10_000,
+    max_model_len: int = 1_000,
+    eos: frozenset[int] = frozenset({EOS}),
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step, max_waiting=max_waiting
+    )
+    return Scheduler(config, kv_budget, max_model_len, eos)
+
+
+def make_seq(uid: int, prompt_len: int = 4, **params) -> Sequence:
+    params.setdefault("max_tokens", 8)
+    return Sequence(uid, [100 + uid] * prompt_len, SamplingParams(**params))
+
+
+def step(sched: Scheduler, token=TOKEN) -> tuple[StepPlan, list[Finished], list[Finished]]:
+    """One schedule/update round; `token` is an int or a callable uid -> int."""
+    plan, ended = sched.schedule()
+    pick = token if callable(token) else (lambda uid: token)
+    sampled = {c.uid: pick(c.uid) for c in plan.chunks if c.sample}
+    return plan, ended, sched.update(plan, sampled)
+
+
+def chunk_sizes(plan: StepPlan) -> dict[int, int]:
+    return {c.uid: len(c.token_ids) for c in plan.chunks}
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 1_000, token=TOKEN) -> list[StepPlan]:
+    plans = []
+    while sched.has_work:
+        assert len(plans) < max_steps, "scheduler did not drain"
+        plans.append(step(sched, token)[0])
+    return plans
+
+
+# -- continuous batching -------------------------------------------------------
+
+
+def test_new_sequence_is_sent_in_full_once_then_as_diffs():
+    sched = make_scheduler()
+    seq = make_seq(0, prompt_len=5, max_tokens=3, temperature=0.5)
+    sched.add(seq)
+    plan, _, _ = step(sched)
+    assert [(n.uid, n.cached_len, n.params) for n in plan.new] == [(0, 0, seq.params)]
+    (chunk,) = plan.chunks
+    assert (chunk.start, chunk.token_ids, chunk.sample) == (0, tuple(seq.prompt_ids), True)
+    assert seq.output_ids == [TOKEN] and seq.status is SeqStatus.RUNNING
+    plan, _, _ = step(sched, token=9)
+    assert plan.new == ()
+    (chunk,) = plan.chunks
+    assert (chunk.start, chunk.token_ids, chunk.sample) == (5, (TOKEN,), True)  # last sampled token
+    assert seq.output_ids == [TOKEN, 9] and seq.num_computed_tokens == 6
+
+
+def test_sequences_join_and_leave_between_steps():
+    sched = make_scheduler()
+    a, b = make_seq(0, max_tokens=3), make_seq(1, max_tokens=3)
+    sched.add(a)
+    step(sched)
+    sched.add(b)  # arrives while `a` decodes
+    plan, _, _ = step(sched)
+    assert [n.uid for n in plan.new] == [1] and chunk_sizes(plan) == {0: 1, 1: 4}
+    plan, _, finished = step(sched)
+    assert [(f.seq.uid, f.reason) for f in finished] == [(0, FinishReason.LENGTH)]
+    plan, _, _ = step(sched)
+    assert plan.removed == (0,) and chunk_sizes(plan) == {1: 1}  # `a` left, `b` goes on
+    assert [s.uid for s in sched.running] == [1]
+    plan, _, _ = step(sched)
+    assert plan.removed == (1,) and plan.chunks == () and not sched.has_work
+    assert a.output_ids == b.output_ids == [TOKEN] * 3
+
+
+def test_chunked_prefill_respects_max_tokens_per_step():
+    sched = make_scheduler(max_tokens_per_step=16)
+    seq = make_seq(0, prompt_len=50, max_tokens=2)
+    sched.add(seq)
+    chunks = [step(sched)[0].chunks for _ in range(4)]
+    assert [(c.start, len(c.token_ids), c.sample) for (c,) in chunks] == [
+        (0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True)
+    ]
+    assert sum((c.token_ids for (c,) in chunks), ()) == tuple(seq.prompt_ids)
+    assert seq.output_ids == [TOKEN]  # sampled only when the prompt was complete
+
+
+def test_long_prompt_never_starves_running_decodes():
+    sched = make_scheduler(max_tokens_per_step=8)
+    decoders = [make_seq(0, max_tokens=50), make_seq(1, max_tokens=50)]
+    for s in decoders:
+        sched.add(s)
+    step(sched)
+    long = make_seq(2, prompt_len=40, max_tokens=5)
+    sched.add(long)
+    prefill_steps = 0
+    while long.num_computed_tokens < 40:
+        before = [s.num_tokens for s in decoders]
+        left = 40 - long.num_computed_tokens
+        plan, _, _ = step(sched)
+        assert plan.num_tokens <= 8
+        # Every decode gets its token first; the prompt gets what is left of the budget.
+        assert [(c.uid, len(c.token_ids)) for c in plan.chunks[:2]] == [(0, 1), (1, 1)]
+        assert chunk_sizes(plan)[2] == min(6, left)
+        assert [s.num_tokens for s in decoders] == [n + 1 for n in before]
+        prefill_steps += 1
+    assert prefill_steps == 7  # ceil(40 / 6)
+    assert long.output_ids == [TOKEN]
+
+
+def test_max_batch_size_is_respected():
+    sched = make_scheduler(max_batch_size=2, max_tokens_per_step=64)
+    seqs = [make_seq(i, max_tokens=2 + i) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    admitted_at = {}
+    for n, plan in enumerate(run_until_idle(sched)):
+        assert len(sched.running) <= 2
+        assert len({c.uid for c in plan.chunks}) <= 2
+        admitted_at.update({new.uid: n for new in plan.new})
+    assert sorted(admitted_at) == [0, 1, 2, 3, 4]
+    assert admitted_at[2] > admitted_at[1]  # admitted only once a slot was free
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+
+
+def test_bounded_waiting_queue_raises_queue_full():
+    sched = make_scheduler(max_waiting=2, max_batch_size=1, max_tokens_per_step=4)
+    sched.add(make_seq(0))
+    sched.add(make_seq(1))
+    with pytest.raises(QueueFull):
+        sched.add(make_seq(2))
+    assert len(sched.waiting) == 2
+    step(sched)  # admits one: room again
+    sched.add(make_seq(2))
+    with pytest.raises(QueueFull):
+        sched.add(make_seq(3))
+
+
+# -- aborts ----------------------------------------------------------------------
+
+
+def test_abort_waiting_sequence_ends_without_running():
+    sched = make_scheduler(max_batch_size=1)
+    a, b = make_seq(0), make_seq(1)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    sched.abort(1)
+    plan, ended, _ = step(sched)
+    assert [(f.seq.uid, f.reason) for f in ended] == [(1, FinishReason.ABORT)]
+    assert b.finished and b.finish_reason is FinishReason.ABORT and b not in sched.waiting
+    assert 1 not in plan.removed  # it never had KV
+    assert all(c.uid == 0 for p in run_until_idle(sched) for c in p.chunks)
+
+
+def test_abort_running_sequence_is_removed_in_next_plan():
+    sched = make_scheduler()
+    a, b = make_seq(0, max_tokens=20), make_seq(1, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    step(sched)
+    sched.abort(0)
+    plan, ended, _ = step(sched)
+    assert [(f.seq.uid, f.reason) for f in ended] == [(0, FinishReason.ABORT)]
+    assert plan.removed == (0,) and chunk_sizes(plan) == {1: 1}
+    assert a.finished and a.output_ids == [TOKEN] * 2
+    assert plan.fingerprint == batch_fingerprint({1: b.num_computed_tokens})
+    assert step(sched)[0].removed == ()  # removed once only
+
+
+def test_abort_of_finished_or_unknown_sequence_is_a_no_op():
+    sched = make_scheduler()
+    a = make_seq(0, max_tokens=1)
+    sched.add(a)
+    step(sched)
+    assert a.finish_reason is FinishReason.LENGTH
+    sched.abort(0)
+    sched.abort(12345)
+    plan, ended, _ = step(sched)
+    assert ended == [] and a.finish_reason is FinishReason.LENGTH and plan.removed == (0,)
+
+
+# -- KV budget and preemption ----------------------------------------------------------
+
+
+def test_newest_sequence_is_preempted_when_kv_is_full_and_recomputed_later():
+    # 20 KV tokens: both 8-token prompts fit, but both cannot grow by 10.
+    sched = make_scheduler(kv_budget=20, max_model_len=20)
+    a, b = make_seq(0, prompt_len=8, max_tokens=10), make_seq(1, prompt_len=8, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    token = iter(range(1000, 2000))
+    plans = []
+    while not b.num_preemptions:
+        plans.append(step(sched, token=lambda uid: next(token))[0])
+        assert sched.kv_tokens_used <= 20
+    assert a.num_preemptions == 0 and b.status is SeqStatus.WAITING
+    assert b.num_computed_tokens == 0 and sched.waiting[0] is b and sched.num_preemptions == 1
+    preempt_plan = plans[-1]
+    assert 1 in preempt_plan.removed and 1 not in chunk_sizes(preempt_plan)
+    assert chunk_sizes(preempt_plan) == {0: 1}  # the older sequence keeps decoding
+    kept = list(b.output_ids)
+    assert kept  # it had generated before it was preempted
+    # Later it is admitted again and its prompt *and* output are run from position 0.
+    while not any(n.uid == 1 for n in plans[-1].new):
+        plans.append(step(sched, token=lambda uid: next(token))[0])
+    (recompute,) = [c for c in plans[-1].chunks if c.uid == 1]
+    assert recompute.start == 0 and recompute.token_ids == tuple(b.prompt_ids + kept) and recompute.sample
+    assert a.finished  # readmitted only once the older sequence left
+    run_until_idle(sched, token=lambda uid: next(token))
+    assert b.finish_reason is FinishReason.LENGTH and len(b.output_ids) == 10
+    assert b.output_ids[: len(kept)] == kept
+    assert a.finish_reason is FinishReason.LENGTH and len(a.output_ids) == 10
+
+
+def test_admission_waits_for_room_for_the_whole_prompt():
+    sched = make_scheduler(kv_budget=20, max_model_len=20, max_tokens_per_step=64)
+    a, b = make_seq(0, prompt_len=12, max_tokens=3), make_seq(1, prompt_len=8, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    plan, _, _ = step(sched)
+    # 12 + 1 reserved for `a`; `b` needs 8 + 1 > 7 left: it waits rather than thrash.
+    assert [n.uid for n in plan.new] == [0] and b.status is SeqStatus.WAITING
+    run_until_idle(sched)
+    assert sched.num_preemptions == 0
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+
+
+# -- finishing ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params,tokens,reason,n_out",
+    [
+        ({"max_tokens": 10}, [5, 6, EOS, 9], FinishReason.STOP, 3),
+        ({"max_tokens": 10, "ignore_eos": True}, [5, EOS, 6, EOS], FinishReason.LENGTH, 10),
+        ({"max_tokens": 3}, [5, 6, 7, 8], FinishReason.LENGTH, 3),
+        ({"max_tokens": 10, "stop_token_ids": (42,)}, [5, 42, 6], FinishReason.STOP, 2),
+        ({"max_tokens": 1}, [EOS], FinishReason.STOP, 1),  # EOS beats LENGTH on the same token
+    ],
+    ids=["eos", "ignore_eos", "max_tokens", "stop_token_ids", "eos_at_max_tokens"],
+)
+def test_finish_reasons(params, tokens, reason, n_out):
+    sched = make_scheduler()
+    seq = make_seq(0, **params)
+    sched.add(seq)
+    stream = iter(tokens * 10)
+    finished = []
+    while not finished:
+        finished = step(sched, token=lambda uid: next(stream))[2]
+    assert [(f.seq.uid, f.reason) for f in finished] == [(0, reason)]
+    assert seq.finish_reason is reason and len(seq.output_ids) == n_out
+    assert seq.output_ids == (tokens * 10)[:n_out]
+    plan, _, _ = step(sched)
+    assert plan.removed == (0,) and plan.chunks == ()
+
+
+def test_finish_at_max_model_len():
+    sched = make_scheduler(max_model_len=10)
+    seq = make_seq(0, prompt_len=7, max_tokens=100)
+    sched.add(seq)
+    run_until_idle(sched)
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert seq.num_tokens == 10 and len(seq.output_ids) == 3
+
+
+def test_eos_ids_are_per_scheduler():
+    sched = make_scheduler(eos=frozenset())
+    seq = make_seq(0, max_tokens=4)
+    sched.add(seq)
+    run_until_idle(sched, token=EOS)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.output_ids == [EOS] * 4
+
+
+def test_fingerprint_is_batch_fingerprint_of_lengths_after_the_step():
+    sched = make_scheduler(max_tokens_per_step=10)
+    for i, n in enumerate([3, 25, 4]):
+        sched.add(make_seq(i, prompt_len=n, max_tokens=6))
+    for _ in range(8):
+        plan, _, _ = step(sched)
+        expected = {s.uid: s.num_computed_tokens for s in sched.running}
+        assert plan.fingerprint == batch_fingerprint(expected)
+
+
+def test_fail_all_finishes_everything_with_error():
+    sched = make_scheduler(max_batch_size=1)
+    a, b = make_seq(0), make_seq(1)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    failed = sched.fail_all()
+    assert {s.uid for s in failed} == {0, 1}
+    assert a.finish_reason is b.finish_reason is FinishReason.ERROR
+    assert not sched.running and not sched.waiting
+
+
+# -- the whole loop, property style ------------------------------------------------------------
+
+
+@dataclass
+class Mirror:
+    """What a worker rank holds: uid -> tokens in KV, updated only from plans."""
+
+    kv: dict[int, int] = field(default_factory=dict)
+
+    def apply(self, plan: StepPlan) -> None:
+        for uid in plan.removed:
+            assert uid in self.kv, f"removed {uid} never held"
+            del self.kv[uid]
+        new = {n.uid: n.cached_len for n in plan.new}
+        for uid, cached in new.items():
+            assert uid not in self.kv, f"{uid} sent as new twice"
+            self.kv[uid] = cached
+        for c in plan.chunks:
+            assert c.uid in self.kv, f"chunk for unknown {c.uid}"
+            assert c.start == self.kv[c.uid], "chunk does not continue the KV"
+            self.kv[c.uid] += len(c.token_ids)
+        assert plan.fingerprint == batch_fingerprint(self.kv)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workload_invariants(seed):
+    rng = random.Random(seed)
+    max_model_len = rng.randint(16, 64)
+    cfg = dict(
+        max_batch_size=rng.randint(1, 6),
+        max_tokens_per_step=rng.randint(6, 40),
+        max_waiting=1_000,
+        kv_budget=max_model_len + rng.randint(0, max_model_len),  # the app never sets it below max_model_len
+        max_model_len=max_model_len,
+    )
+    cfg["max_tokens_per_step"] = max(cfg["max_tokens_per_step"], cfg["max_batch_size"])
+    sched = make_scheduler(**cfg)
+    mirror = Mirror()
+    seqs: list[Sequence] = []
+    arrivals = sorted(rng.randint(0, 30) for _ in range(rng.randint(5, 20)))
+    t = 0
+    while arrivals or sched.has_work:
+        while arrivals and arrivals[0] <= t:
+            arrivals.pop(0)
+            seq = Sequence(
+                len(seqs),
+                [rng.randint(3, 99) for _ in range(rng.randint(1, max_model_len - 1))],
+                SamplingParams(max_tokens=rng.randint(1, 30), stop_token_ids=(1,) if rng.random() < 0.5 else ()),
+            )
+            seqs.append(seq)
+            sched.add(seq)
+        if seqs and rng.random() < 0.03:
+            sched.abort(rng.choice(seqs).uid)
+        decoding = {s.uid for s in sched.running if s.remaining == 1 and not s.finished and not s.aborted}
+        before = {s.uid: (s.num_computed_tokens, list(s.all_ids)) for s in sched.running}
+        plan, ended = sched.schedule()
+        mirror.apply(plan)
+        assert plan.num_tokens <= cfg["max_tokens_per_step"]
+        assert len(sched.running) <= cfg["max_batch_size"]
+        assert sum(mirror.kv.values()) <= cfg["kv_budget"]
+        sizes = chunk_sizes(plan)
+        for c in plan.chunks:
+            seq = seqs[c.uid]
+            assert c.token_ids == tuple(seq.all_ids[c.start : c.start + len(c.token_ids)])
+            assert c.sample == (c.start + len(c.token_ids) == seq.num_tokens)
+            if c.uid in before and c.uid not in {n.uid for n in plan.new}:
+                assert c.start == before[c.uid][0]
+        # A decoding sequence either advances by one token or was preempted (never starved).
+        for uid in decoding:
+            assert sizes.get(uid) == 1 or uid in plan.removed, (uid, plan)
+        # A partial prefill chunk takes what is left, so nothing is scheduled after it.
+        partial = [i for i, c in enumerate(plan.chunks) if not c.sample]
+        assert partial in ([], [len(plan.chunks) - 1])
+        sampled = {c.uid: rng.choice([1, EOS]) if rng.random() < 0.04 else rng.randint(3, 99)
+                   for c in plan.chunks if c.sample}
+        outputs = {s.uid: list(s.output_ids) for s in seqs}
+        sched.update(plan, sampled)
+        assert sched.kv_tokens_used <= cfg["kv_budget"]
+        for s in seqs:
+            assert len(s.output_ids) <= s.params.max_tokens
+            assert s.num_tokens <= max_model_len
+            # Output only grows, by the sampled token: preemption never loses generated text.
+            assert s.output_ids == outputs[s.uid] + ([sampled[s.uid]] if s.uid in sampled else [])
+        t += 1
+        assert t < 3_000, "no progress"
+    assert not mirror.kv  # every rank freed everything
+    assert all(s.finished for s in seqs)
+    for s in seqs:
+        if s.finish_reason is FinishReason.STOP:
+            assert s.output_ids[-1] in (EOS, *s.params.stop_token_ids)
+        elif s.finish_reason is FinishReason.LENGTH:
+            assert len(s.output_ids) == s.params.max_tokens or s.num_tokens == max_model_len
+        else:
+            assert s.finish_reason is FinishReason.ABORT and s.aborted

@@ -1,0 +1,101 @@
+"""StopMatcher: stop strings across piece boundaries, held-back text, flush."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshlm.engine.stop import StopMatcher
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> list[str]:
+    return [matcher.feed(p) for p in pieces]
+
+
+def random_split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1))))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_no_stops_passes_everything_through_immediately():
+    m = StopMatcher(())
+    assert feed_all(m, ["Hel", "lo", " wo"]) == ["Hel", "lo", " wo"]
+    assert m.flush() == "" and not m.stopped
+
+
+def test_empty_stop_string_is_ignored():
+    m = StopMatcher(("",))
+    assert m.feed("abc") == "abc" and not m.stopped
+
+
+def test_stop_split_across_pieces_is_not_leaked():
+    m = StopMatcher(("STOP",))
+    out = feed_all(m, ["Hello S", "T", "O", "P and more"])
+    assert out == ["Hello ", "", "", ""]
+    assert m.stopped
+    # Once stopped nothing more comes out, not even via flush.
+    assert m.feed("tail") == "" and m.flush() == ""
+
+
+def test_stop_inside_one_piece_cuts_the_rest_of_the_piece():
+    m = StopMatcher(("\n\n",))
+    assert m.feed("line one\n\nline two") == "line one"
+    assert m.stopped
+
+
+def test_held_back_prefix_is_released_when_ruled_out():
+    m = StopMatcher(("END",))
+    assert m.feed("the E") == "the "  # "E" might start "END"
+    assert m.feed("N") == ""  # "EN" still might
+    assert m.feed("x") == "ENx"  # "ENx" cannot: all of it is released at once
+    assert not m.stopped
+
+
+def test_held_back_text_shrinks_to_the_longest_live_prefix():
+    # "xaa" holds "aa" (may become "aaa"); after "b" only "ab" (may become "ab!") is live.
+    m = StopMatcher(("aaa", "ab!"))
+    assert m.feed("xaa") == "x"
+    assert m.feed("b") == "a"  # "aab": "ab" may still become "ab!"
+    assert m.feed("?") == "ab?"
+
+
+def test_self_overlapping_stop_is_found_after_a_false_start():
+    m = StopMatcher(("aab",))
+    assert feed_all(m, ["a", "a", "a", "b", "c"]) == ["", "", "a", "", ""]
+    assert m.stopped
+
+
+def test_multiple_stops_earliest_occurrence_wins():
+    m = StopMatcher(("world", "lo"))
+    assert m.feed("hello world") == "hel"
+    m = StopMatcher(("lo", "world"))  # order of the tuple does not matter
+    assert "".join(feed_all(m, ["hel", "l", "o world"])) == "hel"
+
+
+def test_flush_releases_held_back_prefix_when_sequence_ends_otherwise():
+    m = StopMatcher(("STOP",))
+    assert m.feed("almost ST") == "almost "
+    assert m.flush() == "ST"
+    assert m.flush() == ""  # nothing twice
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_splits_never_leak_and_lose_nothing(seed):
+    rng = random.Random(seed)
+    stops = ("</s>", "###", "Observation:")
+    body = "".join(rng.choice(["a", "b", "<", "/", "s", "#", " ", "Obs", "ervation", ":"]) for _ in range(40))
+    for stop_at in (None, *stops):
+        text = body + (stop_at or "") + "trailing text"
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+        expected = text if cut is None else text[:cut]
+        m = StopMatcher(stops)
+        shown = ""
+        for piece in random_split(text, rng):
+            shown += m.feed(piece)
+            # At no point is anything beyond the first stop position shown.
+            assert expected.startswith(shown)
+        shown += m.flush()
+        assert shown == expected
+        assert m.stopped is (cut is not None)
