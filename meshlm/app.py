@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_FRACTION = 0.25  # of physical RAM, when --kv-cache-memory is not given
 DEFAULT_KV_CAP = 8 * 2**30
+SHUTDOWN_GRACE_SECONDS = 2  # in-flight requests get this long to finish on SIGTERM
 
 
 def physical_memory() -> int:
@@ -48,10 +49,12 @@ def build_prefix_cache(config: ServeConfig, loaded: LoadedModel, layout: str = "
     return PrefixCache(salt, BlockPool(kv_budget_bytes(config)), ssd)
 
 
-def build_engine(config: ServeConfig, loaded: LoadedModel) -> Engine:
-    prefix = build_prefix_cache(config, loaded)
+def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, prefix=None, watchdog=None) -> Engine:
+    """An engine over `executor` (default: this process alone, with its own prefix cache)."""
     budget = kv_budget_bytes(config)
-    executor = LocalExecutor(loaded.model, prefix, budget)
+    if executor is None:
+        prefix = build_prefix_cache(config, loaded)
+        executor = LocalExecutor(loaded.model, prefix, budget)
     per_token = executor.kv_bytes_per_token()
     kv_tokens = max(budget // per_token, 1)
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
@@ -59,21 +62,30 @@ def build_engine(config: ServeConfig, loaded: LoadedModel) -> Engine:
         raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
     log.info("KV budget: %d tokens (%d bytes/token); max model len %d", kv_tokens, per_token, max_len)
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, kv_tokens, loaded.eos_token_ids,
-                    prefix=prefix)
+                    prefix=prefix, watchdog=watchdog)
     if prefix is not None:
         engine.metrics.registry.register(PrefixCacheCollector(prefix))
     return engine
 
 
-def serve(config: ServeConfig) -> None:
+def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
+    if config.parallel.distributed:
+        from meshlm.parallel.cluster import ClusterPorts, serve_tensor_parallel
+
+        serve_tensor_parallel(config, argv or [], ports or ClusterPorts())
+        return
     loaded = load_model(config.model)
-    engine = build_engine(config, loaded)
+    run_http(config, loaded, build_engine(config, loaded))
+
+
+def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
+    """Serve until SIGINT/SIGTERM: uvicorn drains for a grace period, then the engine stops its ranks."""
     serving = Serving(engine, loaded.tokenizer, loaded.name, engine.max_model_len, config.server.max_tokens_default)
     app = create_app(serving)
     engine.start()
     log.info("serving %s on http://%s:%d/v1", loaded.name, config.server.host, config.server.port)
     try:
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     finally:
         engine.stop()

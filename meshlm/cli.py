@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, ServeConfig, ServerConfig
+from meshlm.config import DTYPES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig
 
 log = logging.getLogger("meshlm")
 
@@ -44,6 +44,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--ssd-cache-gb", type=float, default=20.0)
     p.add_argument("--ssd-ttl-days", type=float, default=7.0)
     p.add_argument("--no-ssd-cache", action="store_true", help="keep prefix blocks in RAM only")
+    g = p.add_argument_group("tensor parallelism (docs/DISTRIBUTED.md)")
+    g.add_argument("--tensor-parallel", type=int, default=1, help="ranks; alone on one machine it starts them itself")
+    g.add_argument("--backend", default="ring", choices=["ring", "jaccl", "mpi"])
+    g.add_argument("--hostfile", default=None, help="mlx.launch hostfile: one {ssh, ips} entry per rank")
+    g.add_argument("--rank", type=int, default=0, help="this process's rank (set by meshlm launch)")
+    g.add_argument("--control-addr", default=None, help="leader host:port for StepPlans")
+    g.add_argument("--control-port", type=int, default=52100, help="leader's control port with --hostfile")
+    g.add_argument("--ring-port", type=int, default=52000, help="first ring backend port with --hostfile")
+    g.add_argument("--ring-hostfile", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
+    g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
+    g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
+    g.add_argument("--jaccl-coordinator", default=None, help="jaccl: host:port (MLX_JACCL_COORDINATOR)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -74,6 +87,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
                           args.ssd_cache_gb, args.ssd_ttl_days),
+        parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,
+                                args.step_timeout, args.worker_timeout, ibv_devices=args.ibv_devices,
+                                jaccl_coordinator=args.jaccl_coordinator),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level),
     )
 
@@ -93,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from meshlm.parallel.bootstrap import ClusterError
+
     try:
         if args.command == "serve":
             config = serve_config(args)
@@ -100,10 +118,11 @@ def main(argv: list[str] | None = None) -> None:
 
             maybe_reexec_with_openblas(argv)
             from meshlm.app import serve
+            from meshlm.parallel.cluster import ClusterPorts
 
-            serve(config)
+            serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
         elif args.command == "demo-model":
             _demo_model(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ClusterError) as exc:
         log.error("%s", exc)
         sys.exit(2)

@@ -7,6 +7,7 @@ thread-safe, and receives `StepOutput`s through the callback it passed in.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -27,6 +28,7 @@ from meshlm.model.sampler import SeqSampling, sample
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[StepOutput], None]
+IDLE_POLL_SECONDS = 0.25
 
 
 class Executor(Protocol):
@@ -36,8 +38,12 @@ class Executor(Protocol):
 
     def kv_bytes(self) -> int: ...
 
-    def reset(self) -> bool:
-        """Drop all sequence state after a failed step; False if the executor cannot recover."""
+    def idle(self) -> None:
+        """Called about every IDLE_POLL_SECONDS with nothing to run (heartbeats, liveness checks)."""
+        ...
+
+    def reset(self, error: str) -> str | None:
+        """Drop all sequence state after a failed step; None if recovered, else what /health should say."""
         ...
 
     def close(self) -> None: ...
@@ -78,7 +84,10 @@ class Engine:
         eos_token_ids: frozenset[int],
         metrics: Metrics | None = None,
         prefix: PrefixIndex | None = None,
+        watchdog=None,
     ) -> None:
+        # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
+        self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -124,12 +133,14 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
+        """Stop stepping; requests still in flight end with an error; the executor shuts its ranks down."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fail("server shutting down", recover=False)
         self.executor.close()
 
     @property
@@ -145,7 +156,7 @@ class Engine:
         while True:
             plan, ended = self._next_plan(block=pending is None)
             self._finish_all(ended)
-            result = self._guard(self.executor.execute, plan) if plan is not None else None
+            result = self._guard(self._execute, plan) if plan is not None else None
             if pending is not None:
                 self._emit(pending)
                 pending = None
@@ -154,15 +165,22 @@ class Engine:
                     return
                 continue
             if result is not None:
-                pending = self._guard(self._collect, plan, result)
+                pending = self._guard(self._collect_within_deadline, plan, result)
 
     def _next_plan(self, block: bool) -> tuple[StepPlan | None, list[Finished]]:
-        with self._wake:
-            while block and not self._stopping and not self.scheduler.has_work:
-                self._wake.wait(0.5)
-            if self._stopping or not self.scheduler.has_work:
-                return None, []
-            return self.scheduler.schedule()
+        """The next step's plan; while idle, let the executor heartbeat and check its ranks."""
+        while True:
+            with self._wake:
+                if self._stopping:
+                    return None, []
+                if self.scheduler.has_work:
+                    return self.scheduler.schedule()
+                if not block:
+                    return None, []
+                self._wake.wait(IDLE_POLL_SECONDS)
+                if self.scheduler.has_work or self._stopping or self.error:
+                    continue
+            self._guard(self.executor.idle)
 
     def _guard(self, fn, *args):
         """Run one part of a step; a failure ends the requests, never the process."""
@@ -176,6 +194,14 @@ class Engine:
     def step(self, plan: StepPlan) -> None:
         """Run one whole step synchronously (tests and tools; the loop overlaps steps)."""
         self._emit(self._collect(plan, self.executor.execute(plan)))
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        with self._deadline(f"step {plan.step_id}"):
+            return self.executor.execute(plan)
+
+    def _collect_within_deadline(self, plan: StepPlan, result: StepResult) -> "_Pending":
+        with self._deadline(f"step {plan.step_id}"):
+            return self._collect(plan, result)
 
     def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()
@@ -244,17 +270,23 @@ class Engine:
             )
         )
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, recover: bool = True) -> None:
         with self._lock:
             seqs = self.scheduler.fail_all()
         for seq in seqs:
             self._finish(seq.uid, FinishReason.ERROR, error=message)
-        self._on_failure(message)
+        if recover:
+            self._on_failure(message)
 
     def _on_failure(self, message: str) -> None:
         """A local executor recovers with fresh KV state; a cluster that cannot is unhealthy."""
-        if not self.executor.reset():
-            self.error = message
+        self.error = self.executor.reset(message)
+        if self.error:
+            log.error("engine unhealthy: %s", self.error)
+
+    def fail(self, message: str) -> None:
+        """End every in-flight request with an error, from any thread (the watchdog's too)."""
+        self._fail(message)
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.scheduler.waiting))

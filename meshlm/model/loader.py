@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import sharded_load
 
 from meshlm.config import ModelConfig
 from meshlm.platform import resolve_dtype
@@ -52,9 +53,13 @@ def model_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
+def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
+    """Load the whole model, or with `tensor_group` only this rank's shard (mlx-lm's sharded_load)."""
     path = resolve_path(cfg.path)
-    model, tokenizer = mlx_lm_load(str(path))
+    if tensor_group is None:
+        model, tokenizer = mlx_lm_load(str(path))
+    else:
+        model, tokenizer = sharded_load(str(path), tensor_group=tensor_group)
     config = json.loads((path / "config.json").read_text())
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")

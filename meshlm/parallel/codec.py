@@ -16,8 +16,9 @@ Frame = 28-byte header + payload:
 | 16     | 4    | length   | u32, payload bytes, <= max_payload (64 MiB)     |
 | 20     | 8    | checksum | u64, blake2b-8 of header bytes 0..20 + payload  |
 
-Payloads (`str` = u32 byte length + UTF-8, `i32[]` = u32 count + packed int32,
-`opt` = u8 present flag + value):
+Payloads (`str` = u32 byte length + UTF-8, `i32[]`/`i64[]` = u32 count + packed
+int32/int64, `int` = u16 byte count + signed two's-complement bytes (any size),
+`opt` = u8 present flag (0/1) + value, `bool` = u8 0/1):
 
 | kind      | dir | payload                                                       |
 | --------- | --- | ------------------------------------------------------------- |
@@ -28,6 +29,20 @@ Payloads (`str` = u32 byte length + UTF-8, `i32[]` = u32 count + packed int32,
 | HEARTBEAT | l→w | empty                                                         |
 | SHUTDOWN  | l→w | reason str                                                    |
 | ACK       | w→l | step_id u64, batch fingerprint u64, error str ("" = ok)       |
+
+PLAN payload, in order:
+
+| field                | encoding                                                   |
+| -------------------- | ---------------------------------------------------------- |
+| step_id, fingerprint | u64, u64                                                   |
+| new sequences        | u32 count, each: uid i64, cached_len u64, prefix_ids i32[], |
+|                      | max_tokens int, temperature f64, top_p f64, top_k int,     |
+|                      | min_p f64, seed opt int, presence_penalty f64,             |
+|                      | frequency_penalty f64, logprobs opt int, stop: u32 count + |
+|                      | str each, stop_token_ids i32[], ignore_eos bool            |
+| chunks               | u32 count, each: uid i64, start u64, sample bool,          |
+|                      | token_ids i32[]                                            |
+| removed              | i64[]                                                      |
 """
 
 from __future__ import annotations
@@ -124,7 +139,9 @@ def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DE
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a meshlm control stream")
     if version != VERSION:
-        raise ProtocolError(f"protocol version {version}, this build speaks {VERSION}: all ranks must run the same meshlm")
+        raise ProtocolError(
+            f"protocol version {version}, this build speaks {VERSION}: all ranks must run the same meshlm version"
+        )
     try:
         kind = Kind(kind)
     except ValueError:
@@ -200,7 +217,7 @@ class _Writer:
         try:
             self.buf += struct.pack(fmt, *values)
         except (struct.error, TypeError) as e:
-            raise ProtocolError(f"cannot encode {values!r} as {fmt!r}: {e}") from None
+            raise ProtocolError(f"cannot encode {', '.join(map(_short, values))} as {fmt!r}: {e}") from None
 
     def u8(self, v: int) -> None:
         self.pack("<B", v)
@@ -220,10 +237,18 @@ class _Writer:
     def flag(self, v: bool) -> None:
         self.u8(1 if v else 0)
 
-    def opt_i64(self, v: int | None) -> None:
+    def big(self, v: int) -> None:
+        # Client-chosen integers (seed, top_k) are unbounded in the API; a huge one must not crash the broadcast.
+        n = (v.bit_length() + 8) // 8  # room for the sign bit
+        if n > 0xFFFF:
+            raise ProtocolError(f"cannot encode a {v.bit_length()}-bit integer (limit {0xFFFF * 8 - 1} bits)")
+        self.pack("<H", n)
+        self.buf += v.to_bytes(n, "little", signed=True)
+
+    def opt_big(self, v: int | None) -> None:
         self.flag(v is not None)
         if v is not None:
-            self.i64(v)
+            self.big(v)
 
     def text(self, s: str) -> None:
         # surrogatepass: JSON can carry lone surrogates; they must round-trip, not crash the leader.
@@ -238,6 +263,11 @@ class _Writer:
     def int64s(self, values: tuple[int, ...]) -> None:
         self.u32(len(values))
         self.buf += _pack_array("q", values)
+
+
+def _short(v: object) -> str:
+    # repr() of a gigantic int is slow or refused (int max str digits): name its size instead.
+    return f"<{v.bit_length()}-bit int>" if isinstance(v, int) and v.bit_length() > 256 else repr(v)
 
 
 def _pack_array(code: str, values: tuple[int, ...]) -> bytes:
@@ -291,8 +321,11 @@ class _Reader:
             raise ProtocolError(f"bad boolean byte {v} at offset {self.pos - 1} of {self.what} payload")
         return v == 1
 
-    def opt_i64(self) -> int | None:
-        return self.i64() if self.flag() else None
+    def big(self) -> int:
+        return int.from_bytes(self.take(int(self.unpack("<H"))), "little", signed=True)
+
+    def opt_big(self) -> int | None:
+        return self.big() if self.flag() else None
 
     def text(self) -> str:
         raw = self.take(self.u32())
@@ -336,15 +369,15 @@ def _decode(data: bytes | bytearray | memoryview, what: str, read: Callable[[_Re
 
 
 def _write_params(w: _Writer, p: SamplingParams) -> None:
-    w.i64(p.max_tokens)
+    w.big(p.max_tokens)
     w.f64(p.temperature)
     w.f64(p.top_p)
-    w.i64(p.top_k)
+    w.big(p.top_k)
     w.f64(p.min_p)
-    w.opt_i64(p.seed)
+    w.opt_big(p.seed)
     w.f64(p.presence_penalty)
     w.f64(p.frequency_penalty)
-    w.opt_i64(p.logprobs)
+    w.opt_big(p.logprobs)
     w.u32(len(p.stop))
     for s in p.stop:
         w.text(s)
@@ -354,15 +387,15 @@ def _write_params(w: _Writer, p: SamplingParams) -> None:
 
 def _read_params(r: _Reader) -> SamplingParams:
     kwargs = dict(
-        max_tokens=r.i64(),
+        max_tokens=r.big(),
         temperature=r.f64(),
         top_p=r.f64(),
-        top_k=r.i64(),
+        top_k=r.big(),
         min_p=r.f64(),
-        seed=r.opt_i64(),
+        seed=r.opt_big(),
         presence_penalty=r.f64(),
         frequency_penalty=r.f64(),
-        logprobs=r.opt_i64(),
+        logprobs=r.opt_big(),
         stop=r.items(r.text),
         stop_token_ids=r.int32s(),
         ignore_eos=r.flag(),
@@ -398,8 +431,7 @@ def _read_chunk(r: _Reader) -> Chunk:
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    """step_id u64, fingerprint u64, new[] (uid i64, cached_len u64, prefix_ids i32[], params),
-    chunks[] (uid i64, start u64, sample u8, token_ids i32[]), removed i64[]; arrays are u32-counted."""
+    """The PLAN payload; layout in the module docstring."""
     w = _Writer()
     w.u64(plan.step_id)
     w.u64(plan.fingerprint)

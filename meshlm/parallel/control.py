@@ -36,44 +36,11 @@ from collections.abc import Iterable
 from types import TracebackType
 
 from meshlm.engine.plan import StepPlan
-from meshlm.parallel.codec import (
-    DEFAULT_MAX_PAYLOAD,
-    LEADER_KINDS,
-    WORKER_KINDS,
-    Ack,
-    ControlError,
-    Frame,
-    FrameDecoder,
-    Hello,
-    Kind,
-    ProtocolError,
-    Welcome,
-    decode_ack,
-    decode_empty,
-    decode_hello,
-    decode_plan,
-    decode_reason,
-    decode_welcome,
-    encode_ack,
-    encode_frame,
-    encode_hello,
-    encode_plan,
-    encode_reason,
-    encode_welcome,
-)
+from meshlm.parallel import codec as wire
+from meshlm.parallel.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, Welcome
 
-__all__ = [
-    "Ack",
-    "ControlError",
-    "ControlLeader",
-    "ControlWorker",
-    "HandshakeError",
-    "LeaderLost",
-    "ProtocolError",
-    "SplitBrain",
-    "WorkerFailed",
-    "WorkerLost",
-]
+__all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost",
+           "ProtocolError", "SplitBrain", "WorkerFailed", "WorkerLost"]
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +77,8 @@ class SplitBrain(ControlError):
     """A worker's batch fingerprint after a step differs from the leader's: ranks diverged."""
 
     def __init__(self, rank: int, step_id: int, expected: int, actual: int) -> None:
-        super().__init__(
-            f"split brain at step {step_id}: rank {rank} batch fingerprint {actual:#018x}, leader expects {expected:#018x}"
-        )
+        super().__init__(f"split brain at step {step_id}: rank {rank} batch fingerprint {actual:#018x}, "
+                         f"leader expects {expected:#018x}")
         self.rank, self.step_id, self.expected, self.actual = rank, step_id, expected, actual
 
 
@@ -157,17 +123,16 @@ class _Link:
     def __init__(self, sock: socket.socket, accepts: frozenset[Kind], max_payload: int) -> None:
         self.sock = sock
         self.accepts = accepts
-        self.decoder = FrameDecoder(max_payload)
+        self.decoder = wire.FrameDecoder(max_payload)
         self.next_seq = 0  # next sequence number expected from the peer
         self.closed = False
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(sock, selectors.EVENT_READ)
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     def send(self, data: bytes, timeout: float) -> None:
         if self.closed:
@@ -208,17 +173,16 @@ class _Link:
 
     def recv(self, deadline: float) -> Frame:
         """Block until one whole frame arrives; `_TimedOut` at the deadline, `_Closed` on EOF."""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.sock, selectors.EVENT_READ)
-            while (frame := self.next_frame()) is None:
-                if not sel.select(_remaining(deadline)) and _remaining(deadline) == 0:
-                    raise _TimedOut()
-                self.read_available()
+        while (frame := self.next_frame()) is None:
+            if not self._sel.select(_remaining(deadline)) and _remaining(deadline) == 0:
+                raise _TimedOut()
+            self.read_available()
         return frame
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._sel.close()
             self.sock.close()
 
 
@@ -241,17 +205,9 @@ class ControlLeader:
     unusable: call `shutdown()` (best effort to the survivors) and start over.
     """
 
-    def __init__(
-        self,
-        bind_host: str = "127.0.0.1",
-        port: int = 0,
-        world_size: int = 2,
-        timeout: float = DEFAULT_TIMEOUT,
-        *,
-        fingerprint: str | None = None,
-        heartbeat_interval: float = 1.0,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-    ) -> None:
+    def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, world_size: int = 2,
+                 timeout: float = DEFAULT_TIMEOUT, *, fingerprint: str | None = None,
+                 heartbeat_interval: float = 1.0, max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
         """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers`.
 
         `fingerprint`: the leader's model fingerprint; every worker must match it.
@@ -265,7 +221,8 @@ class ControlLeader:
         self.fingerprint = fingerprint
         self.heartbeat_interval = heartbeat_interval
         self.max_payload = max_payload
-        self._listener = socket.create_server((bind_host, port), backlog=world_size + 8)
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._listener = socket.create_server((bind_host, port), family=family, backlog=world_size + 8)
         self.host, self.port = self._listener.getsockname()[:2]
         self._links: dict[int, _Link] = {}  # rank -> link, once admitted
         self._pending: dict[int, collections.deque[tuple[int, int]]] = {}  # rank -> (step_id, fingerprint) unacked
@@ -286,9 +243,10 @@ class ControlLeader:
             try:
                 while len(hellos) < self.world_size - 1:
                     self._handshake_round(sel, hellos, deadline)
-                self._send_all(Kind.WELCOME, encode_welcome(Welcome(self.world_size, self._expected_fingerprint(hellos))))
+                welcome = Welcome(self.world_size, self._expected_fingerprint(hellos) or "")
+                self._send_all(Kind.WELCOME, wire.encode_welcome(welcome))
             except BaseException as e:
-                self._abort(sel, f"cluster start aborted: {e}")
+                self._abort(f"cluster start aborted: {e}")
                 raise
             finally:
                 self._close_unadmitted(sel)
@@ -310,7 +268,7 @@ class ControlLeader:
         except OSError:
             return
         _tune(sock, max(self.timeout, 5.0))
-        sel.register(sock, selectors.EVENT_READ, _Link(sock, WORKER_KINDS, self.max_payload))
+        sel.register(sock, selectors.EVENT_READ, _Link(sock, wire.WORKER_KINDS, self.max_payload))
 
     def _read_hello(self, sel: selectors.BaseSelector, link: _Link, hellos: dict[int, Hello]) -> None:
         try:
@@ -320,26 +278,21 @@ class ControlLeader:
                 return
             if frame.kind is not Kind.HELLO:
                 raise ProtocolError(f"first frame was {frame.kind.name}, expected HELLO")
-            hello = decode_hello(frame.payload)
+            hello = wire.decode_hello(frame.payload)
         except (ProtocolError, _Closed) as e:
             # A stray client (port scan, wrong service) must not abort the cluster: drop it, remember why.
             self._dropped.append(f"{link.peer}: {e}")
             log.warning("control: dropped connection from %s during handshake: %s", link.peer, e)
-            self._reject(link, str(e))
             sel.unregister(link.sock)
+            self._reject(link, str(e))
             return
-        self._check_hello(hello, hellos, link)
         sel.unregister(link.sock)
+        if problem := self._hello_problem(hello, hellos):  # a real worker that does not fit: abort loudly
+            self._reject(link, problem)
+            raise HandshakeError(problem)
         hellos[hello.rank] = hello
         self._links[hello.rank] = link
         self._pending[hello.rank] = collections.deque()
-
-    def _check_hello(self, hello: Hello, hellos: dict[int, Hello], link: _Link) -> None:
-        """A HELLO from a real meshlm worker that does not fit is a configuration error: abort loudly."""
-        problem = self._hello_problem(hello, hellos)
-        if problem:
-            self._reject(link, problem)
-            raise HandshakeError(problem)
 
     def _hello_problem(self, hello: Hello, hellos: dict[int, Hello]) -> str | None:
         r = hello.rank
@@ -370,17 +323,17 @@ class ControlLeader:
             msg += f"; refused connections: {'; '.join(self._dropped)}"
         return msg
 
-    def _reject(self, link: _Link, reason: str) -> None:
+    def _reject(self, link: _Link, reason: str, seq: int = 0) -> None:
         try:
-            link.send(encode_frame(Kind.REJECT, 0, encode_reason(reason)), timeout=1.0)
+            link.send(wire.encode_frame(Kind.REJECT, seq, wire.encode_reason(reason)), timeout=1.0)
         except _Closed:
             pass
         link.close()
 
-    def _abort(self, sel: selectors.BaseSelector, reason: str) -> None:
+    def _abort(self, reason: str) -> None:
         """Tell admitted workers why the cluster will not start, then close everything."""
         for link in self._links.values():
-            self._reject(link, reason)
+            self._reject(link, reason, seq=self._seq)  # seq 1 if WELCOME already went out to some
         self._links.clear()
         self._pending.clear()
         self._listener.close()
@@ -401,7 +354,7 @@ class ControlLeader:
         with self._lock:
             if plan.step_id <= self._last_step:
                 raise ValueError(f"step {plan.step_id} broadcast after step {self._last_step}; step ids must increase")
-            seq = self._send_all(Kind.PLAN, encode_plan(plan))
+            seq = self._send_all(Kind.PLAN, wire.encode_plan(plan))
             self._last_step = plan.step_id
             for pending in self._pending.values():
                 pending.append((plan.step_id, plan.fingerprint))
@@ -462,7 +415,10 @@ class ControlLeader:
     def _check_ack(self, rank: int, frame: Frame) -> Ack:
         if frame.kind is not Kind.ACK:
             raise ProtocolError(f"rank {rank} sent {frame.kind.name} after the handshake")
-        ack = _decode_from(rank, decode_ack, frame.payload)
+        try:
+            ack = wire.decode_ack(frame.payload)
+        except ProtocolError as e:
+            raise ProtocolError(f"rank {rank}: {e}") from None
         if not self._pending[rank]:
             raise ProtocolError(f"rank {rank} acked step {ack.step_id}, but no plan is outstanding")
         step_id, fingerprint = self._pending[rank].popleft()
@@ -481,6 +437,7 @@ class ControlLeader:
             raise ProtocolError(f"rank {rank}: {e}") from None
 
     def _wait_for(self, waiting: set[int], step_id: int, deadline: float) -> None:
+        self._require_live(waiting)
         links = [self._links[r] for r in sorted(waiting)]
         ready = _wait_readable(links, deadline)
         if not ready and _remaining(deadline) == 0:
@@ -501,20 +458,24 @@ class ControlLeader:
 
     def _send_all(self, kind: Kind, payload: bytes) -> int:
         """One encoding, the same bytes (and sequence number) to every live worker."""
+        self._require_live(self._links)
         seq = self._seq
-        data = encode_frame(kind, seq, payload, max_payload=self.max_payload)
+        data = wire.encode_frame(kind, seq, payload, max_payload=self.max_payload)
         self._seq += 1
         self._last_send = time.monotonic()
         for rank in sorted(self._links):
             link = self._links[rank]
-            if link.closed:
-                continue
             try:
                 link.send(data, self.timeout)
             except _Closed as e:
                 self._lose(rank)
                 raise WorkerLost(rank, f"{e} ({link.peer})") from None
         return seq
+
+    def _require_live(self, ranks: Iterable[int]) -> None:
+        for rank in sorted(ranks):
+            if self._links[rank].closed:
+                raise WorkerLost(rank, "connection already lost")
 
     def _live_links(self) -> list[_Link]:
         return [link for link in self._links.values() if not link.closed]
@@ -530,7 +491,7 @@ class ControlLeader:
     def shutdown(self, reason: str = "leader shutting down", linger: float = 2.0) -> None:
         """Best effort: SHUTDOWN to every live worker, wait up to `linger` s for them to hang up, close."""
         with self._lock:
-            frame = encode_frame(Kind.SHUTDOWN, self._seq, encode_reason(reason))
+            frame = wire.encode_frame(Kind.SHUTDOWN, self._seq, wire.encode_reason(reason))
             self._seq += 1
             for link in self._live_links():
                 self._send_quietly(link, frame)
@@ -550,7 +511,7 @@ class ControlLeader:
             for link in _wait_readable(live, deadline):
                 try:
                     link.read_available()
-                    link.decoder = FrameDecoder(self.max_payload)  # late acks no longer matter
+                    link.decoder = wire.FrameDecoder(self.max_payload)  # late acks no longer matter
                 except _Closed:
                     link.close()
 
@@ -563,15 +524,9 @@ class ControlLeader:
     def __enter__(self) -> ControlLeader:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.shutdown(reason=f"leader stopped: {exc}" if exc else "leader shutting down")
-
-
-def _decode_from(rank: int, decode, payload: bytes):  # type: ignore[no-untyped-def]
-    try:
-        return decode(payload)
-    except ProtocolError as e:
-        raise ProtocolError(f"rank {rank}: {e}") from None
 
 
 # -- worker -----------------------------------------------------------------------------
@@ -583,18 +538,9 @@ class ControlWorker:
     Loop:  while (plan := w.next_plan()) is not None: apply(plan); w.ack(plan.step_id, fp)
     """
 
-    def __init__(
-        self,
-        leader_host: str,
-        port: int,
-        rank: int,
-        fingerprint: str,
-        timeout: float = DEFAULT_TIMEOUT,
-        *,
-        world_size: int,
-        connect_timeout: float | None = None,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-    ) -> None:
+    def __init__(self, leader_host: str, port: int, rank: int, fingerprint: str, timeout: float = DEFAULT_TIMEOUT,
+                 *, world_size: int, connect_timeout: float | None = None,
+                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
         """`timeout`: longest silence from the leader (heartbeats included) before LeaderLost.
         `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME;
         make it at least the leader's handshake timeout."""
@@ -607,14 +553,18 @@ class ControlWorker:
         self.max_payload = max_payload
         self._link: _Link | None = None
         self._seq = 0  # worker -> leader sequence number
+        self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
     def connect(self) -> Welcome:
         """Connect (retrying until the deadline), send HELLO, wait for WELCOME. Raises HandshakeError."""
         deadline = time.monotonic() + self.connect_timeout
-        self._link = _Link(self._dial(deadline), LEADER_KINDS, self.max_payload)
+        self._link = _Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
         try:
-            self._send(Kind.HELLO, encode_hello(Hello(self.rank, self.world_size, self.fingerprint)))
+            self._send(Kind.HELLO, wire.encode_hello(Hello(self.rank, self.world_size, self.fingerprint)))
             welcome = self._await_welcome(deadline)
+        except LeaderLost as e:
+            self.close()
+            raise HandshakeError(str(e)) from None
         except BaseException:
             self.close()
             raise
@@ -645,10 +595,10 @@ class ControlWorker:
         except _Closed as e:
             raise HandshakeError(f"rank {self.rank}: leader hung up during the handshake ({e})") from None
         if frame.kind is Kind.REJECT:
-            raise HandshakeError(f"leader rejected rank {self.rank}: {decode_reason(frame.payload)}")
+            raise HandshakeError(f"leader rejected rank {self.rank}: {wire.decode_reason(frame.payload)}")
         if frame.kind is not Kind.WELCOME:
             raise ProtocolError(f"expected WELCOME or REJECT, got {frame.kind.name}")
-        return decode_welcome(frame.payload)
+        return wire.decode_welcome(frame.payload)
 
     def recv(self, timeout: float | None = None) -> Frame:
         """Next PLAN, HEARTBEAT or SHUTDOWN frame. LeaderLost if nothing at all arrives within `timeout`."""
@@ -656,9 +606,13 @@ class ControlWorker:
         try:
             frame = self._link_or_raise().recv(time.monotonic() + wait)
         except _TimedOut:
-            raise LeaderLost(f"rank {self.rank}: nothing from the leader for {wait:.1f} s (not even a heartbeat)") from None
+            silence = f"nothing from the leader for {wait:.1f} s (not even a heartbeat)"
+            raise LeaderLost(f"rank {self.rank}: {silence}") from None
         except _Closed as e:
             raise LeaderLost(f"rank {self.rank}: {e}") from None
+        if frame.kind is Kind.REJECT:
+            self.close()
+            raise LeaderLost(f"rank {self.rank}: leader aborted the cluster: {wire.decode_reason(frame.payload)}")
         if frame.kind not in (Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN):
             raise ProtocolError(f"unexpected {frame.kind.name} frame after the handshake")
         return frame
@@ -668,19 +622,19 @@ class ControlWorker:
         while True:
             frame = self.recv(timeout)
             if frame.kind is Kind.PLAN:
-                return decode_plan(frame.payload)
+                return wire.decode_plan(frame.payload)
             if frame.kind is Kind.SHUTDOWN:
-                self.shutdown_reason = decode_reason(frame.payload)
+                self.shutdown_reason = wire.decode_reason(frame.payload)
                 self.close()
                 return None
-            decode_empty(frame.payload, "HEARTBEAT")
+            wire.decode_empty(frame.payload, "HEARTBEAT")
 
     def ack(self, step_id: int, fingerprint: int, error: str = "") -> None:
         """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit)."""
-        self._send(Kind.ACK, encode_ack(Ack(step_id, fingerprint, error)))
+        self._send(Kind.ACK, wire.encode_ack(Ack(step_id, fingerprint, error)))
 
     def _send(self, kind: Kind, payload: bytes) -> None:
-        data = encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
+        data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
         try:
             self._link_or_raise().send(data, self.timeout)
         except _Closed as e:
@@ -699,5 +653,6 @@ class ControlWorker:
     def __enter__(self) -> ControlWorker:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()

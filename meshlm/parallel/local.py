@@ -29,9 +29,12 @@ class LocalExecutor:
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
 
-    def reset(self) -> bool:
+    def idle(self) -> None:
+        pass
+
+    def reset(self, error: str) -> str | None:
         self.runner = Runner(self.model, self.prefix_cache)
-        return True
+        return None
 
     def close(self) -> None:
         if self.prefix_cache is not None and self.prefix_cache.ssd is not None:

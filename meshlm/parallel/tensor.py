@@ -1,0 +1,73 @@
+"""The leader's tensor-parallel executor: broadcast each plan, run rank 0's shard, check the workers.
+
+Acks for step t are collected when step t+1 starts (by then every rank has
+finished t's collectives), so the control plane adds one small send per step
+to the critical path, not a round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshlm.cache.prefix import PrefixCache
+from meshlm.engine.plan import StepPlan
+from meshlm.model.runner import Runner, StepResult
+from meshlm.parallel.control import ControlError, ControlLeader
+
+log = logging.getLogger(__name__)
+
+
+class TensorExecutor:
+    def __init__(self, model, control: ControlLeader, prefix: PrefixCache | None, kv_budget_bytes: int,
+                 step_timeout: float) -> None:
+        self.model = model
+        self.control = control
+        self.prefix_cache = prefix
+        self.kv_budget_bytes = kv_budget_bytes
+        self.step_timeout = step_timeout
+        self.runner = Runner(model, prefix)
+        self._unacked: int | None = None
+        self.control_seconds = 0.0  # time spent in the control plane (benchmarks report it)
+        self.failure: str | None = None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if self._unacked is not None:
+            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+        self.control.broadcast(plan)
+        self._unacked = plan.step_id
+        self.control_seconds += time.perf_counter() - t0
+        result = self.runner.execute(plan)
+        if self.prefix_cache is not None:
+            self.prefix_cache.pool.trim(self.kv_budget_bytes - self.runner.kv_bytes)
+        return result
+
+    def idle(self) -> None:
+        """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""
+        if self._unacked is not None:
+            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+            self._unacked = None
+        self.control.maybe_heartbeat()
+
+    def kv_bytes(self) -> int:
+        return self.runner.kv_bytes
+
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token()
+
+    def reset(self, error: str) -> str | None:
+        """A failed distributed step cannot be retried: name the dead rank if the channel knows it."""
+        try:
+            self.control.check_workers()
+        except ControlError as exc:
+            error = str(exc)
+        self.failure = error
+        self.control.shutdown(reason=f"leader failed: {error}", linger=0.5)
+        return error
+
+    def close(self) -> None:
+        self.control.shutdown(reason="leader shutting down", linger=1.0)
+        self.control.close()
+        if self.prefix_cache is not None and self.prefix_cache.ssd is not None:
+            self.prefix_cache.ssd.flush(timeout=2)

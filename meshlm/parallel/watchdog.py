@@ -1,0 +1,46 @@
+"""A deadline on each step: a collective with a hung peer cannot time out by itself."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    """Calls `on_expiry(message)` (from its own thread) when a step outlives `deadline` seconds."""
+
+    def __init__(self, deadline: float, on_expiry: Callable[[str], None], name: str = "meshlm-watchdog") -> None:
+        self.deadline = deadline
+        self.on_expiry = on_expiry
+        self._started: float | None = None
+        self._label = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def step(self, label: str):
+        with self._lock:
+            self._started, self._label = time.monotonic(), label
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._started = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(0.5, self.deadline / 4)):
+            with self._lock:
+                started, label = self._started, self._label
+            if started is not None and time.monotonic() - started > self.deadline:
+                self._stop.set()
+                self.on_expiry(f"{label} outlived its {self.deadline:.0f} s deadline")
+
+    def close(self) -> None:
+        self._stop.set()
