@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 from pathlib import Path
 
@@ -79,13 +81,33 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
 
 
 def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
-    """Serve until SIGINT/SIGTERM: uvicorn drains for a grace period, then the engine stops its ranks."""
+    """Serve until SIGINT/SIGTERM, then drain: in-flight requests get a grace period to finish,
+    the rest end with an error event, and the engine stops its ranks."""
     serving = Serving(engine, loaded.tokenizer, loaded.name, engine.max_model_len, config.server.max_tokens_default)
     app = create_app(serving)
     engine.start()
     log.info("serving %s on http://%s:%d/v1", loaded.name, config.server.host, config.server.port)
+    server = _DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                            log_level=config.server.log_level, timeout_graceful_shutdown=1), engine)
     try:
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+        server.run()
     finally:
         engine.stop()
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining:  # a second signal: stop now
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        threading.Thread(target=self._drain, args=(sig, frame), name="meshlm-drain", daemon=True).start()
+
+    def _drain(self, sig, frame) -> None:
+        self.engine.drain(SHUTDOWN_GRACE_SECONDS)
+        time.sleep(0.2)  # let the error events reach the clients before connections close
+        super().handle_exit(sig, frame)

@@ -284,6 +284,15 @@ class Engine:
         if self.error:
             log.error("engine unhealthy: %s", self.error)
 
+    def drain(self, grace: float) -> None:
+        """Refuse new requests, give running ones `grace` seconds, then end the rest with an error."""
+        self.error = "server shutting down"
+        deadline = time.monotonic() + grace
+        while self._tracked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._tracked:
+            self._fail("server shutting down", recover=False)
+
     def fail(self, message: str) -> None:
         """End every in-flight request with an error, from any thread (the watchdog's too)."""
         self._fail(message)

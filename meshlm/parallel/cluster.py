@@ -111,8 +111,14 @@ def _lead(config: ServeConfig, topo: Topology) -> None:
     control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
     log.info("all %d ranks joined; model fingerprint %s", p.tensor_parallel, loaded.fingerprint)
     executor = TensorExecutor(loaded.model, control, prefix, kv_budget_bytes(config), p.step_timeout)
-    holder: dict = {}
-    watchdog = Watchdog(p.step_timeout, lambda msg: holder["engine"].fail(f"cluster step failed: {msg}"))
+    holder: dict = {}  # the watchdog must exist before the engine it guards
+
+    def on_failure(message: str) -> None:
+        if "engine" in holder:
+            holder["engine"].fail(f"cluster failed: {message}")
+
+    # The probe notices a dead worker even while the engine thread is blocked in a collective.
+    watchdog = Watchdog(p.step_timeout, on_failure, probe=control.check_workers)
     engine = build_engine(config, loaded, executor=executor, prefix=prefix, watchdog=watchdog)
     holder["engine"] = engine
     try:

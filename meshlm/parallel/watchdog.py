@@ -12,11 +12,14 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Calls `on_expiry(message)` (from its own thread) when a step outlives `deadline` seconds."""
+    """Calls `on_expiry(message)` (from its own thread) when a step outlives `deadline` seconds,
+    or when `probe()` (run every tick, e.g. a check that every rank's socket is open) raises."""
 
-    def __init__(self, deadline: float, on_expiry: Callable[[str], None], name: str = "meshlm-watchdog") -> None:
+    def __init__(self, deadline: float, on_expiry: Callable[[str], None], name: str = "meshlm-watchdog",
+                 probe: Callable[[], None] | None = None) -> None:
         self.deadline = deadline
         self.on_expiry = on_expiry
+        self.probe = probe
         self._started: float | None = None
         self._label = ""
         self._lock = threading.Lock()
@@ -39,8 +42,16 @@ class Watchdog:
             with self._lock:
                 started, label = self._started, self._label
             if started is not None and time.monotonic() - started > self.deadline:
-                self._stop.set()
-                self.on_expiry(f"{label} outlived its {self.deadline:.0f} s deadline")
+                self._expire(f"{label} outlived its {self.deadline:.0f} s deadline")
+            elif self.probe is not None:
+                try:
+                    self.probe()
+                except Exception as exc:  # a dead rank noticed between or during steps
+                    self._expire(str(exc))
+
+    def _expire(self, message: str) -> None:
+        self._stop.set()
+        self.on_expiry(message)
 
     def close(self) -> None:
         self._stop.set()

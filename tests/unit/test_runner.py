@@ -265,4 +265,4 @@ def test_local_executor_delegates_and_resets(model):
     assert ex.kv_bytes_per_token() == 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * 4
     result = ex.execute(StepPlan(0, chunks=(Chunk(1, 0, (5, 6, 7), sample=True),)))
     assert result.uids == [1] and ex.kv_bytes() > 0
-    assert ex.reset() and ex.kv_bytes() == 0 and ex.runner.lengths == {}
+    assert ex.reset("boom") is None and ex.kv_bytes() == 0 and ex.runner.lengths == {}
