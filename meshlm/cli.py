@@ -73,10 +73,19 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _launch_parser(sub) -> None:
+    p = sub.add_parser("launch", help="start a multi-host cluster: one `meshlm serve --rank r` per hostfile entry")
+    p.add_argument("--hostfile", required=True, help="mlx.launch format: [{\"ssh\": ..., \"ips\": [...]}]")
+    p.add_argument("--backend", default="ring", choices=["ring", "jaccl", "mpi"])
+    p.add_argument("--dry-run", action="store_true", help="print each rank's command instead of running it")
+    p.add_argument("serve_argv", nargs=argparse.REMAINDER, help="-- serve [serve options]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _launch_parser(sub)
     _demo_parser(sub)
     return parser
 
@@ -121,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
             from meshlm.parallel.cluster import ClusterPorts
 
             serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
+        elif args.command == "launch":
+            from meshlm.parallel.launch import launch
+
+            serve_argv = args.serve_argv[1:] if args.serve_argv[:1] == ["--"] else args.serve_argv
+            sys.exit(launch(args.hostfile, args.backend, serve_argv, args.dry_run))
         elif args.command == "demo-model":
             _demo_model(args)
     except (ValueError, FileNotFoundError, ClusterError) as exc:

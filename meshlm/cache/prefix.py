@@ -67,10 +67,12 @@ class PrefixCache:
 
     def restore(self, token_ids: list[int]) -> list[tuple[mx.array, mx.array]]:
         """Per-layer (keys, values) of shape (1, kv_heads, len, head_dim) for a matched prefix; unpins it."""
-        blocks = [self.pool.get(k) for k in block_keys(token_ids, self.salt)]
-        if any(b is None for b in blocks):
-            raise KeyError("prefix blocks were evicted between match and restore")
+        keys = block_keys(token_ids, self.salt)
+        # Worker ranks never call `match`: their blocks may still be on disk only.
+        blocks = [self.pool.get(k) or (self.pool.get(k) if self._ensure_in_ram(k) else None) for k in keys]
         self.release(token_ids)
+        if any(b is None for b in blocks):
+            raise KeyError(f"prefix block {keys[blocks.index(None)].hex()} is not cached on this rank")
         layers = len(blocks[0].keys)
         return [
             (mx.concatenate([b.keys[i] for b in blocks], axis=1)[None],

@@ -1,0 +1,95 @@
+"""`meshlm launch`: start one `meshlm serve --rank r` per hostfile entry, over ssh where needed.
+
+The hostfile is mlx.launch's: `[{"ssh": "mac1.local", "ips": ["10.0.0.1"]}, ...]`,
+one entry per rank, rank 0 first (it serves HTTP and leads). It must exist at
+the same path on every host, as must the model directory and a meshlm
+checkout with its .venv (docs/DISTRIBUTED.md). An `ssh` value of `localhost`
+runs the rank here; `netns:NAME` runs it here inside network namespace NAME
+(tests use this to give each rank its own network stack).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshlm.parallel.bootstrap import ClusterError, Host, read_hostfile
+
+log = logging.getLogger(__name__)
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def rank_command(host: Host, cmd: list[str], cwd: str) -> list[str]:
+    if host.ssh.startswith("netns:"):
+        return ["ip", "netns", "exec", host.ssh[len("netns:"):], *cmd]
+    if host.ssh in LOCAL_NAMES:
+        return cmd
+    remote = f"cd {shlex.quote(cwd)} && exec {shlex.join(cmd)}"
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host.ssh, remote]
+
+
+def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank: int) -> list[str]:
+    if not serve_argv or serve_argv[0] != "serve":
+        raise ClusterError("usage: meshlm launch --hostfile H [--backend B] -- serve [serve options]")
+    for flag in ("--rank", "--hostfile", "--tensor-parallel", "--backend"):
+        if flag in serve_argv:
+            raise ClusterError(f"{flag} is set by meshlm launch; remove it from the serve options")
+    return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--tensor-parallel", str(n),
+            "--rank", str(rank)]
+
+
+def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = False) -> int:
+    path = Path(hostfile).resolve()
+    hosts = read_hostfile(path)
+    if backend == "mpi":
+        raise ClusterError("with --backend mpi start the ranks with mpirun: "
+                           "mpirun -np N ... meshlm serve --backend mpi --rank $OMPI_COMM_WORLD_RANK ...")
+    cwd = os.getcwd()
+    base = [sys.executable, "-m", "meshlm"]
+    cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r), cwd)
+            for r, h in enumerate(hosts)]
+    if dry_run:
+        for cmd in cmds:
+            print(shlex.join(cmd))
+        return 0
+    _check_tools(cmds)
+    procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
+    return _supervise(procs)
+
+
+def _check_tools(cmds: list[list[str]]) -> None:
+    for tool in {cmd[0] for cmd in cmds}:
+        if shutil.which(tool) is None:
+            raise ClusterError(f"{tool} not found: it is needed to start a rank")
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); wait for every rank."""
+    leader = procs[0]
+    forwarded: list[int] = []
+
+    def forward(sig, _frame):
+        if leader.poll() is None:
+            forwarded.append(sig)
+            leader.send_signal(sig)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = leader.wait()
+    deadline = time.monotonic() + 10
+    for proc in procs[1:]:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("rank still running 10 s after the leader exited; killing it")
+            proc.kill()
+    # uvicorn re-raises the signal after its orderly shutdown: that is a clean stop we asked for.
+    return 0 if forwarded and code == -forwarded[0] else code

@@ -1,0 +1,104 @@
+"""Two hosts: a TP=2 cluster across two network namespaces joined by veth, started by `meshlm launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CLIENT = """
+import json, sys, time, httpx
+url = sys.argv[1]
+deadline = time.time() + 120
+while time.time() < deadline:
+    try:
+        if httpx.get(url + "/health", timeout=1).status_code == 200:
+            break
+    except httpx.HTTPError:
+        time.sleep(0.3)
+prompts = json.loads(sys.argv[2])
+out = [httpx.post(url + "/v1/completions", timeout=60, json={"prompt": p, "max_tokens": 12, "temperature": 0})
+       .json()["choices"][0]["text"] for p in prompts]
+print(json.dumps(out))
+"""
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture()
+def two_hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 ('ip') is not installed")
+    tag = f"{os.getpid() % 10000}"
+    a, b = f"mlA{tag}", f"mlB{tag}"
+    ips = ("10.231.7.1", "10.231.7.2")
+    try:
+        sh("ip", "netns", "add", a)
+        sh("ip", "netns", "add", b)
+        sh("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
+        for ns, dev, ip in ((a, f"va{tag}", ips[0]), (b, f"vb{tag}", ips[1])):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    yield (a, ips[0]), (b, ips[1])
+    for ns in (a, b):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path):
+    from meshlm.model.demo import make_tiny
+
+    (a, ip_a), (b, ip_b) = two_hosts
+    model = make_tiny(tmp_path / "tiny-kv4", "llama", layers=2, hidden=64, heads=4, kv_heads=4)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": f"netns:{a}", "ips": [ip_a]}, {"ssh": f"netns:{b}", "ips": [ip_b]}]))
+    prompts = [f"host test {i} about rivers" for i in range(4)]
+    log = (tmp_path / "launch.log").open("wb")
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
+         "--host", ip_a, "--port", "8000", "--kv-cache-dir", str(tmp_path / "kv")],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CLIENT, f"http://{ip_a}:8000",
+                              json.dumps(prompts)], capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr + (tmp_path / "launch.log").read_text()[-2000:]
+        got = json.loads(out.stdout)
+    finally:
+        cluster.send_signal(signal.SIGTERM)
+        cluster.wait(30)
+    assert cluster.returncode == 0
+    ring = (tmp_path / "launch.log").read_text()
+    assert "all 2 ranks joined" in ring
+    single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
+                            capture_output=True, text=True, timeout=120)
+    assert got == json.loads(single.stdout), single.stderr
+
+
+def _single_process_script() -> str:
+    return """
+import json, sys
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+import mlx.core as mx
+model, tok = load(sys.argv[1])
+outs = []
+for p in json.loads(sys.argv[2]):
+    ids = [t for t, _ in generate_step(mx.array(tok.encode(p)), model, max_tokens=12)]
+    outs.append(tok.decode([int(i) for i in ids]))
+print(json.dumps(outs))
+"""
