@@ -72,6 +72,7 @@ class SSDTier:
     def __init__(self, config: SSDConfig, salt: CacheSalt, rank: int) -> None:
         self.config = config
         self.salt = salt
+        self.rank = rank
         self.dir = config.cache_dir / salt.model_fingerprint / salt.layout / f"rank_{rank}"
         self.enabled = True
         self.dropped = 0  # files rejected at start-up or on load
@@ -106,8 +107,10 @@ class SSDTier:
             header, size = _read_header(path)
             meta = header.get("__metadata__") or {}
             key = bytes.fromhex(path.name[: -len(SUFFIX)])
+            # Keys are the same on every rank, so the rank is checked too: another rank's shard is foreign.
             ok = (meta.get("format") == FORMAT and meta.get("salt") == self.salt.root().hex()
-                  and meta.get("key") == key.hex() and size == path.stat().st_size)
+                  and meta.get("key") == key.hex() and meta.get("rank") == str(self.rank)
+                  and size == path.stat().st_size)
             return key if ok else None
         except Exception:  # whatever is wrong with a file, it is dropped, never fatal
             return None
@@ -128,7 +131,8 @@ class SSDTier:
         path = self._path(key)
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
-            if meta.get("checksum") != checksum(arrays) or meta.get("key") != key.hex():
+            if (meta.get("checksum") != checksum(arrays) or meta.get("key") != key.hex()
+                    or meta.get("rank") != str(self.rank)):
                 raise ValueError("checksum mismatch")
             n = len(arrays) // 2
             block = Block([arrays[f"k.{i}"] for i in range(n)], [arrays[f"v.{i}"] for i in range(n)])
@@ -179,7 +183,8 @@ class SSDTier:
     def _write(self, key: bytes, block: Block) -> None:
         arrays = {f"k.{i}": a for i, a in enumerate(block.keys)}
         arrays.update({f"v.{i}": a for i, a in enumerate(block.values)})
-        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "checksum": checksum(arrays)}
+        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "rank": str(self.rank),
+                "checksum": checksum(arrays)}
         path = self._path(key)
         # mx.save_safetensors insists on the .safetensors suffix; a torn temp
         # file fails validation at the next start-up and is dropped.

@@ -197,6 +197,19 @@ def _wait_readable(links: Iterable[_Link], deadline: float) -> list[_Link]:
 # -- leader -------------------------------------------------------------------------
 
 
+def _last_error_ack(link: _Link) -> Ack | None:
+    """The error ACK among a closed link's buffered frames, if the worker sent one before leaving."""
+    try:
+        while (frame := link.next_frame()) is not None:
+            if frame.kind is Kind.ACK:
+                ack = wire.decode_ack(frame.payload)
+                if ack.error:
+                    return ack
+    except ControlError:
+        pass
+    return None
+
+
 class ControlLeader:
     """Rank 0's end: admits the workers, broadcasts plans, collects acks, notices dead workers.
 
@@ -453,7 +466,10 @@ class ControlLeader:
         try:
             link.read_available()
         except _Closed as e:
+            failed = _last_error_ack(link)  # a worker that failed says why, then exits
             self._lose(rank)
+            if failed is not None:
+                raise WorkerFailed(rank, failed.step_id, failed.error) from None
             raise WorkerLost(rank, f"{e} ({link.peer}; process died or host unreachable)") from None
 
     def _send_all(self, kind: Kind, payload: bytes) -> int:

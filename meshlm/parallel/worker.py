@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import mlx.core as mx
 
@@ -49,7 +50,17 @@ def run_worker(cfg: ParallelConfig, model, fingerprint: str, prefix: PrefixCache
             prefix.ssd.flush(timeout=2)
 
 
+def _injected_fault() -> tuple[str, int] | None:
+    """Fault injection for the failure tests: MESHLM_FAULT_INJECT=skip_step=N or stall_step=N."""
+    spec = os.environ.get("MESHLM_FAULT_INJECT", "")
+    if "=" not in spec:
+        return None
+    kind, step = spec.split("=", 1)
+    return kind, int(step)
+
+
 def _serve_plans(control: ControlWorker, runner: Runner, watchdog: Watchdog, prefix, kv_budget: int) -> int:
+    fault = _injected_fault()
     while True:
         try:
             plan = control.next_plan()
@@ -59,8 +70,13 @@ def _serve_plans(control: ControlWorker, runner: Runner, watchdog: Watchdog, pre
         if plan is None:
             log.info("leader asked to stop: %s", control.shutdown_reason)
             return EXIT_SHUTDOWN
+        if fault == ("skip_step", plan.step_id):  # this rank silently misses a step: a split brain
+            control.ack(plan.step_id, batch_fingerprint(runner.lengths))
+            continue
         try:
             with watchdog.step(f"step {plan.step_id}"):
+                if fault == ("stall_step", plan.step_id):
+                    time.sleep(3600)  # a hung rank: only the watchdogs can end this
                 result = runner.execute(plan)
                 if result.logits is not None:
                     mx.eval(result.logits)  # every rank must take part in the step's collectives
