@@ -1,0 +1,792 @@
+"""Shared helpers for the benchmark scripts: servers, readiness, RSS, SSE client.
+
+The scripts run as `python benchmarks/NAME.py`, so they import this module
+through their own directory on sys.path:
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _peer
+
+Everything here talks to servers over HTTP only (OpenAI-compatible
+`/v1/chat/completions` with streaming), so the same code drives meshlm,
+mlx_lm.server or any other compatible server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"
+READY_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
+RSS_INTERVAL_S = 0.2
+
+
+# -- small utilities ----------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def rounded(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def openblas_path() -> str | None:
+    return OPENBLAS if os.path.exists(OPENBLAS) else None
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "openblas": openblas_path(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import mlx.core as mx
+
+        info["mlx"] = mx.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import mlx_lm
+
+        info["mlx_lm"] = getattr(mlx_lm, "__version__", None)
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+# -- process tree: RSS and loaded libraries -----------------------------------
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # comm (field 2) may contain spaces/parens: split after the last ')'.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if len(rest) >= 2:
+            children.setdefault(int(rest[1]), []).append(int(name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its live descendants."""
+    if not os.path.exists(f"/proc/{pid}"):
+        return []
+    children = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def tree_rss_mb(pid: int) -> float:
+    return sum(rss_kb(p) for p in process_tree(pid)) / 1024.0
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(pid: int) -> float:
+    """user+system CPU seconds of the live processes of the tree (and their waited-for children)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        # fields 14-17 (utime stime cutime cstime) are rest[11:15]
+        total += sum(int(x) for x in rest[11:15])
+    return total / _CLK_TCK
+
+
+def system_busy_cpu_s() -> float:
+    """Non-idle CPU seconds of the whole machine since boot (all cores summed)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user/nice
+    return (sum(fields) - idle - guest) / _CLK_TCK
+
+
+class CpuMeter:
+    """CPU seconds spent by a server tree, this process, and everything else over a span.
+
+    `other_cpu_s` well above zero means something else on the machine competed
+    with the benchmark (e.g. a test run), so its numbers are less trustworthy.
+    """
+
+    def __init__(self, server_pid: int | None):
+        self.server_pid = server_pid
+
+    def _read(self) -> tuple[float, float, float, float]:
+        t = os.times()
+        server = tree_cpu_s(self.server_pid) if self.server_pid else 0.0
+        return time.monotonic(), system_busy_cpu_s(), server, t.user + t.system
+
+    def __enter__(self) -> "CpuMeter":
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        end = self._read()
+        wall, busy, server, client = (b - a for a, b in zip(self._start, end))
+        self.result = {
+            "cpu_cores": os.cpu_count(),
+            "server_cpu_s": round(server, 2) if self.server_pid else None,
+            "client_cpu_s": round(client, 2),
+            "other_cpu_s": round(max(0.0, busy - server - client), 2) if self.server_pid else None,
+            "machine_busy_frac": round(busy / (wall * (os.cpu_count() or 1)), 3) if wall > 0 else None,
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        }
+        # Others used over 10% of the machine while this ran: numbers are noisy.
+        if self.server_pid and wall > 0:
+            other = max(0.0, busy - server - client)
+            self.result["contended"] = other > 0.1 * wall * (os.cpu_count() or 1)
+
+
+def tree_maps_contain(pid: int, needle: str) -> bool:
+    """Whether any process of the tree has a mapping whose path contains `needle`."""
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                if needle in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+class RssSampler:
+    """Samples the summed VmRSS of a process tree every `interval` seconds.
+
+    `peak_mb` is the maximum since start or the last `reset()`; `overall_peak_mb`
+    is never reset. Use as a context manager or call start()/stop().
+    """
+
+    def __init__(self, pid: int | None, interval: float = RSS_INTERVAL_S):
+        self.pid = pid
+        self.interval = interval
+        self.peak_mb = 0.0
+        self.overall_peak_mb = 0.0
+        self.last_mb = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def sample(self) -> float:
+        if self.pid is None:
+            return 0.0
+        mb = tree_rss_mb(self.pid)
+        with self._lock:
+            self.last_mb = mb
+            self.samples += 1
+            self.peak_mb = max(self.peak_mb, mb)
+            self.overall_peak_mb = max(self.overall_peak_mb, mb)
+        return mb
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak_mb = self.last_mb
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def start(self) -> "RssSampler":
+        if self.pid is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def __enter__(self) -> "RssSampler":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+# -- server processes ---------------------------------------------------------
+
+
+class ServerError(RuntimeError):
+    def __init__(self, message: str, log_path: str | None = None):
+        super().__init__(message)
+        self.log_path = log_path
+
+
+@dataclass
+class ServerProcess:
+    """A server started in its own session, its output going to a log file.
+
+    stop() sends SIGTERM to the whole process group (and any descendant that
+    left it), then SIGKILL after `STOP_GRACE_S`. Safe to call more than once.
+    """
+
+    name: str
+    cmd: list[str]
+    url: str
+    env: dict[str, str] | None = None
+    ready_path: str = "/health"
+    cwd: str | None = None
+    log_path: str = ""
+    proc: subprocess.Popen | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    _cleanup_dirs: list[str] = field(default_factory=list)
+
+    def start(self) -> "ServerProcess":
+        fd, self.log_path = tempfile.mkstemp(prefix=f"bench-{self.name}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            log.write("$ " + " ".join(self.cmd) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        _LIVE.add(self)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S, path: str | None = None) -> float:
+        """Poll GET url+path until it answers 200; returns seconds waited."""
+        path = path or self.ready_path
+        t0 = time.monotonic()
+        last = "no answer yet"
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() - t0 < timeout:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise ServerError(
+                        f"{self.name} exited with code {code} before it was ready; log {self.log_path}:\n"
+                        + self.log_tail(),
+                        self.log_path,
+                    )
+                try:
+                    r = client.get(self.url + path)
+                    if r.status_code == 200:
+                        return time.monotonic() - t0
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    last = f"{type(e).__name__}: {e}"
+                time.sleep(0.25)
+        raise ServerError(
+            f"{self.name} not ready after {timeout:.0f}s (GET {path}: {last}); log {self.log_path}:\n"
+            + self.log_tail(),
+            self.log_path,
+        )
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        pid = self.proc.pid
+        tree = process_tree(pid)
+        if self.proc.poll() is None:
+            _signal_group(pid, signal.SIGTERM)
+            for p in tree:
+                _signal_pid(p, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _signal_group(pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        # Anything of the tree still around (a child that outlived its parent).
+        deadline = time.monotonic() + 2
+        for p in tree:
+            if p == pid:
+                continue
+            while os.path.exists(f"/proc/{p}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _signal_pid(p, signal.SIGKILL)
+        _signal_group(pid, signal.SIGKILL)
+        _LIVE.discard(self)
+        for d in self._cleanup_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self._cleanup_dirs.clear()
+        return self.proc.returncode
+
+    def remove_log(self) -> None:
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_LIVE: set[ServerProcess] = set()
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped yet."""
+    for server in list(_LIVE):
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so `finally:` blocks stop the servers."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):
+            pass
+    import atexit
+
+    atexit.register(stop_all)
+
+
+def meshlm_command() -> list[str]:
+    """`<venv>/bin/meshlm` beside this interpreter, else `python -m meshlm`."""
+    exe = Path(sys.executable).with_name("meshlm")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "meshlm"]
+
+
+def start_meshlm(
+    model: str,
+    *,
+    dtype: str | None = None,
+    max_batch_size: int | None = None,
+    extra_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start `meshlm serve` on a free port (not waiting for readiness)."""
+    port = port or free_port(host)
+    cmd = [*meshlm_command(), "serve", "--model", str(model), "--host", host, "--port", str(port)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if max_batch_size:
+        cmd += ["--max-batch-size", str(max_batch_size)]
+    cmd += list(extra_args)
+    server = ServerProcess("meshlm", cmd, f"http://{host}:{port}", env=env, ready_path="/health")
+    server.extra["flags"] = cmd[len(meshlm_command()) :]
+    return server.start()
+
+
+MLX_LM_DEFAULT_DECODE_CONCURRENCY = 32
+MLX_LM_DEFAULT_PROMPT_CONCURRENCY = 8
+
+
+def start_mlx_lm(
+    model_dir: str | os.PathLike,
+    *,
+    concurrency: int = 1,
+    extra_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    openblas: bool = True,
+) -> ServerProcess:
+    """Start `python -m mlx_lm.server` on a free port (not waiting for readiness).
+
+    - `/v1/models` scans the Hugging Face cache and raises when it is missing,
+      so the peer gets an empty temp HF_HUB_CACHE and HF_HUB_OFFLINE=1.
+    - Its batching limits (--decode-concurrency 32, --prompt-concurrency 8 by
+      default) are raised to `concurrency` when that is larger, so N streams
+      can be decoded and prefilled together.
+    - Requests must send model "default_model" (or omit it): any other value
+      is treated as a path or Hugging Face repo to load.
+    - LD_PRELOAD of Debian's OpenBLAS when present and `openblas` is true.
+    """
+    port = port or free_port(host)
+    decode = max(MLX_LM_DEFAULT_DECODE_CONCURRENCY, concurrency)
+    prompt = max(MLX_LM_DEFAULT_PROMPT_CONCURRENCY, concurrency)
+    flags = [
+        "--model", str(model_dir), "--host", host, "--port", str(port),
+        "--decode-concurrency", str(decode), "--prompt-concurrency", str(prompt),
+        *extra_args,
+    ]  # fmt: skip
+    hf_cache = tempfile.mkdtemp(prefix="bench-hf-cache-")
+    env = dict(os.environ)
+    env["HF_HUB_CACHE"] = hf_cache
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("MESHLM_OPENBLAS", None)
+    blas = openblas_path() if openblas else None
+    if blas:
+        env["LD_PRELOAD"] = ":".join(p for p in (blas, env.get("LD_PRELOAD", "")) if p)
+    cmd = [sys.executable, "-m", "mlx_lm.server", *flags]
+    server = ServerProcess("mlx-lm", cmd, f"http://{host}:{port}", env=env, ready_path="/v1/models")
+    server._cleanup_dirs.append(hf_cache)
+    server.extra["flags"] = flags
+    server.extra["request_model"] = "default_model"
+    server.extra["env"] = {"HF_HUB_CACHE": "<empty temp dir>", "HF_HUB_OFFLINE": "1", "LD_PRELOAD": blas}
+    return server.start()
+
+
+def served_model_id(url: str, default: str | None = None) -> str | None:
+    """The first id from GET /v1/models, else `default`."""
+    try:
+        r = httpx.get(url + "/v1/models", timeout=10.0)
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        if data and data[0].get("id"):
+            return data[0]["id"]
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return default
+
+
+# -- prompts ------------------------------------------------------------------
+
+_WORDS = (
+    "river mountain city garden teacher student window morning evening story "
+    "village market bread music travel ocean forest winter summer friend "
+    "library question answer machine light paper letter family dinner bridge "
+    "train station journey country history science number picture colour road "
+    "little quiet bright happy careful ancient modern simple strong gentle "
+    "walked opened found carried watched remembered built wrote painted asked "
+    "near under above across through beside behind before after during"
+).split()
+
+
+def make_prompt(index: int, words: int, seed: int = 0) -> str:
+    """A prompt of roughly `words` words, different for every `index`.
+
+    The request number comes first so no two prompts share a long prefix.
+    """
+    rng = random.Random(seed * 1_000_003 + index)
+    body_words = max(1, words - 16)
+    body = " ".join(rng.choice(_WORDS) for _ in range(body_words))
+    return (
+        f"Request {index}. Here are some notes: {body}. "
+        "Now write a long, detailed story that uses these notes."
+    )
+
+
+# -- streaming client ---------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    error: str | None = None
+    status: int | None = None
+    ttft: float | None = None  # request sent -> first content chunk
+    latency: float | None = None  # request sent -> [DONE]
+    itls: list[float] = field(default_factory=list)  # between content chunks
+    content_chunks: int = 0
+    completion_tokens: int | None = None  # from the usage chunk, if any
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    retries: int = 0  # transport errors before any response, retried
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.content_chunks
+
+
+def chat_payload(model: str | None, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        payload["model"] = model
+    payload.update(extra)
+    return payload
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message` of an exception and its causes (httpx often wraps an empty-message error)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        msg = str(e)
+        parts.append(f"{type(e).__name__}: {msg}" if msg else type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], retries: int = 2
+) -> StreamResult:
+    """POST a streaming chat completion and time its SSE chunks until `data: [DONE]`.
+
+    A transport error before any response arrives (e.g. a connection dropped
+    because the server's listen backlog overflowed) is retried up to `retries`
+    times; the time lost still counts in TTFT and the retries are counted.
+    """
+    res = StreamResult(ok=False)
+    t0 = time.perf_counter()
+    for attempt in range(retries + 1):
+        res.retries = attempt
+        await _stream_once(client, url, payload, res, t0)
+        if res.ok or res.status is not None or res.content_chunks or attempt == retries:
+            break
+        await asyncio.sleep(0.1 * (attempt + 1))
+    return res
+
+
+async def _stream_once(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], res: StreamResult, t0: float
+) -> None:
+    last: float | None = None
+    done = False
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=payload) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                body = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {body[:500]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    res.error = f"bad SSE data: {data[:200]}"
+                    return
+                if not isinstance(chunk, dict):
+                    res.error = f"SSE data is not an object: {data[:200]}"
+                    return
+                if chunk.get("error"):
+                    res.error = f"error event: {json.dumps(chunk['error'])[:500]}"
+                    return
+                usage = chunk.get("usage")
+                if usage:
+                    res.completion_tokens = usage.get("completion_tokens")
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    content = delta.get("content")
+                    if content:
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+                        res.content_chunks += 1
+                        res.text += content
+                    if choice.get("finish_reason"):
+                        res.finish_reason = choice["finish_reason"]
+    except (httpx.HTTPError, OSError) as e:
+        phase = "before the response" if res.status is None else f"after {res.content_chunks} content chunks"
+        res.error = f"{describe_error(e)} ({phase})"
+        return
+    res.latency = time.perf_counter() - t0
+    if not done:
+        res.error = "stream ended without data: [DONE]"
+        return
+    res.error = None
+    res.ok = True
+
+
+def async_client(concurrency: int, timeout: float = 600.0) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
+
+
+async def run_load(
+    url: str,
+    model: str | None,
+    prompts: Sequence[str],
+    streams: int,
+    max_tokens: int,
+    retries: int = 2,
+    **extra: Any,
+) -> tuple[list[StreamResult], float]:
+    """`streams` workers pull prompts from a shared queue, one request at a time each.
+
+    Returns the results (in prompt order) and the wall time of the whole load.
+    """
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(prompts)):
+        queue.put_nowait(i)
+    results: list[StreamResult | None] = [None] * len(prompts)
+
+    async with async_client(streams) as client:
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results[i] = await stream_chat(
+                    client, url, chat_payload(model, prompts[i], max_tokens, **extra), retries=retries
+                )
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        wall = time.perf_counter() - t0
+    return [r for r in results if r is not None], wall
+
+
+def summarize(results: Sequence[StreamResult], wall: float) -> dict[str, Any]:
+    """Latency percentiles and throughput of one load."""
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    tpots = [sum(r.itls) / (r.tokens - 1) for r in ok if r.itls and r.tokens > 1]
+    tokens = sum(r.tokens for r in ok)
+    out: dict[str, Any] = {
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "wall_s": rounded(wall, 3),
+        "completion_tokens": tokens,
+        "tokens_per_s": rounded(tokens / wall if wall > 0 else None, 2),
+        "ttft_p50": rounded(percentile(ttfts, 50)),
+        "ttft_p95": rounded(percentile(ttfts, 95)),
+        "itl_p50": rounded(percentile(itls, 50), 6),
+        "itl_p95": rounded(percentile(itls, 95), 6),
+        # per request: (last chunk - first chunk) / (tokens - 1), robust to chunk bunching
+        "tpot_p50": rounded(percentile(tpots, 50), 6),
+        "latency_p50": rounded(percentile([r.latency for r in ok if r.latency is not None], 50), 3),
+        "mean_completion_tokens": rounded(tokens / len(ok), 1) if ok else None,
+        "mean_content_chunks": rounded(sum(r.content_chunks for r in ok) / len(ok), 1) if ok else None,
+        "tokens_from_usage": all(r.completion_tokens is not None for r in ok) if ok else None,
+        "finish_reasons": _count(r.finish_reason for r in ok),
+        "retried_requests": sum(1 for r in results if r.retries),
+    }
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        out["errors"] = sorted(set(e or "unknown" for e in errors))[:5]
+    return out
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
+
+def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, digits)
