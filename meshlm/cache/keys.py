@@ -23,6 +23,12 @@ class CacheSalt:
     layout: str  # e.g. "tp1", "tp2"
     block_size: int
 
+    @property
+    def directory(self) -> str:
+        """The SSD path component below the model fingerprint: everything else the salt holds,
+        so another block size or dtype keeps its own files instead of finding ours foreign."""
+        return f"{self.layout}-{self.kv_dtype}-b{self.block_size}"
+
     def root(self) -> bytes:
         text = f"meshlm-kv/1|{self.model_fingerprint}|{self.kv_dtype}|{self.layout}|{self.block_size}"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()

@@ -1,6 +1,6 @@
 """The SSD tier: KV blocks as safetensors files that survive restarts.
 
-Layout: `<cache_dir>/<model_fingerprint>/<layout>/rank_<r>/<key hex>.safetensors`.
+Layout: `<cache_dir>/<model_fingerprint>/<layout>-<kv dtype>-b<block size>/rank_<r>/<key hex>.safetensors`.
 Writes go through a background thread (off the request path), each as a temp
 file renamed into place, so a crash leaves either the old state or a whole
 file. Every file carries its key, salt and a checksum of its tensor bytes in
@@ -73,7 +73,7 @@ class SSDTier:
         self.config = config
         self.salt = salt
         self.rank = rank
-        self.dir = config.cache_dir / salt.model_fingerprint / salt.layout / f"rank_{rank}"
+        self.dir = config.cache_dir / salt.model_fingerprint / salt.directory / f"rank_{rank}"
         self.enabled = True
         self.dropped = 0  # files rejected at start-up or on load
         self.writes = 0

@@ -103,7 +103,7 @@ def test_ssd_tier_is_rank_isolated_and_survives_restart(model, tmp_path):
         first = complete(srv.url, prompt).json()
     finally:
         stop(srv)
-    rank_dirs = sorted((tmp_path / "kv").glob("*/tp2/rank_*"))
+    rank_dirs = sorted((tmp_path / "kv").glob("*/tp2-*/rank_*"))
     assert [d.name for d in rank_dirs] == ["rank_0", "rank_1"]
     names = [sorted(p.name for p in d.iterdir()) for d in rank_dirs]
     assert names[0] == names[1] and names[0]  # identical keys on every rank
@@ -126,7 +126,7 @@ def test_another_ranks_shard_is_never_loaded(model, tmp_path):
         first = complete(srv.url, prompt).json()
     finally:
         stop(srv)
-    r0, r1 = sorted((tmp_path / "kv").glob("*/tp2/rank_*"))
+    r0, r1 = sorted((tmp_path / "kv").glob("*/tp2-*/rank_*"))
     for f in r0.iterdir():
         (r1 / f.name).write_bytes(f.read_bytes())
     srv = tp_server(model, tmp_path)
