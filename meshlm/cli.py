@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -91,7 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel, or with only --hostfile, one rank per hostfile entry."""
+    if args.hostfile and args.tensor_parallel == 1:
+        from meshlm.parallel.bootstrap import read_hostfile
+
+        return len(read_hostfile(args.hostfile))
+    return args.tensor_parallel
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
+    args.tensor_parallel = _world_size(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
@@ -124,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             config = serve_config(args)
+            if config.parallel.distributed and config.parallel.hostfile is None:
+                # All local ranks share this machine's cores, rank 0 included (set before the re-exec).
+                os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.tensor_parallel)))
             from meshlm.platform import maybe_reexec_with_openblas
 
             maybe_reexec_with_openblas(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -25,8 +26,9 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, on_evict: Callable[[bytes, Block], None] | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self.on_evict = on_evict  # e.g. spill to the SSD tier
         self._blocks: collections.OrderedDict[bytes, Block] = collections.OrderedDict()
         self._refs: collections.Counter[bytes] = collections.Counter()
         self.nbytes = 0
@@ -63,13 +65,18 @@ class BlockPool:
     def trim(self, limit: int) -> int:
         """Evict least-recently-used unpinned blocks until at most `limit` bytes remain."""
         limit = min(limit, self.budget_bytes)
+        if self.nbytes <= limit:
+            return 0
         evicted = 0
         for key in list(self._blocks):
             if self.nbytes <= limit:
                 break
             if self._refs[key]:
                 continue
-            self.nbytes -= self._blocks.pop(key).nbytes
+            block = self._blocks.pop(key)
+            self.nbytes -= block.nbytes
             evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(key, block)
         self.evictions += evicted
         return evicted

@@ -32,6 +32,8 @@ class PrefixCache:
         self.block_size = salt.block_size
         self.pool = pool
         self.ssd = ssd
+        if ssd is not None:
+            pool.on_evict = self._spill
         self.stats = CacheStats()
         self._pinned: dict[bytes, int] = {}
 
@@ -80,8 +82,15 @@ class PrefixCache:
             for i in range(layers)
         ]
 
-    def store(self, token_ids: list[int], kv: list[tuple[mx.array, mx.array]]) -> int:
-        """Keep every full block of a sequence's KV (per layer (1, H, >=len, D)) not cached yet."""
+    def _spill(self, key: bytes, block: Block) -> None:
+        """A block leaving RAM goes to disk (if not there already) rather than being lost."""
+        self.ssd.save(key, block)
+
+    def store(self, token_ids: list[int], kv: list[tuple[mx.array, mx.array]], write_through: bool = True) -> int:
+        """Keep every full block of a sequence's KV (per layer (1, H, >=len, D)) not cached yet.
+
+        `write_through`: also queue them for the SSD tier now (prompts, after prefill); otherwise
+        they reach disk only if evicted from RAM, which keeps disk writes off busy decode steps."""
         keys = block_keys(token_ids, self.salt)
         bs = self.block_size
         new = [(i, k) for i, k in enumerate(keys) if k not in self.pool and not (self.ssd and k in self.ssd)]
@@ -90,7 +99,7 @@ class PrefixCache:
             block = Block([mx.contiguous(k[0, :, sl]) for k, _ in kv], [mx.contiguous(v[0, :, sl]) for _, v in kv])
             mx.eval(block.keys, block.values)
             self.pool.put(key, block)
-            if self.ssd is not None:
+            if self.ssd is not None and write_through:
                 self.ssd.save(key, block)
         self.stats.stored += len(new)
         return len(new)

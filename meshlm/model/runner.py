@@ -101,7 +101,7 @@ class Runner:
         if len(keep) < len(self.decode_uids):
             for i, uid in enumerate(self.decode_uids):
                 if uid in gone:
-                    self._store(uid, [c.extract(i) for c in self.decode_cache])
+                    self._store(uid, [c.extract(i) for c in self.decode_cache], write_through=False)
             self.decode_uids = [self.decode_uids[i] for i in keep]
             if keep:
                 idx = mx.array(keep)
@@ -162,14 +162,15 @@ class Runner:
                 mine.extend(theirs)
         self.decode_uids.extend(uids)
 
-    def _store(self, uid: int, cache: list[KVCache]) -> None:
-        """Give a sequence's full blocks to the prefix cache (write-through after prefill, and at exit)."""
+    def _store(self, uid: int, cache: list[KVCache], write_through: bool = True) -> None:
+        """Give a sequence's full blocks to the prefix cache: after prefill (written through to
+        disk) and when it leaves (RAM; disk only on eviction)."""
         if self.prefix_cache is None:
             return
         n = min(self.lengths.get(uid, 0), cache[0].offset)
         ids = self.tokens.get(uid, [])[:n]
         if len(ids) >= self.prefix_cache.block_size:
-            self.prefix_cache.store(ids, [(c.keys, c.values) for c in cache])
+            self.prefix_cache.store(ids, [(c.keys, c.values) for c in cache], write_through)
 
     # -- introspection ----------------------------------------------------
     @property

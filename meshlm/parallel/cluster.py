@@ -56,9 +56,8 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         raise ClusterError(f"hostfile lists {len(hosts)} ranks but --tensor-parallel is {p.tensor_parallel}")
     ring = Path(tempfile.mkdtemp(prefix="meshlm-ring-")) / "ring.json"
     ring.write_text(json.dumps(ring_hostfile(hosts, ports.ring_port)))
-    leader_ip = hosts[0].ips[0]
-    control = p.control_addr or f"{leader_ip}:{ports.control_port}"
-    return Topology(dataclasses.replace(p, control_addr=control), ring, leader_ip), None
+    control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
+    return Topology(dataclasses.replace(p, control_addr=control), ring, control.rsplit(":", 1)[0]), None
 
 
 def serve_tensor_parallel(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> None:
