@@ -101,8 +101,21 @@ def _world_size(args: argparse.Namespace) -> int:
     return args.tensor_parallel
 
 
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def _rank(args: argparse.Namespace) -> int:
+    """--rank, or under mpirun (--backend mpi) the rank MPI gave this process."""
+    if args.backend == "mpi" and args.rank == 0:
+        for var in MPI_RANK_VARS:
+            if var in os.environ:
+                return int(os.environ[var])
+    return args.rank
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.tensor_parallel = _world_size(args)
+    args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),

@@ -49,13 +49,14 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
 def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = False) -> int:
     path = Path(hostfile).resolve()
     hosts = read_hostfile(path)
-    if backend == "mpi":
-        raise ClusterError("with --backend mpi start the ranks with mpirun: "
-                           "mpirun -np N ... meshlm serve --backend mpi --rank $OMPI_COMM_WORLD_RANK ...")
     cwd = os.getcwd()
     base = [sys.executable, "-m", "meshlm"]
-    cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r), cwd)
-            for r, h in enumerate(hosts)]
+    if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
+        argv = rank_argv(serve_argv, path, backend, len(hosts), 0)[:-2]
+        cmds = [["mpirun", "-np", str(len(hosts)), "--host", ",".join(h.ssh for h in hosts), *base, *argv]]
+    else:
+        cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r), cwd)
+                for r, h in enumerate(hosts)]
     if dry_run:
         for cmd in cmds:
             print(shlex.join(cmd))
