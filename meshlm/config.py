@@ -28,7 +28,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 32  # sequences running at once
-    max_tokens_per_step: int = 256  # prefill chunk tokens + decode tokens in one step
+    max_tokens_per_step: int = 512  # prefill chunk tokens + decode tokens in one step
     max_waiting: int = 256  # bounded waiting queue; beyond it requests get 429
     kv_cache_memory: int | None = None  # bytes for KV; None: a fraction of RAM
 
