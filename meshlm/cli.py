@@ -41,7 +41,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 4GB")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per prefix-cache block")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per prefix-cache block (docs/BENCHMARKS.md)")
     p.add_argument("--kv-cache-dir", default="~/.cache/meshlm/kv", help="root of the SSD tier")
     p.add_argument("--ssd-cache-gb", type=float, default=20.0)
     p.add_argument("--ssd-ttl-days", type=float, default=7.0)

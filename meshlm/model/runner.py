@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from meshlm.cache.prefix import PrefixCache
+from meshlm.model.head import last_logits
 from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
 
 
@@ -119,7 +120,7 @@ class Runner:
         if missing:
             raise SplitBrain(f"decode rows without a token this step: {missing}")
         tokens = mx.array([[by_uid[u].token_ids[0] for u in self.decode_uids]]).T
-        return self.model(tokens, cache=self.decode_cache)[:, -1, :]
+        return last_logits(self.model, tokens, self.decode_cache)
 
     def _prefill(self, chunks: list[Chunk]):
         """Yield (uids, last-position logits or None, caches) per prefill forward."""
@@ -132,10 +133,10 @@ class Runner:
             if c in fresh:
                 continue
             cache = self.prefill_caches.setdefault(c.uid, [KVCache() for _ in range(self.num_layers)])
-            logits = self.model(mx.array([c.token_ids]), cache=cache)
+            logits = last_logits(self.model, mx.array([c.token_ids]), cache)
             if c.sample:
                 del self.prefill_caches[c.uid]
-                yield [c.uid], logits[:, -1, :], cache
+                yield [c.uid], logits, cache
             else:
                 # Materialise the chunk now so the graph does not grow across steps.
                 mx.eval([x for kv in cache for x in (kv.keys, kv.values)])
@@ -145,8 +146,7 @@ class Runner:
         pads = [longest - len(c.token_ids) for c in chunks]
         tokens = mx.array([[0] * p + list(c.token_ids) for p, c in zip(pads, chunks)])
         cache = [BatchKVCache(pads) for _ in range(self.num_layers)]
-        logits = self.model(tokens, cache=cache)[:, -1, :]
-        return [c.uid for c in chunks], logits, cache
+        return [c.uid for c in chunks], last_logits(self.model, tokens, cache), cache
 
     def _join(self, uids: list[int], caches) -> None:
         if not isinstance(caches[0], BatchKVCache):

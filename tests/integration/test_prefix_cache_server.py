@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 BS = 16
 VOCAB = 400  # ids every tiny model knows
-FLAGS = ("--max-tokens-per-step", "64")  # prompts are prefilled in several chunks, restored ones too
+FLAGS = ("--max-tokens-per-step", "64", "--block-size", str(BS))  # prompts prefilled in several chunks
 RAM = 'meshlm_prefix_cache_bytes{tier="ram"}'
 SSD = 'meshlm_prefix_cache_bytes{tier="ssd"}'
 HITS_RAM = 'meshlm_prefix_cache_hits_total{tier="ram"}'
