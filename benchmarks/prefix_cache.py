@@ -100,15 +100,7 @@ def sized_prompt(model_dir: Path, index: int, tokens: int, seed: int) -> tuple[s
 
 def stream_chat(url: str, model: str | None, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One streaming chat completion: TTFT to the first content chunk, text, usage (with cached tokens)."""
-    payload: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if model is not None:
-        payload["model"] = model
+    payload = _peer.chat_payload(model, prompt, max_tokens)
     out: dict[str, Any] = {"ttft_s": None, "text": "", "usage": None}
     t0 = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=payload, timeout=600) as r:
