@@ -220,7 +220,10 @@ class Engine:
     def _sample(self, result: StepResult):
         if result.logits is None:
             return {}, {}
-        states = [self._tracked[u].sampling for u in result.uids]
+        tracked = [self._tracked.get(u) for u in result.uids]
+        if any(t is None for t in tracked):  # failed from another thread (watchdog) meanwhile
+            return {}, {}
+        states = [t.sampling for t in tracked]
         tokens, lps = sample(result.logits, states)
         sampled = dict(zip(result.uids, tokens))
         return sampled, {u: lp for u, lp in zip(result.uids, lps) if lp is not None}
@@ -273,14 +276,18 @@ class Engine:
     def _fail(self, message: str, recover: bool = True) -> None:
         with self._lock:
             seqs = self.scheduler.fail_all()
-        for seq in seqs:
-            self._finish(seq.uid, FinishReason.ERROR, error=message)
-        if recover:
+        if recover:  # first, so /health is already unhealthy when clients read their errors
             self._on_failure(message)
+        for seq in seqs:
+            self._finish(seq.uid, FinishReason.ERROR, error=self.error or message)
 
     def _on_failure(self, message: str) -> None:
         """A local executor recovers with fresh KV state; a cluster that cannot is unhealthy."""
-        self.error = self.executor.reset(message)
+        try:
+            self.error = self.executor.reset(message)
+        except Exception:  # a reset that fails leaves the engine unhealthy, never the thread dead
+            log.exception("executor reset failed")
+            self.error = message
         if self.error:
             log.error("engine unhealthy: %s", self.error)
 

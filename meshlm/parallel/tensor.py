@@ -57,14 +57,26 @@ class TensorExecutor:
         return self.runner.kv_bytes_per_token()
 
     def reset(self, error: str) -> str | None:
-        """A failed distributed step cannot be retried: name the dead rank if the channel knows it."""
-        try:
-            self.control.check_workers()
-        except ControlError as exc:
-            error = str(exc)
-        self.failure = error
-        self.control.shutdown(reason=f"leader failed: {error}", linger=0.5)
-        return error
+        """A failed distributed step cannot be retried. Report the first precise cause: a collective
+        failing ("peer lost") is a symptom, the control channel usually names the rank within ms."""
+        if self.failure is None:
+            self.failure = self._diagnose(error)
+            try:
+                self.control.shutdown(reason=f"leader failed: {self.failure}", linger=0.5)
+            except Exception:  # best effort: the survivors also leave by their own timeouts
+                log.exception("could not tell the workers to stop")
+        return self.failure
+
+    def _diagnose(self, error: str, wait: float = 1.0) -> str:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self.control.check_workers()
+            except ControlError as exc:
+                return f"{exc} ({error})" if str(exc) not in error else error
+            if time.monotonic() >= deadline:
+                return error
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.control.shutdown(reason="leader shutting down", linger=1.0)
