@@ -564,6 +564,17 @@ _WORDS = (
 ).split()
 
 
+def parse_levels(parser, text: str) -> list[int]:
+    """`--streams 1,8,16` -> [1, 8, 16]; a parser error for anything else."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--streams must be a comma list of integers, got {text!r}")
+    if not levels or min(levels) < 1:
+        parser.error("--streams needs positive integers")
+    return levels
+
+
 def make_prompt(index: int, words: int, seed: int = 0) -> str:
     """A prompt of roughly `words` words, different for every `index`.
 

@@ -80,12 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
-    try:
-        args.levels = [int(x) for x in args.streams.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--streams must be a comma list of integers, got {args.streams!r}")
-    if not args.levels or min(args.levels) < 1 or args.requests_per_stream < 1 or args.max_tokens < 1:
-        p.error("--streams, --requests-per-stream and --max-tokens need positive integers")
+    args.levels = _peer.parse_levels(p, args.streams)
+    if args.requests_per_stream < 1 or args.max_tokens < 1:
+        p.error("--requests-per-stream and --max-tokens need positive integers")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     return args
 
