@@ -28,7 +28,7 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     """Restart this process with Debian's OpenBLAS preloaded, if present on Linux.
 
     MLX's Linux CPU wheel links a reference BLAS; preloading OpenBLAS makes fp32
-    GEMM ~40x faster (docs/BENCHMARKS.md). LD_PRELOAD only works at exec time,
+    GEMM 17x faster here (docs/BENCHMARKS.md). LD_PRELOAD only works at exec time,
     hence the re-exec. Set MESHLM_OPENBLAS=0 to opt out.
     """
     if sys.platform != "linux" or os.environ.get(_PRELOADED_MARK) in ("0", "1"):
