@@ -191,10 +191,6 @@ class Engine:
             self._fail(f"{type(exc).__name__}: {exc}")
             return None
 
-    def step(self, plan: StepPlan) -> None:
-        """Run one whole step synchronously (tests and tools; the loop overlaps steps)."""
-        self._emit(self._collect(plan, self.executor.execute(plan)))
-
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
             return self.executor.execute(plan)

@@ -224,7 +224,7 @@ class Scheduler:
 
 def _chunk(seq: Sequence, n: int) -> Chunk:
     start = seq.num_computed_tokens
-    ids = seq.all_ids[start : start + n]
+    ids = seq.token_slice(start, start + n)  # decode: just the last token, not a copy of all
     return Chunk(seq.uid, start, tuple(ids), sample=start + n == seq.num_tokens)
 
 

@@ -44,7 +44,11 @@ class Runner:
         self.decode_uids: list[int] = []
         self.decode_cache: list[BatchKVCache] | None = None
         self.prefill_caches: dict[int, list[KVCache]] = {}
-        self.lengths: dict[int, int] = {}
+
+    @property
+    def lengths(self) -> dict[int, int]:
+        """Tokens in KV per sequence: what the batch fingerprint is computed over."""
+        return {uid: len(ids) for uid, ids in self.tokens.items()}
 
     # -- plan application -------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -63,9 +67,8 @@ class Runner:
             if logits is not None:
                 rows.append((uids, logits))
                 joiners.append((uids, caches))
-        for c in plan.chunks:
-            self.lengths[c.uid] = c.start + len(c.token_ids)
-            self.tokens[c.uid] = self.tokens.get(c.uid, [])[: c.start] + list(c.token_ids)
+        for c in plan.chunks:  # continuity was checked: each chunk extends its sequence's tokens
+            self.tokens.setdefault(c.uid, []).extend(c.token_ids)
         for uids, caches in joiners:
             self._join(uids, caches)
         if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
@@ -80,7 +83,7 @@ class Runner:
     def _check_continuity(self, plan: StepPlan) -> None:
         """Every chunk must start where this rank's KV ends: a rank that missed or replayed a step stops here."""
         for c in plan.chunks:
-            held = self.lengths.get(c.uid, 0)
+            held = len(self.tokens.get(c.uid, ()))
             if c.start != held:
                 raise SplitBrain(f"step {plan.step_id}: uid {c.uid} chunk starts at {c.start}, this rank holds {held}")
 
@@ -94,7 +97,6 @@ class Runner:
             c.state = (k, v, k.shape[2])
         self.prefill_caches[new.uid] = cache
         self.tokens[new.uid] = list(new.prefix_ids)
-        self.lengths[new.uid] = len(new.prefix_ids)
 
     def _remove(self, removed: tuple[int, ...]) -> None:
         gone = set(removed)
@@ -112,7 +114,6 @@ class Runner:
                 self.decode_cache = None
         for uid in gone:
             self.prefill_caches.pop(uid, None)
-            self.lengths.pop(uid, None)
             self.tokens.pop(uid, None)
 
     def _decode(self, by_uid: dict[int, Chunk]) -> mx.array:
@@ -167,8 +168,7 @@ class Runner:
         disk) and when it leaves (RAM; disk only on eviction)."""
         if self.prefix_cache is None:
             return
-        n = min(self.lengths.get(uid, 0), cache[0].offset)
-        ids = self.tokens.get(uid, [])[:n]
+        ids = self.tokens.get(uid, [])[: cache[0].offset]
         if len(ids) >= self.prefix_cache.block_size:
             self.prefix_cache.store(ids, [(c.keys, c.values) for c in cache], write_through)
 
