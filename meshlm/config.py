@@ -17,6 +17,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA
     max_model_len: int | None = None  # None: the model's own context length
     served_name: str | None = None  # name reported by /v1/models; None: derived from path
+    cpu_kernels: bool = True  # on CPU, base-2 attention and SwiGLU (model/cpu_kernels.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -14,6 +14,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import sharded_load
 
 from meshlm.config import ModelConfig
+from meshlm.model import cpu_kernels
 from meshlm.platform import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
+    if cfg.cpu_kernels:
+        cpu_kernels.install(model)
     context = int(config.get("max_position_embeddings") or 4096)
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)

@@ -1,0 +1,87 @@
+"""The CPU attention and SwiGLU agree with mlx's own kernels to fp32 rounding."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from meshlm.model import cpu_kernels
+
+TOL = 5e-6  # outputs are O(1); the kernels differ only in exp vs power(2, .) rounding
+
+
+def reference(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def ours(q, k, v, mask):
+    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference)
+
+
+@pytest.mark.parametrize(
+    "B,H,Hk,L,S",
+    [
+        (1, 9, 3, 300, 300),  # causal prefill split into query blocks
+        (1, 9, 3, 200, 650),  # a later prefill chunk against a longer cache, in blocks
+        (1, 4, 4, 40, 40),  # no GQA
+        (16, 9, 3, 1, 200),  # batched decode
+        (3, 8, 2, 17, 60),
+    ],
+)
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "bool", "additive"])
+def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind):
+    mx.random.seed(B * 1000 + L)
+    q, k, v = (mx.random.normal(s) for s in ((B, H, L, 64), (B, Hk, S, 64), (B, Hk, S, 64)))
+    allowed = mx.random.uniform(shape=(B, 1, L, S)) > 0.3
+    mask = {
+        "causal": "causal",
+        "none": None,
+        "bool": allowed,
+        "additive": mx.where(allowed, 0.0, -1e9),
+    }[mask_kind]
+    want = reference(q, k, v, scale=0.125, mask=mask)
+    got = ours(q, k, v, mask)
+    assert got.shape == want.shape
+    assert mx.abs(got - want).max().item() < TOL
+
+
+def test_fully_masked_rows_stay_finite():
+    """Left-padded rows of a batched prefill mask every key; NaN there would poison the real rows' values."""
+    q, k, v = mx.random.normal((2, 4, 5, 16)), mx.random.normal((2, 2, 5, 16)), mx.random.normal((2, 2, 5, 16))
+    mask = mx.ones((2, 1, 5, 5), dtype=mx.bool_)
+    mask[0, :, :2] = False
+    assert mx.isfinite(ours(q, k, v, mask)).all().item()
+
+
+def test_swiglu_matches_mlx():
+    gate = mx.random.normal((4, 300)) * 12  # large |gate| exercises power's overflow to inf
+    x = mx.random.normal((4, 300))
+    assert mx.abs(cpu_kernels.swiglu(gate, x) - mlx_swiglu(gate, x)).max().item() < TOL
+
+
+def test_half_precision_uses_the_fallback():
+    calls = []
+
+    def fallback(*args, **kwargs):
+        calls.append(1)
+        return reference(*args, **kwargs)
+
+    q = mx.random.normal((1, 2, 3, 8)).astype(mx.bfloat16)
+    cpu_kernels.attention(q, q, q, None, 0.3, "causal", _fallback=fallback)
+    assert calls == [1]
+
+
+def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
+    from mlx_lm.models import llama
+
+    # Restored at teardown, so other tests in this process see stock mlx-lm.
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    monkeypatch.setattr(llama, "swiglu", llama.swiglu)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
+    model = llama.Model(args)
+    tokens = mx.array([[1, 5, 9, 2, 7, 3]])
+    want = model(tokens)
+    assert cpu_kernels.install(model)
+    assert llama.swiglu is cpu_kernels.swiglu
+    assert cpu_kernels.install(model)  # idempotent: does not wrap itself
+    assert mx.abs(model(tokens) - want).max().item() < 1e-4
