@@ -14,6 +14,11 @@ OPENBLAS_GLOBS = (
     "/usr/lib/*/openblas-pthread/libopenblas.so.0",
 )
 _PRELOADED_MARK = "MESHLM_OPENBLAS"
+# OpenBLAS worker threads spin for 2**28 cycles after each GEMM before sleeping;
+# between GEMMs MLX runs its elementwise ops and Python its host work on the same
+# few cores, so the spinning steals them. 2**4 cycles: measured +12 % serving
+# throughput and half the TTFT on 2 cores (docs/BENCHMARKS.md).
+OPENBLAS_THREAD_TIMEOUT = "4"
 
 
 def find_openblas() -> str | None:
@@ -33,7 +38,8 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     """
     if sys.platform != "linux" or os.environ.get(_PRELOADED_MARK) in ("0", "1"):
         if os.environ.get(_PRELOADED_MARK) == "1":
-            log.info("using OpenBLAS for CPU matmuls (%s)", os.environ.get("LD_PRELOAD"))
+            log.info("using OpenBLAS for CPU matmuls (%s, OPENBLAS_THREAD_TIMEOUT=%s)",
+                     os.environ.get("LD_PRELOAD"), os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
         return
     lib = find_openblas()
     if lib is None:
@@ -42,6 +48,7 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     env[_PRELOADED_MARK] = "1"
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
 
 
