@@ -603,6 +603,7 @@ class StreamResult:
     content_chunks: int = 0
     completion_tokens: int | None = None  # from the usage chunk, if any
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     finish_reason: str | None = None
     text: str = ""
     retries: int = 0  # transport errors before any response, retried
@@ -692,6 +693,7 @@ async def _stream_once(
                 if usage:
                     res.completion_tokens = usage.get("completion_tokens")
                     res.prompt_tokens = usage.get("prompt_tokens")
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     content = delta.get("content")
@@ -781,6 +783,9 @@ def summarize(results: Sequence[StreamResult], wall: float) -> dict[str, Any]:
         "mean_completion_tokens": rounded(tokens / len(ok), 1) if ok else None,
         "mean_content_chunks": rounded(sum(r.content_chunks for r in ok) / len(ok), 1) if ok else None,
         "tokens_from_usage": all(r.completion_tokens is not None for r in ok) if ok else None,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        # prompt tokens served from a prefix cache: a fair comparison of compute keeps this near 0
+        "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "finish_reasons": _count(r.finish_reason for r in ok),
         "retried_requests": sum(1 for r in results if r.retries),
     }

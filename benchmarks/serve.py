@@ -20,7 +20,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128, help="~words per prompt (varied per request)")
     p.add_argument("--dtype", default="float32", help="meshlm --dtype (and the demo export the peer loads)")
     p.add_argument("--max-batch-size", type=int, help="meshlm --max-batch-size")
+    p.add_argument("--meshlm-args", default="", help="extra `meshlm serve` flags, e.g. '--no-ssd-cache'")
     p.add_argument("--peer", choices=PEERS, help="also benchmark this server on the same model dir")
     p.add_argument("--label", default="meshlm", help="JSON key of the main server")
     p.add_argument("--request-model", help="`model` field for the main server (default: its /v1/models id)")
@@ -249,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         def make_main() -> Target:
             if args.url:
                 return Target(args.label, args, url=args.url, request_model=args.request_model, pid=args.server_pid)
-            server = _peer.start_meshlm(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size)
+            # A fresh SSD tier per run: the default one outlives runs, and this script's prompts repeat
+            # from run to run, so a persistent cache would hand meshlm the previous run's prefills.
+            kv_dir = tempfile.mkdtemp(prefix="bench-kv-")
+            server = _peer.start_meshlm(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                                        extra_args=["--kv-cache-dir", kv_dir, *shlex.split(args.meshlm_args)])
+            server._cleanup_dirs.append(kv_dir)
             t = Target(args.label, args, server=server, request_model=args.request_model)
             t.info["dtype"] = args.dtype
             return t

@@ -19,8 +19,9 @@ control time per step is divided by itself plus the mean engine step time that
 the largest of those fractions is the headline.
 
 meshlm TP=2 runs twice: as a user starts it, and with OPENBLAS_NUM_THREADS set
-for rank 0 as well (meshlm sets it only for the worker ranks it spawns, so
-rank 0's OpenBLAS uses every core and competes with the worker's).
+for rank 0 explicitly, as mlx-lm's ranks get here (`meshlm serve
+--tensor-parallel N` sets OPENBLAS_NUM_THREADS=cpus/N for every local rank,
+rank 0 included, so the two runs should agree; the second one checks that).
 
 The mlx-lm peer runs `python -m mlx_lm.server` twice (ranks 0 and 1) with a
 ring hostfile on loopback ports, MLX_HOSTFILE/MLX_RANK set per process, not
@@ -305,11 +306,11 @@ def bench_meshlm(model: Path, tp: int, args: argparse.Namespace, workdir: Path,
     server = _peer.start_meshlm(str(model), extra_args=extra, env=env)
     info["command"] = server.extra["flags"]
     if leader_blas_threads is not None:
-        info["note"] = (f"OPENBLAS_NUM_THREADS={leader_blas_threads} in rank 0's environment (a workaround: "
-                        "meshlm gives it only to the worker ranks it spawns, so rank 0 runs OpenBLAS on every core)")
+        info["note"] = (f"OPENBLAS_NUM_THREADS={leader_blas_threads} exported in rank 0's environment (meshlm "
+                        "already sets cpus/N for every local rank; this run checks the default matches)")
     elif tp > 1:
-        info["note"] = ("as a user runs it: default environment; meshlm preloads OpenBLAS and gives the worker "
-                        "ranks it spawns OPENBLAS_NUM_THREADS=cpus/N, but not rank 0")
+        info["note"] = ("as a user runs it: default environment; meshlm preloads OpenBLAS and gives every local "
+                        "rank, rank 0 included, OPENBLAS_NUM_THREADS=cpus/N")
     else:
         info["note"] = "as a user runs it: default environment; OpenBLAS preloaded by meshlm"
     ok = False
