@@ -52,6 +52,13 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
 
 
+def cores_for_this_process() -> int:
+    """The CPU cores this rank may use: the CLI gives local tensor-parallel ranks cpus/N through
+    OPENBLAS_NUM_THREADS (the one place that share is decided); otherwise every core."""
+    share = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    return int(share) if share.isdigit() and int(share) > 0 else (os.cpu_count() or 1)
+
+
 def default_device_is_gpu() -> bool:
     import mlx.core as mx
 

@@ -44,6 +44,15 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind):
     assert mx.abs(got - want).max().item() < TOL
 
 
+@pytest.mark.parametrize("rows", [8, 15])
+def test_decode_split_over_two_streams_matches_mlx(monkeypatch, rows):
+    """With a core to spare, half a decode batch's attention runs on a second CPU stream."""
+    monkeypatch.setattr(cpu_kernels, "_split_decode", True)
+    q, k, v = mx.random.normal((rows, 9, 1, 64)), mx.random.normal((rows, 3, 90, 64)), mx.random.normal((rows, 3, 90, 64))
+    mask = mx.random.uniform(shape=(rows, 1, 1, 90)) > 0.2
+    assert mx.abs(ours(q, k, v, mask) - reference(q, k, v, scale=0.125, mask=mask)).max().item() < TOL
+
+
 def test_fully_masked_rows_stay_finite():
     """Left-padded rows of a batched prefill mask every key; NaN there would poison the real rows' values."""
     q, k, v = mx.random.normal((2, 4, 5, 16)), mx.random.normal((2, 2, 5, 16)), mx.random.normal((2, 2, 5, 16))
