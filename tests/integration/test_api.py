@@ -131,3 +131,14 @@ def test_openai_client_errors(server):
     with pytest.raises(openai.BadRequestError) as err:
         oc.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "word " * 2000}])
     assert "512" in str(err.value)
+
+
+def test_startup_log_names_blas_and_cpu_kernels(server):
+    """The CPU-path choices are visible in the log: OpenBLAS (with sleeping idle threads) and meshlm's kernels."""
+    from meshlm.platform import find_openblas
+
+    log = server.log.read_text()
+    if find_openblas() is not None:
+        assert "using OpenBLAS for CPU matmuls" in log
+        assert "OPENBLAS_THREAD_TIMEOUT=4" in log
+    assert "CPU kernels: base-2 attention and SwiGLU for mlx_lm.models.llama" in log
