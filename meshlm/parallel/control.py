@@ -38,6 +38,7 @@ from types import TracebackType
 from meshlm.engine.plan import StepPlan
 from meshlm.parallel import codec as wire
 from meshlm.parallel.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, Welcome
+from meshlm.parallel.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
 
 __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost",
            "ProtocolError", "SplitBrain", "WorkerFailed", "WorkerLost"]
@@ -45,7 +46,6 @@ __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeEr
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 10.0
-_RECV_BYTES = 1 << 20
 
 
 class HandshakeError(ControlError):
@@ -82,122 +82,10 @@ class SplitBrain(ControlError):
         self.rank, self.step_id, self.expected, self.actual = rank, step_id, expected, actual
 
 
-class _Closed(Exception):
-    """Internal: the peer closed the connection or the socket failed."""
-
-
-class _TimedOut(Exception):
-    """Internal: a deadline passed."""
-
-
-def _remaining(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
-def _set_opt(sock: socket.socket, level: int, name: str, value: int) -> None:
-    """Set a platform-specific TCP option when this OS has it (Linux and macOS name them differently)."""
-    opt = getattr(socket, name, None)
-    if opt is None:
-        return
-    try:
-        sock.setsockopt(level, opt, value)
-    except OSError:
-        pass
-
-
-def _tune(sock: socket.socket, liveness: float) -> None:
-    """Low latency for small frames; let the kernel give up on a vanished host (no FIN) within `liveness`."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = max(1, int(liveness / 2))
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPIDLE", idle)  # Linux
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPALIVE", idle)  # macOS
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1)
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPCNT", max(1, int(liveness / 2)))
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(liveness * 1000))  # Linux: unacked sends fail
-
-
-class _Link:
-    """One TCP connection: buffered frame decoding, inbound sequence check, deadline-bounded I/O."""
-
-    def __init__(self, sock: socket.socket, accepts: frozenset[Kind], max_payload: int) -> None:
-        self.sock = sock
-        self.accepts = accepts
-        self.decoder = wire.FrameDecoder(max_payload)
-        self.next_seq = 0  # next sequence number expected from the peer
-        self.closed = False
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(sock, selectors.EVENT_READ)
-        try:
-            host, port = sock.getpeername()[:2]
-            self.peer = f"{host}:{port}"
-        except OSError:
-            self.peer = "?"
-
-    def send(self, data: bytes, timeout: float) -> None:
-        if self.closed:
-            raise _Closed("connection already closed")
-        try:
-            self.sock.settimeout(max(timeout, 1e-3))
-            self.sock.sendall(data)
-        except socket.timeout:
-            raise _Closed(f"send blocked for {timeout:.1f} s (peer not reading)") from None
-        except OSError as e:
-            raise _Closed(f"send failed: {e}") from None
-
-    def read_available(self) -> None:
-        """Read what the socket holds now (call only when it polled readable)."""
-        try:
-            self.sock.settimeout(0.0)
-            data = self.sock.recv(_RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            raise _Closed(f"receive failed: {e}") from None
-        if not data:
-            raise _Closed("connection closed by peer")
-        self.decoder.feed(data)
-
-    def next_frame(self) -> Frame | None:
-        """A whole buffered frame, checked for kind and sequence, or None."""
-        frame = self.decoder.next_frame()
-        if frame is None:
-            return None
-        if frame.kind not in self.accepts:
-            raise ProtocolError(f"unexpected {frame.kind.name} frame from {self.peer}")
-        if frame.seq != self.next_seq:
-            what = "gap (frames lost)" if frame.seq > self.next_seq else "duplicate or replayed frame"
-            raise ProtocolError(f"sequence {frame.seq} from {self.peer}, expected {self.next_seq}: {what}")
-        self.next_seq += 1
-        return frame
-
-    def recv(self, deadline: float) -> Frame:
-        """Block until one whole frame arrives; `_TimedOut` at the deadline, `_Closed` on EOF."""
-        while (frame := self.next_frame()) is None:
-            if not self._sel.select(_remaining(deadline)) and _remaining(deadline) == 0:
-                raise _TimedOut()
-            self.read_available()
-        return frame
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._sel.close()
-            self.sock.close()
-
-
-def _wait_readable(links: Iterable[_Link], deadline: float) -> list[_Link]:
-    """Links with bytes (or EOF) to read, waiting at most until `deadline` (0 = just poll)."""
-    with selectors.DefaultSelector() as sel:
-        for link in links:
-            sel.register(link.sock, selectors.EVENT_READ, link)
-        return [key.data for key, _ in sel.select(_remaining(deadline))]
-
-
 # -- leader -------------------------------------------------------------------------
 
 
-def _last_error_ack(link: _Link) -> Ack | None:
+def _last_error_ack(link: Link) -> Ack | None:
     """The error ACK among a closed link's buffered frames, if the worker sent one before leaving."""
     try:
         while (frame := link.next_frame()) is not None:
@@ -237,7 +125,7 @@ class ControlLeader:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._listener = socket.create_server((bind_host, port), family=family, backlog=world_size + 8)
         self.host, self.port = self._listener.getsockname()[:2]
-        self._links: dict[int, _Link] = {}  # rank -> link, once admitted
+        self._links: dict[int, Link] = {}  # rank -> link, once admitted
         self._pending: dict[int, collections.deque[tuple[int, int]]] = {}  # rank -> (step_id, fingerprint) unacked
         self._seq = 0  # leader -> worker sequence number, shared by every link
         self._last_step = -1
@@ -267,9 +155,9 @@ class ControlLeader:
         return hellos
 
     def _handshake_round(self, sel: selectors.BaseSelector, hellos: dict[int, Hello], deadline: float) -> None:
-        if _remaining(deadline) == 0:
+        if remaining(deadline) == 0:
             raise HandshakeError(self._missing_message(hellos))
-        for key, _ in sel.select(_remaining(deadline)):
+        for key, _ in sel.select(remaining(deadline)):
             if key.fileobj is self._listener:
                 self._accept(sel)
             else:
@@ -280,10 +168,10 @@ class ControlLeader:
             sock, _ = self._listener.accept()
         except OSError:
             return
-        _tune(sock, max(self.timeout, 5.0))
-        sel.register(sock, selectors.EVENT_READ, _Link(sock, wire.WORKER_KINDS, self.max_payload))
+        tune(sock, max(self.timeout, 5.0))
+        sel.register(sock, selectors.EVENT_READ, Link(sock, wire.WORKER_KINDS, self.max_payload))
 
-    def _read_hello(self, sel: selectors.BaseSelector, link: _Link, hellos: dict[int, Hello]) -> None:
+    def _read_hello(self, sel: selectors.BaseSelector, link: Link, hellos: dict[int, Hello]) -> None:
         try:
             link.read_available()
             frame = link.next_frame()
@@ -292,7 +180,7 @@ class ControlLeader:
             if frame.kind is not Kind.HELLO:
                 raise ProtocolError(f"first frame was {frame.kind.name}, expected HELLO")
             hello = wire.decode_hello(frame.payload)
-        except (ProtocolError, _Closed) as e:
+        except (ProtocolError, LinkClosed) as e:
             # A stray client (port scan, wrong service) must not abort the cluster: drop it, remember why.
             self._dropped.append(f"{link.peer}: {e}")
             log.warning("control: dropped connection from %s during handshake: %s", link.peer, e)
@@ -336,10 +224,10 @@ class ControlLeader:
             msg += f"; refused connections: {'; '.join(self._dropped)}"
         return msg
 
-    def _reject(self, link: _Link, reason: str, seq: int = 0) -> None:
+    def _reject(self, link: Link, reason: str, seq: int = 0) -> None:
         try:
             link.send(wire.encode_frame(Kind.REJECT, seq, wire.encode_reason(reason)), timeout=1.0)
-        except _Closed:
+        except LinkClosed:
             pass
         link.close()
 
@@ -353,7 +241,7 @@ class ControlLeader:
 
     def _close_unadmitted(self, sel: selectors.BaseSelector) -> None:
         for key in list(sel.get_map().values()):
-            if isinstance(key.data, _Link):
+            if isinstance(key.data, Link):
                 key.data.close()
 
     # -- steady state ---------------------------------------------------------------
@@ -391,7 +279,7 @@ class ControlLeader:
     def check_workers(self) -> None:
         """Non-blocking: raise WorkerLost for a worker whose connection closed (e.g. process killed)."""
         with self._lock:
-            for link in _wait_readable(self._live_links(), deadline=0):
+            for link in wait_readable(self._live_links(), deadline=0):
                 self._read(self._rank_of(link), link)
 
     def collect_acks(self, step_id: int, timeout: float | None = None) -> dict[int, Ack]:
@@ -452,8 +340,8 @@ class ControlLeader:
     def _wait_for(self, waiting: set[int], step_id: int, deadline: float) -> None:
         self._require_live(waiting)
         links = [self._links[r] for r in sorted(waiting)]
-        ready = _wait_readable(links, deadline)
-        if not ready and _remaining(deadline) == 0:
+        ready = wait_readable(links, deadline)
+        if not ready and remaining(deadline) == 0:
             others = sorted(waiting)[1:]
             extra = f" (also missing: ranks {others})" if others else ""
             first = min(waiting)
@@ -462,10 +350,10 @@ class ControlLeader:
         for link in ready:
             self._read(self._rank_of(link), link)
 
-    def _read(self, rank: int, link: _Link) -> None:
+    def _read(self, rank: int, link: Link) -> None:
         try:
             link.read_available()
-        except _Closed as e:
+        except LinkClosed as e:
             failed = _last_error_ack(link)  # a worker that failed says why, then exits
             self._lose(rank)
             if failed is not None:
@@ -483,7 +371,7 @@ class ControlLeader:
             link = self._links[rank]
             try:
                 link.send(data, self.timeout)
-            except _Closed as e:
+            except LinkClosed as e:
                 self._lose(rank)
                 raise WorkerLost(rank, f"{e} ({link.peer})") from None
         return seq
@@ -493,10 +381,10 @@ class ControlLeader:
             if self._links[rank].closed:
                 raise WorkerLost(rank, "connection already lost")
 
-    def _live_links(self) -> list[_Link]:
+    def _live_links(self) -> list[Link]:
         return [link for link in self._links.values() if not link.closed]
 
-    def _rank_of(self, link: _Link) -> int:
+    def _rank_of(self, link: Link) -> int:
         return next(r for r, lk in self._links.items() if lk is link)
 
     def _lose(self, rank: int) -> None:
@@ -514,21 +402,21 @@ class ControlLeader:
             self._drain_until_closed(time.monotonic() + linger)
             self.close()
 
-    def _send_quietly(self, link: _Link, data: bytes) -> None:
+    def _send_quietly(self, link: Link, data: bytes) -> None:
         try:
             link.send(data, timeout=1.0)
             link.sock.shutdown(socket.SHUT_WR)
-        except (_Closed, OSError):
+        except (LinkClosed, OSError):
             link.close()
 
     def _drain_until_closed(self, deadline: float) -> None:
         # Closing with unread bytes would send RST, which can destroy the SHUTDOWN frame in flight.
-        while (live := self._live_links()) and _remaining(deadline) > 0:
-            for link in _wait_readable(live, deadline):
+        while (live := self._live_links()) and remaining(deadline) > 0:
+            for link in wait_readable(live, deadline):
                 try:
                     link.read_available()
                     link.decoder = wire.FrameDecoder(self.max_payload)  # late acks no longer matter
-                except _Closed:
+                except LinkClosed:
                     link.close()
 
     def close(self) -> None:
@@ -567,14 +455,14 @@ class ControlWorker:
         self.timeout = timeout
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_payload = max_payload
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._seq = 0  # worker -> leader sequence number
         self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
     def connect(self) -> Welcome:
         """Connect (retrying until the deadline), send HELLO, wait for WELCOME. Raises HandshakeError."""
         deadline = time.monotonic() + self.connect_timeout
-        self._link = _Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
+        self._link = Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
         try:
             self._send(Kind.HELLO, wire.encode_hello(Hello(self.rank, self.world_size, self.fingerprint)))
             welcome = self._await_welcome(deadline)
@@ -593,22 +481,22 @@ class ControlWorker:
         delay, last = 0.02, "no attempt made"
         while True:
             try:
-                sock = socket.create_connection((self.leader_host, self.port), timeout=max(_remaining(deadline), 0.05))
-                _tune(sock, max(self.timeout, 5.0))
+                sock = socket.create_connection((self.leader_host, self.port), timeout=max(remaining(deadline), 0.05))
+                tune(sock, max(self.timeout, 5.0))
                 return sock
             except OSError as e:
                 last = str(e)
-            if _remaining(deadline) == 0:
+            if remaining(deadline) == 0:
                 raise HandshakeError(f"could not reach the leader at {self.leader_host}:{self.port}: {last}")
-            time.sleep(min(delay, _remaining(deadline)))
+            time.sleep(min(delay, remaining(deadline)))
             delay = min(delay * 2, 0.5)
 
     def _await_welcome(self, deadline: float) -> Welcome:
         try:
             frame = self._link_or_raise().recv(deadline)
-        except _TimedOut:
+        except LinkTimeout:
             raise HandshakeError(f"rank {self.rank}: no WELCOME from the leader before the deadline") from None
-        except _Closed as e:
+        except LinkClosed as e:
             raise HandshakeError(f"rank {self.rank}: leader hung up during the handshake ({e})") from None
         if frame.kind is Kind.REJECT:
             raise HandshakeError(f"leader rejected rank {self.rank}: {wire.decode_reason(frame.payload)}")
@@ -621,10 +509,10 @@ class ControlWorker:
         wait = self.timeout if timeout is None else timeout
         try:
             frame = self._link_or_raise().recv(time.monotonic() + wait)
-        except _TimedOut:
+        except LinkTimeout:
             silence = f"nothing from the leader for {wait:.1f} s (not even a heartbeat)"
             raise LeaderLost(f"rank {self.rank}: {silence}") from None
-        except _Closed as e:
+        except LinkClosed as e:
             raise LeaderLost(f"rank {self.rank}: {e}") from None
         if frame.kind is Kind.REJECT:
             self.close()
@@ -653,11 +541,11 @@ class ControlWorker:
         data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
         try:
             self._link_or_raise().send(data, self.timeout)
-        except _Closed as e:
+        except LinkClosed as e:
             raise LeaderLost(f"rank {self.rank}: {e}") from None
         self._seq += 1
 
-    def _link_or_raise(self) -> _Link:
+    def _link_or_raise(self) -> Link:
         if self._link is None or self._link.closed:
             raise LeaderLost(f"rank {self.rank}: not connected")
         return self._link

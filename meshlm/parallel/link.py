@@ -1,0 +1,129 @@
+"""One TCP connection of the control channel: framing, inbound sequence checks,
+deadline-bounded I/O and keepalive tuning (pure Python, no MLX).
+
+`control.py` builds the leader/worker protocol on top of these links.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from collections.abc import Iterable
+
+from meshlm.parallel import codec as wire
+from meshlm.parallel.codec import Frame, Kind, ProtocolError
+
+_RECV_BYTES = 1 << 20
+
+
+class LinkClosed(Exception):
+    """The peer closed the connection or the socket failed (control.py turns it into a ControlError)."""
+
+
+class LinkTimeout(Exception):
+    """A deadline passed (control.py turns it into a ControlError)."""
+
+
+def remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _set_opt(sock: socket.socket, level: int, name: str, value: int) -> None:
+    """Set a platform-specific TCP option when this OS has it (Linux and macOS name them differently)."""
+    opt = getattr(socket, name, None)
+    if opt is None:
+        return
+    try:
+        sock.setsockopt(level, opt, value)
+    except OSError:
+        pass
+
+
+def tune(sock: socket.socket, liveness: float) -> None:
+    """Low latency for small frames; let the kernel give up on a vanished host (no FIN) within `liveness`."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(liveness / 2))
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPIDLE", idle)  # Linux
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPALIVE", idle)  # macOS
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1)
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPCNT", max(1, int(liveness / 2)))
+    _set_opt(sock, socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(liveness * 1000))  # Linux: unacked sends fail
+
+
+class Link:
+    """One TCP connection: buffered frame decoding, inbound sequence check, deadline-bounded I/O."""
+
+    def __init__(self, sock: socket.socket, accepts: frozenset[Kind], max_payload: int) -> None:
+        self.sock = sock
+        self.accepts = accepts
+        self.decoder = wire.FrameDecoder(max_payload)
+        self.next_seq = 0  # next sequence number expected from the peer
+        self.closed = False
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(sock, selectors.EVENT_READ)
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
+        except OSError:
+            self.peer = "?"
+
+    def send(self, data: bytes, timeout: float) -> None:
+        if self.closed:
+            raise LinkClosed("connection already closed")
+        try:
+            self.sock.settimeout(max(timeout, 1e-3))
+            self.sock.sendall(data)
+        except socket.timeout:
+            raise LinkClosed(f"send blocked for {timeout:.1f} s (peer not reading)") from None
+        except OSError as e:
+            raise LinkClosed(f"send failed: {e}") from None
+
+    def read_available(self) -> None:
+        """Read what the socket holds now (call only when it polled readable)."""
+        try:
+            self.sock.settimeout(0.0)
+            data = self.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            raise LinkClosed(f"receive failed: {e}") from None
+        if not data:
+            raise LinkClosed("connection closed by peer")
+        self.decoder.feed(data)
+
+    def next_frame(self) -> Frame | None:
+        """A whole buffered frame, checked for kind and sequence, or None."""
+        frame = self.decoder.next_frame()
+        if frame is None:
+            return None
+        if frame.kind not in self.accepts:
+            raise ProtocolError(f"unexpected {frame.kind.name} frame from {self.peer}")
+        if frame.seq != self.next_seq:
+            what = "gap (frames lost)" if frame.seq > self.next_seq else "duplicate or replayed frame"
+            raise ProtocolError(f"sequence {frame.seq} from {self.peer}, expected {self.next_seq}: {what}")
+        self.next_seq += 1
+        return frame
+
+    def recv(self, deadline: float) -> Frame:
+        """Block until one whole frame arrives; `LinkTimeout` at the deadline, `LinkClosed` on EOF."""
+        while (frame := self.next_frame()) is None:
+            if not self._sel.select(remaining(deadline)) and remaining(deadline) == 0:
+                raise LinkTimeout()
+            self.read_available()
+        return frame
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sel.close()
+            self.sock.close()
+
+
+def wait_readable(links: Iterable[Link], deadline: float) -> list[Link]:
+    """Links with bytes (or EOF) to read, waiting at most until `deadline` (0 = just poll)."""
+    with selectors.DefaultSelector() as sel:
+        for link in links:
+            sel.register(link.sock, selectors.EVENT_READ, link)
+        return [key.data for key, _ in sel.select(remaining(deadline))]
