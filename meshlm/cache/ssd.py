@@ -79,6 +79,7 @@ class SSDTier:
         self.writes = 0
         self.evictions = 0
         self._index: dict[bytes, int] = {}  # key -> file size; insertion order = LRU order
+        self._bytes = 0  # sum of self._index's sizes, kept as it changes (the writer checks it per block)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=1024)
         self._writer: threading.Thread | None = None
@@ -97,7 +98,7 @@ class SSDTier:
             if key is None:
                 self._drop(path)
             else:
-                self._index[key] = path.stat().st_size
+                self._put(key, path.stat().st_size)
         log.info("SSD KV tier %s: %d blocks, %d dropped", self.dir, len(self._index), self.dropped)
 
     def _validate(self, path: Path, expiry: float) -> bytes | None:
@@ -127,9 +128,11 @@ class SSDTier:
         return self.enabled and key in self._index
 
     def load(self, key: bytes) -> Block | None:
-        """Read and verify a block; a bad file is deleted and counted, and None returned."""
+        """Read and verify a block; a bad or expired file is deleted and counted, and None returned."""
         path = self._path(key)
         try:
+            if path.stat().st_mtime < time.time() - self.config.ttl_days * 86400:
+                raise ValueError("older than the TTL")
             arrays, meta = mx.load(str(path), return_metadata=True)
             if (meta.get("checksum") != checksum(arrays) or meta.get("key") != key.hex()
                     or meta.get("rank") != str(self.rank)):
@@ -137,18 +140,30 @@ class SSDTier:
             n = len(arrays) // 2
             block = Block([arrays[f"k.{i}"] for i in range(n)], [arrays[f"v.{i}"] for i in range(n)])
         except Exception as exc:  # any unreadable file is a miss, never a crash
-            log.warning("dropping bad KV block %s: %s", path.name, exc)
+            log.warning("dropping KV block %s: %s", path.name, exc)
             with self._lock:
-                self._index.pop(key, None)
+                self._pop(key)
             self._drop(path)
             return None
         with self._lock:  # refresh LRU position
             self._index[key] = self._index.pop(key, 0)
+        try:  # and on disk: start-up orders by mtime, and the TTL counts from the last use
+            os.utime(path)
+        except OSError:
+            pass
         return block
 
     @property
     def nbytes(self) -> int:
-        return sum(self._index.values())
+        return self._bytes
+
+    def _put(self, key: bytes, size: int) -> None:
+        self._pop(key)
+        self._index[key] = size
+        self._bytes += size
+
+    def _pop(self, key: bytes) -> None:
+        self._bytes -= self._index.pop(key, 0)
 
     # -- writes -----------------------------------------------------------
     def save(self, key: bytes, block: Block) -> None:
@@ -192,17 +207,17 @@ class SSDTier:
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
         os.replace(tmp, path)
         with self._lock:
-            self._index[key] = path.stat().st_size
+            self._put(key, path.stat().st_size)
             self.writes += 1
         self._enforce_capacity()
 
     def _enforce_capacity(self) -> None:
         while True:
             with self._lock:
-                if sum(self._index.values()) <= self.config.capacity_bytes or not self._index:
+                if self._bytes <= self.config.capacity_bytes or not self._index:
                     return
                 oldest = next(iter(self._index))
-                del self._index[oldest]
+                self._pop(oldest)
                 self.evictions += 1
             self._path(oldest).unlink(missing_ok=True)
 

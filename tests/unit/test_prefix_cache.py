@@ -379,6 +379,7 @@ def test_capacity_deletes_the_oldest_on_write(tmp_path):
         assert tier.nbytes <= tier.config.capacity_bytes
     assert tier.evictions == 3
     assert [k in tier for k in [keys[0], *more]] == [False, False, False, True, True]
+    assert tier.nbytes == sum(p.stat().st_size for p in tier.dir.iterdir())  # the running total stays true
     assert sorted(p.name for p in tier.dir.iterdir()) == sorted(k.hex() + SUFFIX for k in more[2:])
 
 
@@ -395,6 +396,31 @@ def test_capacity_order_after_restart_follows_mtime(tmp_path):
     tier.flush()
     assert [k in tier for k in keys] == [True, False, False] and new in tier
     assert tier.nbytes <= tier.config.capacity_bytes
+
+
+def test_a_hit_refreshes_the_file_so_a_restart_keeps_lru_order(tmp_path):
+    _, keys = write_blocks(tmp_path, 3)
+    d = make_tier(tmp_path).dir
+    now = time.time()
+    for age, k in zip((30, 20, 10), keys):  # keys[0] oldest
+        os.utime(d / (k.hex() + SUFFIX), (now - age, now - age))
+    tier = make_tier(tmp_path)
+    assert blocks_equal(tier.load(keys[0]), fake_block(0))  # used now: newest, on disk too
+    size = (d / (keys[0].hex() + SUFFIX)).stat().st_size
+    tier = make_tier(tmp_path, capacity=int(3.5 * size))  # restart; the next write evicts one
+    tier.save(block_keys(ids(BS, seed=9), SALT)[0], fake_block(3))
+    tier.flush()
+    assert [k in tier for k in keys] == [True, False, True]
+
+
+def test_files_expire_while_running(tmp_path):
+    """The TTL holds for a server that never restarts: an expired file is a miss at load time."""
+    tier, keys = write_blocks(tmp_path, 2)
+    old = time.time() - 8 * 86400  # TTL 7 days
+    os.utime(tier._path(keys[0]), (old, old))
+    assert tier.load(keys[0]) is None and keys[0] not in tier and not tier._path(keys[0]).exists()
+    assert tier.dropped == 1 and tier.nbytes == tier._path(keys[1]).stat().st_size
+    assert blocks_equal(tier.load(keys[1]), fake_block(1))
 
 
 def test_unusable_directory_turns_the_tier_off_with_a_warning(tmp_path, caplog):
