@@ -38,9 +38,10 @@ QUERY_BLOCK = 128  # causal prefills longer than this skip the masked keys block
 SPLIT_DECODE_ROWS = 8  # decode batches this large run half their attention on a second CPU stream
 
 
-def _causal(q_len: int, k_len: int, q_start: int = 0) -> mx.array:
-    """(q_len, k_len) bool: query i (at position k_len - q_len_total + q_start + i) sees keys <= it."""
-    return mx.arange(k_len)[None] <= (mx.arange(q_start, q_start + q_len)[:, None] + (k_len - q_start - q_len))
+def _causal(q_len: int, k_len: int) -> mx.array:
+    """(q_len, k_len) bool: the queries are the last q_len positions of the k_len keys; each sees itself
+    and what precedes it."""
+    return mx.arange(k_len)[None] <= (mx.arange(q_len)[:, None] + (k_len - q_len))
 
 
 def _attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None) -> mx.array:
@@ -82,7 +83,7 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None, *, _
                 n = min(QUERY_BLOCK, L - start)
                 visible = S - L + start + n
                 parts.append(_attend(q[:, :, :, start : start + n], keys[:, :, :visible], values[:, :, :visible],
-                                     _causal(n, visible, start)))
+                                     _causal(n, visible)))
             out = mx.concatenate(parts, axis=3)
     elif L == 1 and B >= SPLIT_DECODE_ROWS and _split_decode:
         out = _attend_split(q, keys, values, None if mask is None else _group_mask(mask, Hk, r))
