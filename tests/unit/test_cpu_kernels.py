@@ -85,6 +85,7 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     # Restored at teardown, so other tests in this process see stock mlx-lm.
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
     monkeypatch.setattr(llama, "swiglu", llama.swiglu)
+    monkeypatch.setattr(cpu_kernels, "_split_decode", cpu_kernels._split_decode)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
     model = llama.Model(args)

@@ -266,3 +266,24 @@ def test_local_executor_delegates_and_resets(model):
     result = ex.execute(StepPlan(0, chunks=(Chunk(1, 0, (5, 6, 7), sample=True),)))
     assert result.uids == [1] and ex.kv_bytes() > 0
     assert ex.reset("boom") is None and ex.kv_bytes() == 0 and ex.runner.lengths == {}
+
+
+def test_cpu_kernels_give_the_same_tokens_and_logits(model, workload, reference, monkeypatch):
+    """The whole batched path (padded prefill, chunks, joins, leaves, a decode batch split over two
+    CPU streams) with meshlm's CPU kernels, against stock mlx-lm run one sequence at a time."""
+    import sys
+
+    from meshlm.model import cpu_kernels
+
+    want = {uid: reference(p, n) for uid, (p, n) in enumerate(zip(workload.prompts, workload.max_tokens))}
+    module = sys.modules[type(model).__module__]
+    for name in ("scaled_dot_product_attention", "swiglu"):  # restored at teardown
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(cpu_kernels, "SPLIT_DECODE_ROWS", 2)
+    monkeypatch.setattr(cpu_kernels, "_split_decode", cpu_kernels._split_decode)  # install() sets it
+    assert cpu_kernels.install(model, cores=2)
+    run = drive(model, workload)
+    assert max(run.decode_batch_sizes) >= 2
+    for uid, (tokens, rows) in want.items():
+        assert run.tokens[uid] == tokens, uid
+        assert max(mx.abs(got - ref).max().item() for got, ref in zip(run.logits[uid], rows)) < 1e-4
