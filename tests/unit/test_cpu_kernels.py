@@ -95,3 +95,35 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     assert llama.swiglu is cpu_kernels.swiglu
     assert cpu_kernels.install(model)  # idempotent: does not wrap itself
     assert mx.abs(model(tokens) - want).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_type):
+    """Each architecture `meshlm demo-model --tiny` writes: prefill and cached decode logits with the CPU
+    kernels (and a decode batch split over two streams) match stock mlx-lm's."""
+    import sys
+
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from meshlm.model import demo
+
+    model, _ = mlx_lm.load(str(demo.make_tiny(tmp_path, model_type=model_type, seed=3)))
+    prompts = mx.array([[5, 17, 42, 9, 100, 7, 3, 64]] * 3) + mx.arange(3)[:, None]
+
+    def logits() -> list[mx.array]:
+        cache = make_prompt_cache(model)
+        out = [model(prompts, cache=cache)]
+        for _ in range(3):
+            out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
+        return out
+
+    want = logits()
+    module = sys.modules[type(model).__module__]
+    for name in ("scaled_dot_product_attention", "swiglu"):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(cpu_kernels, "_split_decode", cpu_kernels._split_decode)
+    monkeypatch.setattr(cpu_kernels, "SPLIT_DECODE_ROWS", 2)
+    assert cpu_kernels.install(model, cores=2)
+    got = logits()
+    assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) < 1e-4
