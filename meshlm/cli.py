@@ -37,7 +37,7 @@ def _serve_parser(sub) -> None:
                    help="on CPU, keep mlx's own attention and SwiGLU instead of meshlm's faster base-2 ones")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-tokens-per-step", type=int, default=512,
+    p.add_argument("--max-tokens-per-step", type=int, default=1024,
                    help="prefill chunk + decode tokens per step (smaller: steadier streams, slower long prompts)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")

@@ -29,7 +29,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 32  # sequences running at once
-    max_tokens_per_step: int = 512  # prefill chunk tokens + decode tokens in one step
+    max_tokens_per_step: int = 1024  # prefill chunk tokens + decode tokens in one step (docs/BENCHMARKS.md)
     max_waiting: int = 256  # bounded waiting queue; beyond it requests get 429
     kv_cache_memory: int | None = None  # bytes for KV; None: a fraction of RAM
 
