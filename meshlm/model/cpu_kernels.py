@@ -65,8 +65,10 @@ def _group_mask(mask: mx.array, Hk: int, r: int) -> mx.array:
     return mask.reshape(b, 1, 1, L, S) if h == 1 else mask.reshape(b, Hk, r, L, S)
 
 
-def attention(queries, keys, values, cache, scale: float, mask, sinks=None, *, _fallback=None):
-    """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention` on CPU."""
+def attention(queries, keys, values, cache, scale: float, mask, sinks=None, *, _fallback=None,
+              split_decode: bool = False):
+    """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention` on CPU; `split_decode` when this
+    process has a core to spare for a second stream."""
     if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
         return _fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     B, H, L, D = queries.shape
@@ -85,15 +87,14 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None, *, _
                 parts.append(_attend(q[:, :, :, start : start + n], keys[:, :, :visible], values[:, :, :visible],
                                      _causal(n, visible)))
             out = mx.concatenate(parts, axis=3)
-    elif L == 1 and B >= SPLIT_DECODE_ROWS and _split_decode:
-        out = _attend_split(q, keys, values, None if mask is None else _group_mask(mask, Hk, r))
     else:
-        out = _attend(q, keys, values, None if mask is None else _group_mask(mask, Hk, r))
+        grouped = None if mask is None else _group_mask(mask, Hk, r)
+        split = split_decode and L == 1 and B >= SPLIT_DECODE_ROWS
+        out = (_attend_split if split else _attend)(q, keys, values, grouped)
     return out.reshape(B, H, L, D)
 
 
 _second_stream: mx.Stream | None = None
-_split_decode = False  # set by install(): only with a core to spare for the second stream
 
 
 def _attend_split(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None) -> mx.array:
@@ -108,10 +109,10 @@ def _attend_split(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array 
     if _second_stream is None:
         _second_stream = mx.new_stream(mx.cpu)
     h = q.shape[0] // 2
-    half = (lambda m, rows: m if m is None or m.shape[0] == 1 else m[rows])
-    first = _attend(q[:h], keys[:h], values[:h], half(mask, slice(0, h)))
+    per_row = mask is not None and mask.shape[0] > 1  # else it broadcasts over both halves
+    first = _attend(q[:h], keys[:h], values[:h], mask[:h] if per_row else mask)
     with mx.stream(_second_stream):
-        second = _attend(q[h:], keys[h:], values[h:], half(mask, slice(h, None)))
+        second = _attend(q[h:], keys[h:], values[h:], mask[h:] if per_row else mask)
     return mx.concatenate([first, second], axis=0)
 
 
@@ -122,18 +123,20 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def install(model: Any, cores: int = 1) -> bool:
     """Use these kernels for `model`'s architecture (its mlx-lm module's globals) when running on CPU;
-    `cores` is how many this process may use (a second decode stream needs two)."""
-    global _split_decode
+    `cores` is how many this process may use (a second decode stream needs two). A module already
+    patched is left as it is: one process, one core share."""
     if mx.default_device() != mx.cpu:
         return False
-    _split_decode = cores >= 2
     module = sys.modules.get(type(model).__module__)
     original = getattr(module, "scaled_dot_product_attention", None)
     if module is None or original is None or not hasattr(module, "swiglu"):
         return False
     if getattr(original, "__name__", "") != "_cpu_attention":
+        split = cores >= 2
+
         def _cpu_attention(queries, keys, values, cache, scale, mask, sinks=None):
-            return attention(queries, keys, values, cache, scale, mask, sinks, _fallback=original)
+            return attention(queries, keys, values, cache, scale, mask, sinks, _fallback=original,
+                             split_decode=split)
 
         module.scaled_dot_product_attention = _cpu_attention
         module.swiglu = swiglu

@@ -13,8 +13,8 @@ def reference(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=Non
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def ours(q, k, v, mask):
-    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference)
+def ours(q, k, v, mask, split_decode=False):
+    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference, split_decode=split_decode)
 
 
 @pytest.mark.parametrize(
@@ -45,12 +45,12 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind):
 
 
 @pytest.mark.parametrize("rows", [8, 15])
-def test_decode_split_over_two_streams_matches_mlx(monkeypatch, rows):
+def test_decode_split_over_two_streams_matches_mlx(rows):
     """With a core to spare, half a decode batch's attention runs on a second CPU stream."""
-    monkeypatch.setattr(cpu_kernels, "_split_decode", True)
     q, k, v = mx.random.normal((rows, 9, 1, 64)), mx.random.normal((rows, 3, 90, 64)), mx.random.normal((rows, 3, 90, 64))
     mask = mx.random.uniform(shape=(rows, 1, 1, 90)) > 0.2
-    assert mx.abs(ours(q, k, v, mask) - reference(q, k, v, scale=0.125, mask=mask)).max().item() < TOL
+    want = reference(q, k, v, scale=0.125, mask=mask)
+    assert mx.abs(ours(q, k, v, mask, split_decode=True) - want).max().item() < TOL
 
 
 def test_fully_masked_rows_stay_finite():
@@ -85,7 +85,6 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     # Restored at teardown, so other tests in this process see stock mlx-lm.
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
     monkeypatch.setattr(llama, "swiglu", llama.swiglu)
-    monkeypatch.setattr(cpu_kernels, "_split_decode", cpu_kernels._split_decode)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
     model = llama.Model(args)
@@ -122,7 +121,6 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_t
     module = sys.modules[type(model).__module__]
     for name in ("scaled_dot_product_attention", "swiglu"):
         monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(cpu_kernels, "_split_decode", cpu_kernels._split_decode)
     monkeypatch.setattr(cpu_kernels, "SPLIT_DECODE_ROWS", 2)
     assert cpu_kernels.install(model, cores=2)
     got = logits()
