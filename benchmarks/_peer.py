@@ -104,19 +104,24 @@ def machine_info() -> dict[str, Any]:
 # -- process tree: RSS and loaded libraries -----------------------------------
 
 
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (state) on, or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces/parens: split after the last ')'.
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # comm (field 2) may contain spaces/parens: split after the last ')'.
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        if len(rest) >= 2:
+        rest = _stat_fields(name)
+        if rest is not None and len(rest) >= 2:
             children.setdefault(int(rest[1]), []).append(int(name))
     return children
 
@@ -156,14 +161,9 @@ def tree_cpu_s(pid: int) -> float:
     """user+system CPU seconds of the live processes of the tree (and their waited-for children)."""
     total = 0
     for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        # fields 14-17 (utime stime cutime cstime) are rest[11:15]
-        total += sum(int(x) for x in rest[11:15])
+        rest = _stat_fields(p)
+        if rest is not None:  # fields 14-17 (utime stime cutime cstime) are rest[11:15]
+            total += sum(int(x) for x in rest[11:15])
     return total / _CLK_TCK
 
 
@@ -476,8 +476,16 @@ def start_meshlm(
     port: int | None = None,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start `meshlm serve` on a free port (not waiting for readiness)."""
+    """Start `meshlm serve` on a free port (not waiting for readiness).
+
+    Without a `--kv-cache-dir` in `extra_args` the server gets a fresh temporary
+    one, removed when it stops: the default SSD tier outlives runs, and the
+    benchmarks' prompts repeat from run to run, so it would hand meshlm the
+    previous run's prefills."""
     port = port or free_port(host)
+    named = any(a == "--kv-cache-dir" or a.startswith("--kv-cache-dir=") for a in extra_args)
+    fresh_kv = None if named else tempfile.mkdtemp(prefix="bench-kv-")
+    extra_args = [*extra_args, *(["--kv-cache-dir", fresh_kv] if fresh_kv else [])]
     cmd = [*meshlm_command(), "serve", "--model", str(model), "--host", host, "--port", str(port)]
     if dtype:
         cmd += ["--dtype", dtype]
@@ -485,6 +493,8 @@ def start_meshlm(
         cmd += ["--max-batch-size", str(max_batch_size)]
     cmd += list(extra_args)
     server = ServerProcess("meshlm", cmd, f"http://{host}:{port}", env=env, ready_path="/health")
+    if fresh_kv:
+        server._cleanup_dirs.append(fresh_kv)
     server.extra["flags"] = cmd[len(meshlm_command()) :]
     return server.start()
 

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 CHILD = r"""
 import json, sys, time

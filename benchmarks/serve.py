@@ -22,7 +22,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -252,12 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         def make_main() -> Target:
             if args.url:
                 return Target(args.label, args, url=args.url, request_model=args.request_model, pid=args.server_pid)
-            # A fresh SSD tier per run: the default one outlives runs, and this script's prompts repeat
-            # from run to run, so a persistent cache would hand meshlm the previous run's prefills.
-            kv_dir = tempfile.mkdtemp(prefix="bench-kv-")
             server = _peer.start_meshlm(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                                        extra_args=["--kv-cache-dir", kv_dir, *shlex.split(args.meshlm_args)])
-            server._cleanup_dirs.append(kv_dir)
+                                        extra_args=shlex.split(args.meshlm_args))  # on a fresh --kv-cache-dir
             t = Target(args.label, args, server=server, request_model=args.request_model)
             t.info["dtype"] = args.dtype
             return t
