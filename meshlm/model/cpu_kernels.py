@@ -14,6 +14,9 @@ model a 512-token prefill spent 1.25 s of 2.4 s in attention. `power(2, x)` is
   Long causal prefills are cut into query blocks that skip the masked keys;
   a large decode batch runs half its rows on a second CPU stream.
 - SwiGLU is gate * x / (1 + 2^(-gate * log2 e)).
+- Linear layers keep their weight transposed, (in, out) row-major: OpenBLAS
+  multiplies `x @ W` 7-12 % faster than `x @ W.T` at decode batch sizes
+  (a batch-16 decode step of the demo model: 102 -> 96 ms).
 
 Only used on the CPU device with float32 activations; Metal keeps mlx's fused
 `mx.fast.scaled_dot_product_attention`. Results agree with mlx-lm's to fp32
@@ -28,6 +31,7 @@ import sys
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +125,48 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
 
+class TransposedLinear(nn.Module):
+    """`nn.Linear` with its weight stored as (in, out): same outputs, a faster GEMM on CPU."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    @property
+    def weight(self) -> mx.array:
+        """The (out, in) view, for code that reads a layer's shape (a view, not a copy)."""
+        return self["weight_t"].T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self["weight_t"])
+        return x @ self["weight_t"]
+
+
+def transpose_linears(model: nn.Module) -> int:
+    """Swap every plain float32 `nn.Linear` (not quantized or sharded ones, whose classes differ) for a
+    TransposedLinear, one at a time so at most one extra weight is alive; returns how many. A tied LM
+    head is the embedding table and stays as it is."""
+    swapped = 0
+
+    def visit(container) -> None:  # a Module is a dict of its parameters and children
+        nonlocal swapped
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, child in list(items):
+            if type(child) is nn.Linear and child.weight.dtype == mx.float32:
+                replacement = TransposedLinear(child)
+                mx.eval(replacement.parameters())
+                container[key] = replacement
+                swapped += 1
+            elif isinstance(child, (dict, list)):
+                visit(child)
+
+    visit(model)
+    return swapped
+
+
 def install(model: Any, cores: int = 1) -> bool:
     """Use these kernels for `model`'s architecture (its mlx-lm module's globals) when running on CPU;
     `cores` is how many this process may use (a second decode stream needs two). A module already
@@ -141,4 +187,7 @@ def install(model: Any, cores: int = 1) -> bool:
         module.scaled_dot_product_attention = _cpu_attention
         module.swiglu = swiglu
         log.info("CPU kernels: base-2 attention and SwiGLU for %s", module.__name__)
+    transposed = transpose_linears(model)
+    if transposed:
+        log.info("CPU kernels: %d linear layers hold their weights transposed", transposed)
     return True

@@ -92,8 +92,37 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     want = model(tokens)
     assert cpu_kernels.install(model)
     assert llama.swiglu is cpu_kernels.swiglu
+    assert isinstance(model.layers[1].mlp.down_proj, cpu_kernels.TransposedLinear)
     assert cpu_kernels.install(model)  # idempotent: does not wrap itself
     assert mx.abs(model(tokens) - want).max().item() < 1e-4
+
+
+def test_transposed_linears_keep_outputs_and_skip_what_they_cannot_hold():
+    import mlx.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain = nn.Linear(64, 48, bias=False)
+            self.biased = nn.Linear(64, 48)
+            self.layers = [nn.Linear(64, 64), nn.Linear(64, 64, bias=False)]
+            self.half = nn.Linear(64, 64).to_quantized(group_size=32, bits=4)
+            self.bf16 = nn.Linear(64, 8)
+            self.bf16.set_dtype(mx.bfloat16)
+
+        def __call__(self, x):
+            h = self.layers[1](self.layers[0](x)) + self.half(x)
+            return self.plain(x), self.biased(x), h, self.bf16(x.astype(mx.bfloat16))
+
+    block = Block()
+    x = mx.random.normal((3, 5, 64))
+    want = block(x)
+    assert cpu_kernels.transpose_linears(block) == 4  # plain, biased, both list entries
+    assert type(block.half) is nn.QuantizedLinear and type(block.bf16) is nn.Linear
+    assert block.layers[0].weight_t.shape == (64, 64) and "bias" in block.layers[0]
+    for got, ref in zip(block(x), want):
+        assert mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() < 1e-5
+    assert cpu_kernels.transpose_linears(block) == 0  # nothing left to swap
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
