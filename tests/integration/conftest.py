@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,10 +15,26 @@ import httpx
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: range = range(0)) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def free_port_run(n: int) -> range:
+    """n consecutive free ports (a ring hostfile's ranks listen on base + rank)."""
+    while True:
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base + 1, base + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return range(base, base + n)
+        except OSError:
+            continue
 
 
 class ServerProcess:

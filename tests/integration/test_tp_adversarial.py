@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, free_port
+from conftest import ServerProcess, free_port, free_port_run
 from test_tensor_parallel import alive, children, wait_until
 
 pytestmark = pytest.mark.slow
@@ -193,11 +193,11 @@ def test_ranks_with_different_models_refuse_to_form_a_cluster(model, tmp_path):
     other = make_tiny(tmp_path / "other", "llama", layers=2, hidden=64, heads=4, kv_heads=4, seed=5)
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
-    ring, control = free_port(), free_port()
-    common = ["--hostfile", str(hosts), "--tensor-parallel", "2", "--ring-port", str(ring),
-              "--control-port", str(control), "--kv-cache-dir", str(tmp_path / "kv")]
+    ring = free_port_run(2)  # rank r listens on ring[r]: no other port of this test may land there
+    common = ["--hostfile", str(hosts), "--tensor-parallel", "2", "--ring-port", str(ring[0]),
+              "--control-port", str(free_port(avoid=ring)), "--kv-cache-dir", str(tmp_path / "kv")]
     procs = [subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(m), "--rank", str(r),
-                               "--port", str(free_port()), *common], stderr=subprocess.PIPE)
+                               "--port", str(free_port(avoid=ring)), *common], stderr=subprocess.PIPE)
              for r, m in ((1, other), (0, model))]
     try:
         errs = [p.communicate(timeout=90)[1].decode() for p in procs]
