@@ -48,7 +48,8 @@ def build_prefix_cache(config: ServeConfig, loaded: LoadedModel, layout: str = "
     if c.ssd:
         ssd_config = SSDConfig(Path(c.cache_dir).expanduser(), int(c.ssd_cache_gb * 2**30), c.ssd_ttl_days)
         ssd = SSDTier(ssd_config, salt, rank)
-    return PrefixCache(salt, BlockPool(kv_budget_bytes(config)), ssd)
+    # Partial-block matches only on one rank: see PrefixCache.
+    return PrefixCache(salt, BlockPool(kv_budget_bytes(config)), ssd, partial=layout == "tp1")
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, prefix=None, watchdog=None) -> Engine:

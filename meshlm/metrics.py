@@ -40,6 +40,10 @@ class PrefixCacheCollector:
         hits.add_metric(["ram"], c.stats.hits_ram)
         hits.add_metric(["ssd"], c.stats.hits_ssd)
         yield hits
+        yield CounterMetricFamily(
+            "meshlm_prefix_cache_partial_tokens", "Tokens reused from the front of a block (matches ending inside one)",
+            value=c.stats.partial_tokens,
+        )
         yield CounterMetricFamily("meshlm_prefix_cache_misses", "Lookups with no cached block", value=c.stats.misses)
         ev = CounterMetricFamily("meshlm_prefix_cache_evictions", "Blocks evicted, by tier", labels=["tier"])
         ev.add_metric(["ram"], c.pool.evictions)

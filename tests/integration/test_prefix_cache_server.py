@@ -149,19 +149,20 @@ def test_repeated_prompt_hits_every_full_block(warm, reference):
     assert warm.metric(RAM) > 0
 
 
-def test_exact_block_multiple_recomputes_the_last_block(warm, reference):
+def test_exact_block_multiple_recomputes_only_the_last_token(warm, reference):
     prompt = ids(4 * BS, seed=2)
     complete(warm, prompt)
     again = complete(warm, prompt)
-    assert cached(again) == 3 * BS  # the last token's logits need its block computed
+    # The last token's logits must be computed: 3 whole blocks and 15 tokens lent by the fourth.
+    assert cached(again) == 4 * BS - 1
     assert text(again) == reference(prompt)
 
 
 @pytest.mark.parametrize("make, want", [
-    (lambda base: base[: 2 * BS + 7] + ids(9, seed=31), 2 * BS),  # 2 blocks and part of a third, then new
-    (lambda base: base[: BS - 1] + ids(30, seed=32), 0),  # one token short of a block
-    (lambda base: base[: 3 * BS], 2 * BS),  # exactly the first 3 blocks: the last is recomputed
-    (lambda base: base + ids(20, seed=33), 3 * BS),  # the whole prompt and more
+    (lambda base: base[: 2 * BS + 7] + ids(9, seed=31), 2 * BS + 7),  # 2 blocks and 7 tokens of a third
+    (lambda base: base[: BS - 1] + ids(30, seed=32), BS - 1),  # one token short of a block
+    (lambda base: base[: 3 * BS], 3 * BS - 1),  # exactly the first 3 blocks: the last token is recomputed
+    (lambda base: base + ids(20, seed=33), 3 * BS),  # the whole prompt and more (its tail is no full block)
 ], ids=["shares_2_blocks_and_a_partial_one", "shares_less_than_a_block", "is_its_first_3_blocks",
         "extends_it"])
 def test_partial_prefix_hits(warm, reference, make, want):
@@ -185,7 +186,7 @@ def test_multi_turn_chat_reuses_the_first_turn(warm, reference):
                      {"role": "user", "content": "And the capital of Germany?"}]
     r2 = chat(warm, turn2)
     p1 = r1["usage"]["prompt_tokens"]
-    assert cached(r2) > 0 and cached(r2) % BS == 0
+    assert cached(r2) > 0
     assert cached(r2) >= p1 // BS * BS  # at least every full block of turn 1's prompt
     assert cached(r2) < r2["usage"]["prompt_tokens"]
     assert text(r2) == reference(turn2)
@@ -201,7 +202,6 @@ def test_multi_turn_chat_reuses_the_first_turn(warm, reference):
     streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     usage = events[-1]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= cached(r2)
-    assert usage["prompt_tokens_details"]["cached_tokens"] % BS == 0
     assert streamed == reference(turn3)
 
 

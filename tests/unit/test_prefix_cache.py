@@ -492,11 +492,14 @@ def test_match_is_the_longest_whole_block_prefix(model):
     tokens = ids(4 * BS, seed=12)
     _, cache = prefill(model, tokens)
     pc.store(tokens, kv_of(cache))
+    other = ids(3 * BS, seed=13)
+    assert other[0] != tokens[2 * BS]
     cases = [
         (tokens, 4 * BS),
-        (tokens[: 3 * BS + 2], 3 * BS),  # partial last block: not matched
-        (tokens[: 2 * BS] + ids(3 * BS, seed=13), 2 * BS),  # shares 2 blocks then diverges
-        (tokens[: BS - 1], 0),
+        (tokens[: 3 * BS + 2], 3 * BS + 2),  # ends inside a block: its first 2 tokens are lent
+        (tokens[: 2 * BS] + other, 2 * BS),  # shares 2 blocks then diverges at once
+        (tokens[: 2 * BS + 1] + other, 2 * BS + 1),  # diverges 1 token into the third block
+        (tokens[: BS - 1], BS - 1),  # shorter than a block: lent whole
         (tokens + ids(3 * BS, seed=14), 4 * BS),  # longer than what is cached
     ]
     for query, want in cases:
@@ -506,6 +509,88 @@ def test_match_is_the_longest_whole_block_prefix(model):
     misses = pc.stats.misses
     assert pc.match(ids(3 * BS, seed=15)) == 0 and pc.stats.misses == misses + 1
     assert pc.match(ids(BS - 1, seed=15)) == 0 and pc.stats.misses == misses + 1  # too short to be a lookup
+
+
+def test_a_match_ending_inside_a_block_restores_exactly_its_tokens(model):
+    pc = PrefixCache(SALT, BlockPool(2**30))
+    tokens = ids(3 * BS, seed=40)
+    _, cache = prefill(model, tokens)
+    pc.store(tokens, kv_of(cache))
+    query = tokens[: BS + 3] + ids(2 * BS, seed=41)
+    assert pc.match(query) == BS + 3
+    assert pc.stats.hits_partial == 1 and pc.stats.partial_tokens == 3
+    restored = pc.restore(query[: BS + 3])
+    for (k, v), c in zip(restored, cache):
+        assert mx.array_equal(k, c.keys[:, :, : BS + 3]).item()
+        assert mx.array_equal(v, c.values[:, :, : BS + 3]).item()
+    assert not pc.pool._refs and not pc._lent  # restore unpinned the lender too
+
+
+def test_the_lender_is_the_block_sharing_the_most_tokens(model):
+    pc = PrefixCache(SALT, BlockPool(2**30))
+    head = ids(BS, seed=42)
+    stored = {}
+    for shared in (1, 3, 2):  # siblings under the same parent, sharing 1, 3, 2 leading tokens with the query
+        seq = head + [7] * shared + [8 + shared] * (BS - shared) + ids(BS, seed=43)
+        _, cache = prefill(model, seq)
+        pc.store(seq, kv_of(cache))
+        stored[shared] = cache
+    query = head + [7] * BS
+    assert pc.match(query) == BS + 3
+    restored = pc.restore(query[: BS + 3])
+    assert mx.array_equal(restored[0][0], stored[3][0].keys[:, :, : BS + 3]).item()
+
+
+def test_partial_matches_release_their_pins_and_can_be_turned_off(model):
+    tokens = ids(2 * BS, seed=44)
+    _, cache = prefill(model, tokens)
+    whole = PrefixCache(SALT, BlockPool(2**30), partial=False)
+    whole.store(tokens, kv_of(cache))
+    assert whole.match(tokens[: BS + 2] + [1]) == BS  # whole blocks only
+    whole.release(tokens[:BS])
+    pc = PrefixCache(SALT, BlockPool(2**30))
+    pc.store(tokens, kv_of(cache))
+    assert pc.match(tokens[: BS + 2] + [1]) == BS + 2
+    pc.release(tokens[: BS + 2])
+    assert not pc.pool._refs and not pc._lent and not whole.pool._refs
+
+
+def test_a_rank_that_did_not_match_finds_a_lender_by_its_tokens(model):
+    """Worker ranks restore what rank 0 matched; the same tokens under the same parent are enough."""
+    tokens = ids(2 * BS, seed=45)
+    _, cache = prefill(model, tokens)
+    worker = PrefixCache(SALT, BlockPool(2**30))
+    worker.store(tokens, kv_of(cache))
+    restored = worker.restore(tokens[: BS + 2])
+    assert mx.array_equal(restored[0][1], cache[0].values[:, :, : BS + 2]).item()
+    with pytest.raises(KeyError, match="lending 3 tokens"):
+        worker.restore(tokens[:BS] + [tokens[BS], tokens[BS + 1], tokens[BS + 2] + 1])
+
+
+def test_evicted_blocks_stop_lending(model):
+    tokens = ids(2 * BS, seed=46)
+    _, cache = prefill(model, tokens)
+    pc = PrefixCache(SALT, BlockPool(2**30))
+    pc.store(tokens, kv_of(cache))
+    pc.pool.trim(0)
+    assert pc.match(tokens[:3]) == 0 and not pc._children and not pc._placed
+
+
+def test_continuing_from_a_partial_block_equals_a_full_prefill(model):
+    pc = PrefixCache(SALT, BlockPool(2**30))
+    system = ids(BS + 2, seed=47)  # a system prompt shorter than two blocks
+    first = system + ids(2 * BS, seed=48)
+    _, cache = prefill(model, first)
+    pc.store(first, kv_of(cache))
+    second = system + ids(BS + 3, seed=49)
+    n = pc.match(second[:-1])
+    assert n == BS + 2
+    restored = [KVCache() for _ in model.layers]
+    for c, (k, v) in zip(restored, pc.restore(second[:n])):
+        c.state = (k, v, k.shape[2])
+    warm, _ = prefill(model, second[n:], restored)
+    cold, _ = prefill(model, second)
+    assert mx.allclose(warm[-1], cold[-1], atol=1e-4).item()
 
 
 def test_matched_blocks_survive_pressure_until_restored(model):
@@ -630,7 +715,7 @@ def test_runner_with_prefix_cache_matches_no_cache(model):
         ids(2 * BS, seed=33),
         ids(2 * BS, seed=33),  # the same prompt again, exactly 2 blocks
         system + ids(5, seed=31) + ids(BS * 2, seed=34),  # a follow-up turn
-        system[: BS - 1] + ids(40, seed=35),  # long prompt, chunked, shares nothing whole
+        system[: BS - 1] + ids(40, seed=35),  # long prompt, chunked, shares part of a block
     ]
     arrival = [0, 3, 4, 12, 20, 21]
     want, _ = drive(model, prompts, arrival, None)
@@ -640,12 +725,13 @@ def test_runner_with_prefix_cache_matches_no_cache(model):
     want, _ = drive(model, prompts, arrival, None)
     got, cached = drive(model, prompts, arrival, PrefixCache(SALT, BlockPool(2**30)))
     assert got == want
-    assert all(c % BS == 0 for c in cached.values())
-    assert cached[0] == 0 and cached[1] == 3 * BS and cached[2] == 0
-    assert cached[3] == BS  # the last block is recomputed for its logits
+    # The second prompt reuses all of the system prompt: 3 blocks, then 2 tokens lent by the first
+    # prompt's fourth block.
+    assert cached[0] == 0 and cached[1] == 3 * BS + 2 and cached[2] == 0
+    assert cached[3] == 2 * BS - 1  # all but the last token, which is recomputed for its logits
     assert cached[4] >= 4 * BS
     assert cached[6] >= (len(prompts[0]) + len(want[0]) - 1) // BS * BS
-    assert cached[5] == 0
+    assert cached[5] == BS - 1
 
 
 def test_preempted_sequences_resume_from_the_cache_with_the_same_tokens(model):
