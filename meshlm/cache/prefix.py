@@ -197,6 +197,7 @@ class PrefixCache:
             if not self._children[parent].entries:
                 del self._children[parent]
         if self.ssd is not None:
+            mx.eval(block.keys, block.values)  # stored RAM-only blocks may still be copying
             self.ssd.save(key, block)
 
     def store(self, token_ids: list[int], kv: list[tuple[mx.array, mx.array]], write_through: bool = True) -> int:
@@ -207,12 +208,21 @@ class PrefixCache:
         keys = block_keys(token_ids, self.salt)
         bs = self.block_size
         new = [(i, k) for i, k in enumerate(keys) if k not in self.pool and not (self.ssd and k in self.ssd)]
-        for i, key in new:
+        blocks = []
+        for i, _ in new:
             sl = slice(i * bs, (i + 1) * bs)
-            block = Block([mx.contiguous(k[0, :, sl]) for k, _ in kv], [mx.contiguous(v[0, :, sl]) for _, v in kv])
-            mx.eval(block.keys, block.values)
-            self._put(key, block, keys[i - 1] if i else self.salt.root(), token_ids[sl])
-            if self.ssd is not None and write_through:
+            blocks.append(Block([mx.contiguous(k[0, :, sl]) for k, _ in kv], [mx.contiguous(v[0, :, sl]) for _, v in kv]))
+        copies = [a for b in blocks for a in (*b.keys, *b.values)]
+        to_disk = self.ssd is not None and write_through
+        if to_disk:
+            mx.eval(copies)  # the SSD writer thread reads their bytes
+        else:
+            # RAM only: the copies run in stream order ahead of the next step instead of stalling the host
+            # (a batch of sequences leaving at once has dozens of blocks); `_evicted` waits before a spill.
+            mx.async_eval(copies)
+        for (i, key), block in zip(new, blocks):
+            self._put(key, block, keys[i - 1] if i else self.salt.root(), token_ids[i * bs : (i + 1) * bs])
+            if to_disk:
                 self.ssd.save(key, block)
         self.stats.stored += len(new)
         return len(new)
