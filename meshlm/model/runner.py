@@ -3,8 +3,9 @@
 KV layout: sequences that are decoding share one left-padded `BatchKVCache`
 per layer (rows join with `extend`, leave with `filter`); a sequence still
 reading its prompt in chunks keeps its own per-layer `KVCache` until its last
-chunk, when it joins the decode batch. Fresh prompts that fit in one chunk are
-prefilled together in one left-padded forward.
+chunk, when it joins the decode batch. Last chunks of prompts, fresh or
+continuing a cached prefix, are prefilled together in left-padded forwards
+grouped by length.
 
 The runner is rank-agnostic: under tensor parallelism every rank runs it on its
 own shard of the model with the same plan.
@@ -22,6 +23,24 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from meshlm.cache.prefix import PrefixCache
 from meshlm.model.head import last_logits
 from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
+
+
+# Padding a row may take to share a batched prefill: padded positions cost as much compute as real
+# ones, so past about what a separate forward's extra pass over the weights costs (demo model on CPU:
+# ~90 ms, the compute of ~40 prompt tokens) the row is better off in a forward of its own.
+PREFILL_PAD_LIMIT = 64
+
+
+def _prefill_groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Final prefill chunks grouped by length, each within PREFILL_PAD_LIMIT tokens of its group's
+    longest: one long prompt does not pad fifteen short ones to its length."""
+    groups: list[list[Chunk]] = []
+    for c in sorted(chunks, key=lambda c: len(c.token_ids), reverse=True):
+        if groups and len(groups[-1][0].token_ids) - len(c.token_ids) <= PREFILL_PAD_LIMIT:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
 
 
 class SplitBrain(RuntimeError):
@@ -124,14 +143,15 @@ class Runner:
         return last_logits(self.model, tokens, self.decode_cache)
 
     def _prefill(self, chunks: list[Chunk]):
-        """Yield (uids, last-position logits or None, caches) per prefill forward."""
-        fresh = [c for c in chunks if c.start == 0 and c.sample and c.uid not in self.prefill_caches]
-        if len(fresh) > 1:
-            yield self._prefill_batch(fresh)
-        else:
-            fresh = []
+        """Yield (uids, last-position logits or None, caches) per prefill forward: final chunks in
+        length-grouped batches, each other chunk alone (it only extends its sequence's own KV)."""
+        batched: set[int] = set()
+        for group in _prefill_groups([c for c in chunks if c.sample]):
+            if len(group) > 1:
+                batched.update(c.uid for c in group)
+                yield self._prefill_batch(group)
         for c in chunks:
-            if c in fresh:
+            if c.uid in batched:
                 continue
             cache = self.prefill_caches.setdefault(c.uid, [KVCache() for _ in range(self.num_layers)])
             logits = last_logits(self.model, mx.array([c.token_ids]), cache)
@@ -143,11 +163,33 @@ class Runner:
                 mx.eval([x for kv in cache for x in (kv.keys, kv.values)])
 
     def _prefill_batch(self, chunks: list[Chunk]):
-        longest = max(len(c.token_ids) for c in chunks)
-        pads = [longest - len(c.token_ids) for c in chunks]
-        tokens = mx.array([[0] * p + list(c.token_ids) for p, c in zip(pads, chunks)])
-        cache = [BatchKVCache(pads) for _ in range(self.num_layers)]
-        return [c.uid for c in chunks], last_logits(self.model, tokens, cache), cache
+        """One left-padded forward over the last chunks of several prompts, fresh or continuing a
+        restored prefix (or earlier chunks). Rows must end aligned, and the padding of a row must sit
+        before all of its KV: so a shorter chunk that has a prefix recomputes the prefix's last tokens
+        instead of taking pads (the forward computes `width` positions per row either way)."""
+        width = max(len(c.token_ids) for c in chunks)
+        rows, prefixes, pads = [], [], []
+        for c in chunks:
+            cache = self.prefill_caches.pop(c.uid, None)
+            held = len(self.tokens.get(c.uid, ()))  # == c.start: continuity was checked
+            recompute = min(held, width - len(c.token_ids))
+            if cache is not None and recompute:
+                for kv in cache:
+                    kv.trim(recompute)
+            ids = self.tokens.get(c.uid, [])[held - recompute : held] + list(c.token_ids)
+            pads.append(width - len(ids))  # > 0 only for a row with no prefix left
+            rows.append([0] * pads[-1] + ids)
+            prefixes.append(cache if held > recompute else None)
+        if any(p is not None for p in prefixes):
+            caches = []
+            for layer in range(self.num_layers):
+                bc = BatchKVCache.merge([p[layer] if p is not None else KVCache() for p in prefixes])
+                bc.left_padding = bc.left_padding + mx.array(pads)
+                bc.offset = bc.offset - mx.array(pads)
+                caches.append(bc)
+        else:
+            caches = [BatchKVCache(pads) for _ in range(self.num_layers)]
+        return [c.uid for c in chunks], last_logits(self.model, mx.array(rows), caches), caches
 
     def _join(self, uids: list[int], caches) -> None:
         if not isinstance(caches[0], BatchKVCache):

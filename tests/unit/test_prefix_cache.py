@@ -747,3 +747,42 @@ def test_preempted_sequences_resume_from_the_cache_with_the_same_tokens(model):
     assert got == want
     # The victim came back with more than the shared system prompt: its own prompt (and answer) blocks.
     assert max(cached.values()) > len(system)
+
+
+def test_prompts_continuing_cached_prefixes_are_prefilled_together(model, monkeypatch):
+    """Six prompts arriving together, sharing a system prompt by whole blocks, by part of a block, or
+    not at all, with chunks of different lengths: one batched forward (rows that have a prefix recompute
+    its tail instead of padding) gives the same tokens as no cache at all."""
+    system = ids(2 * BS + 2, seed=60)
+    prompts = [system + ids(3, seed=61)]
+    prompts += [system + ids(1 + 2 * i, seed=62 + i) for i in range(4)]  # chunks of 1..7 tokens after the prefix
+    prompts += [ids(6, seed=70), system[: BS + 1] + ids(9, seed=71)]  # fresh; a partial match only
+    arrival = [0] + [12] * 6
+    want, _ = drive(model, prompts, arrival, None, step_tokens=64)
+    forwards = []
+    original = Runner._prefill_batch
+
+    def counting(self, chunks):
+        forwards.append(sorted(c.uid for c in chunks))
+        return original(self, chunks)
+
+    monkeypatch.setattr(Runner, "_prefill_batch", counting)
+    got, cached = drive(model, prompts, arrival, PrefixCache(SALT, BlockPool(2**30)), step_tokens=64)
+    assert got == want
+    assert all(cached[i] >= 2 * BS for i in range(1, 5)) and cached[5] == 0 and cached[6] == BS + 1
+    assert forwards == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_prefill_groups_keep_each_rows_padding_small():
+    from meshlm.engine.plan import Chunk
+    from meshlm.model.runner import PREFILL_PAD_LIMIT, _prefill_groups
+
+    def chunk(uid, n):
+        return Chunk(uid, 0, tuple(range(n)), True)
+
+    short = [chunk(i, 30) for i in range(15)]
+    groups = _prefill_groups([chunk(99, 1000), *short])
+    assert [len(g) for g in groups] == [1, 15]  # the long prompt does not pad fifteen short ones to 1,000
+    mixed = [chunk(i, n) for i, n in enumerate((30, 90, 200, 95, 170))]
+    assert PREFILL_PAD_LIMIT == 64  # the grouping below: 200 takes 170, 95 takes 90, 30 is 65 short of 95
+    assert [sorted(c.uid for c in g) for g in _prefill_groups(mixed)] == [[2, 4], [1, 3], [0]]
