@@ -171,24 +171,22 @@ class Runner:
         rows, prefixes, pads = [], [], []
         for c in chunks:
             cache = self.prefill_caches.pop(c.uid, None)
-            held = len(self.tokens.get(c.uid, ()))  # == c.start: continuity was checked
-            recompute = min(held, width - len(c.token_ids))
+            recompute = min(c.start, width - len(c.token_ids))  # c.start = tokens held: continuity was checked
             if cache is not None and recompute:
                 for kv in cache:
                     kv.trim(recompute)
-            ids = self.tokens.get(c.uid, [])[held - recompute : held] + list(c.token_ids)
+            ids = self.tokens.get(c.uid, [])[c.start - recompute :] + list(c.token_ids)
             pads.append(width - len(ids))  # > 0 only for a row with no prefix left
             rows.append([0] * pads[-1] + ids)
-            prefixes.append(cache if held > recompute else None)
-        if any(p is not None for p in prefixes):
-            caches = []
-            for layer in range(self.num_layers):
-                bc = BatchKVCache.merge([p[layer] if p is not None else KVCache() for p in prefixes])
-                bc.left_padding = bc.left_padding + mx.array(pads)
-                bc.offset = bc.offset - mx.array(pads)
-                caches.append(bc)
-        else:
-            caches = [BatchKVCache(pads) for _ in range(self.num_layers)]
+            prefixes.append(cache if c.start > recompute else None)
+        # Rows without a prefix merge as empty caches; the pads then extend every row's left padding.
+        padding = mx.array(pads)
+        caches = []
+        for layer in range(self.num_layers):
+            bc = BatchKVCache.merge([p[layer] if p is not None else KVCache() for p in prefixes])
+            bc.left_padding = bc.left_padding + padding
+            bc.offset = bc.offset - padding
+            caches.append(bc)
         return [c.uid for c in chunks], last_logits(self.model, mx.array(rows), caches), caches
 
     def _join(self, uids: list[int], caches) -> None:
