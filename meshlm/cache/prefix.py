@@ -134,9 +134,11 @@ class PrefixCache:
 
     def release(self, token_ids: list[int]) -> None:
         """Unpin a matched prefix that will not be restored (the sequence left first)."""
-        for key in block_keys(token_ids, self.salt):
+        self._unpin(block_keys(token_ids, self.salt), self._take_lent(token_ids))
+
+    def _unpin(self, keys: list[bytes], lender: bytes | None) -> None:
+        for key in keys:
             self.pool.unpin(key)
-        lender = self._take_lent(token_ids)
         if lender is not None:
             self.pool.unpin(lender)
 
@@ -166,17 +168,15 @@ class PrefixCache:
             for i, (k, p) in enumerate(zip(keys, parents))
         ]
         tail = len(token_ids) - len(keys) * bs
-        for key in keys:
-            self.pool.unpin(key)
+        pinned = self._take_lent(token_ids)
+        lender = pinned
+        if tail and lender is None:  # not matched on this rank: any RAM block starting with these tokens will do
+            children = self._children.get(parents[-1])
+            found, shared = children.longest(tuple(token_ids[-tail:])) if children else (None, 0)
+            lender = found if shared == tail else None
         if tail:
-            lender = self._take_lent(token_ids)
-            if lender is not None:
-                self.pool.unpin(lender)
-            else:  # not matched on this rank: any RAM block starting with these tokens will do
-                children = self._children.get(parents[-1])
-                found, shared = children.longest(tuple(token_ids[-tail:])) if children else (None, 0)
-                lender = found if shared == tail else None
             blocks.append(self.pool.get(lender) if lender is not None else None)
+        self._unpin(keys, pinned)
         if any(b is None for b in blocks):
             missing = blocks.index(None)
             name = keys[missing].hex() if missing < len(keys) else f"lending {tail} tokens"

@@ -147,8 +147,8 @@ class TransposedLinear(nn.Module):
 
 def transpose_linears(model: nn.Module) -> int:
     """Swap every plain float32 `nn.Linear` (not quantized or sharded ones, whose classes differ) for a
-    TransposedLinear, one at a time so at most one extra weight is alive; returns how many. A tied LM
-    head is the embedding table and stays as it is."""
+    TransposedLinear, module by module so at most one module's linear weights exist twice at once;
+    returns how many. A tied LM head is the embedding table and stays as it is."""
     swapped = 0
 
     def visit(container) -> None:  # a Module is a dict of its parameters and children
