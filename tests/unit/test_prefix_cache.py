@@ -576,23 +576,6 @@ def test_evicted_blocks_stop_lending(model):
     assert pc.match(tokens[:3]) == 0 and not pc._children and not pc._placed
 
 
-def test_continuing_from_a_partial_block_equals_a_full_prefill(model):
-    pc = PrefixCache(SALT, BlockPool(2**30))
-    system = ids(BS + 2, seed=47)  # a system prompt shorter than two blocks
-    first = system + ids(2 * BS, seed=48)
-    _, cache = prefill(model, first)
-    pc.store(first, kv_of(cache))
-    second = system + ids(BS + 3, seed=49)
-    n = pc.match(second[:-1])
-    assert n == BS + 2
-    restored = [KVCache() for _ in model.layers]
-    for c, (k, v) in zip(restored, pc.restore(second[:n])):
-        c.state = (k, v, k.shape[2])
-    warm, _ = prefill(model, second[n:], restored)
-    cold, _ = prefill(model, second)
-    assert mx.allclose(warm[-1], cold[-1], atol=1e-4).item()
-
-
 def test_matched_blocks_survive_pressure_until_restored(model):
     tokens = ids(3 * BS, seed=16)
     _, cache = prefill(model, tokens)
@@ -614,15 +597,19 @@ def test_matched_blocks_survive_pressure_until_restored(model):
         pc.restore(tokens)
 
 
-def test_continuing_from_a_restored_prefix_equals_a_full_prefill(model):
+@pytest.mark.parametrize("shared_len, first_tail, second_tail", [
+    (3 * BS, BS + 1, 2 * BS + 3),  # same system prompt in whole blocks, new question
+    (BS + 2, 2 * BS, BS + 3),  # a system prompt ending inside the second block: 2 tokens lent
+], ids=["whole_blocks", "partial_block"])
+def test_continuing_from_a_restored_prefix_equals_a_full_prefill(model, shared_len, first_tail, second_tail):
     pc = PrefixCache(SALT, BlockPool(2**30))
-    shared = ids(3 * BS, seed=18)
-    first = shared + ids(BS + 1, seed=19)
+    shared = ids(shared_len, seed=18)
+    first = shared + ids(first_tail, seed=19)
     _, cache = prefill(model, first)
     pc.store(first, kv_of(cache))
-    second = shared + ids(2 * BS + 3, seed=20)  # same system prompt, new question
+    second = shared + ids(second_tail, seed=20)
     n = pc.match(second[:-1])
-    assert n == 3 * BS
+    assert n == shared_len
     restored = [KVCache() for _ in model.layers]
     for c, (k, v) in zip(restored, pc.restore(second[:n])):
         c.state = (k, v, k.shape[2])
