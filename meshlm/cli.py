@@ -35,6 +35,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="on CPU, keep mlx's own attention and SwiGLU instead of meshlm's faster base-2 ones")
+    p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="on CPU, run meshlm's kernels as MLX ops even where the compiled csrc/cpu_ops.cpp loads")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
@@ -119,7 +121,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.tensor_parallel = _world_size(args)
     args.rank = _rank(args)
     return ServeConfig(
-        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels),
+        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
+                          args.native_kernels),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
                           args.ssd_cache_gb, args.ssd_ttl_days),

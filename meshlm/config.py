@@ -18,6 +18,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     served_name: str | None = None  # name reported by /v1/models; None: derived from path
     cpu_kernels: bool = True  # on CPU, base-2 attention and SwiGLU (model/cpu_kernels.py)
+    native_kernels: bool = True  # ... as compiled C++ (csrc/cpu_ops.cpp) where `make install` built it
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -67,7 +67,7 @@ def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     if cfg.cpu_kernels:
-        cpu_kernels.install(model, cores_for_this_process())
+        cpu_kernels.install(model, cores_for_this_process(), cfg.native_kernels)
     context = int(config.get("max_position_embeddings") or 4096)
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)

@@ -1,5 +1,8 @@
 """The CPU attention and SwiGLU agree with mlx's own kernels to fp32 rounding."""
 
+import shutil
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
@@ -13,8 +16,22 @@ def reference(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=Non
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def ours(q, k, v, mask, split_decode=False):
-    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference, split_decode=split_decode)
+def ours(q, k, v, mask, split_decode=False, native=None):
+    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference, split_decode=split_decode,
+                                 native=native)
+
+
+NATIVE, NATIVE_STATUS = cpu_kernels.native_ops()
+# None: the MLX kernels; else the compiled ones (csrc/cpu_ops.cpp), which `make install` builds where there is
+# a compiler; without one those cases skip, saying why.
+KERNELS = [None, pytest.param(NATIVE, id="native", marks=pytest.mark.skipif(NATIVE is None, reason=NATIVE_STATUS))]
+
+
+def test_native_kernels_are_built_where_a_compiler_is():
+    if sys.platform != "linux" or not shutil.which("g++"):
+        pytest.skip("scripts/build_cpu_ops.py builds on Linux with g++")
+    assert NATIVE is not None, NATIVE_STATUS
+    assert NATIVE.mlx_version == mx.__version__
 
 
 @pytest.mark.parametrize(
@@ -27,8 +44,9 @@ def ours(q, k, v, mask, split_decode=False):
         (3, 8, 2, 17, 60),
     ],
 )
-@pytest.mark.parametrize("mask_kind", ["causal", "none", "bool", "additive"])
-def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind):
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "bool", "additive", "one-row"])
+@pytest.mark.parametrize("native", KERNELS)
+def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind, native):
     mx.random.seed(B * 1000 + L)
     q, k, v = (mx.random.normal(s) for s in ((B, H, L, 64), (B, Hk, S, 64), (B, Hk, S, 64)))
     allowed = mx.random.uniform(shape=(B, 1, L, S)) > 0.3
@@ -37,34 +55,57 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind):
         "none": None,
         "bool": allowed,
         "additive": mx.where(allowed, 0.0, -1e9),
+        "one-row": allowed[0, 0],  # (L, S): what mlx-lm builds when no row is padded
     }[mask_kind]
     want = reference(q, k, v, scale=0.125, mask=mask)
-    got = ours(q, k, v, mask)
+    got = ours(q, k, v, mask, native=native)
     assert got.shape == want.shape
     assert mx.abs(got - want).max().item() < TOL
 
 
+@pytest.mark.parametrize("native", KERNELS)
 @pytest.mark.parametrize("rows", [8, 15])
-def test_decode_split_over_two_streams_matches_mlx(rows):
+def test_decode_split_over_two_streams_matches_mlx(rows, native):
     """With a core to spare, half a decode batch's attention runs on a second CPU stream."""
     q, k, v = mx.random.normal((rows, 9, 1, 64)), mx.random.normal((rows, 3, 90, 64)), mx.random.normal((rows, 3, 90, 64))
     mask = mx.random.uniform(shape=(rows, 1, 1, 90)) > 0.2
     want = reference(q, k, v, scale=0.125, mask=mask)
-    assert mx.abs(ours(q, k, v, mask, split_decode=True) - want).max().item() < TOL
+    assert mx.abs(ours(q, k, v, mask, split_decode=True, native=native) - want).max().item() < TOL
 
 
-def test_fully_masked_rows_stay_finite():
+@pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
+def test_native_decode_reads_a_kv_cache_slice_in_place():
+    """A decode's keys are the first S positions of a longer cache buffer: the kernel walks its strides
+    (no copy), and a mask that differs per head falls back to the MLX path, with the same result."""
+    cache_k, cache_v = mx.random.normal((4, 2, 256, 32)), mx.random.normal((4, 2, 256, 32))
+    k, v = cache_k[:, :, :70], cache_v[:, :, :70]
+    q = mx.random.normal((4, 6, 1, 32))
+    for mask in (mx.arange(70)[None, None, None] >= mx.array([0, 3, 9, 69])[:, None, None, None],
+                 mx.random.uniform(shape=(4, 6, 1, 70)) > 0.5):
+        want = reference(q, mx.contiguous(k), mx.contiguous(v), scale=0.125, mask=mask)
+        assert mx.abs(ours(q, k, v, mask, native=NATIVE) - want).max().item() < TOL
+
+
+@pytest.mark.parametrize("native", KERNELS)
+def test_fully_masked_rows_stay_finite(native):
     """Left-padded rows of a batched prefill mask every key; NaN there would poison the real rows' values."""
     q, k, v = mx.random.normal((2, 4, 5, 16)), mx.random.normal((2, 2, 5, 16)), mx.random.normal((2, 2, 5, 16))
     mask = mx.ones((2, 1, 5, 5), dtype=mx.bool_)
     mask[0, :, :2] = False
-    assert mx.isfinite(ours(q, k, v, mask)).all().item()
+    assert mx.isfinite(ours(q, k, v, mask, native=native)).all().item()
+    one = mx.array([[True, False, False, False, False], [False] * 5])[:, None, None]  # a decode row with no key
+    got = ours(q[:, :, :1], k, v, one, native=native)
+    assert mx.isfinite(got).all().item()
 
 
-def test_swiglu_matches_mlx():
+@pytest.mark.parametrize("native", KERNELS)
+def test_swiglu_matches_mlx(native, monkeypatch):
     gate = mx.random.normal((4, 300)) * 12  # large |gate| exercises power's overflow to inf
     x = mx.random.normal((4, 300))
-    assert mx.abs(cpu_kernels.swiglu(gate, x) - mlx_swiglu(gate, x)).max().item() < TOL
+    monkeypatch.setattr(cpu_kernels, "_native", native)
+    ours_swiglu = cpu_kernels.native_swiglu if native is not None else cpu_kernels.swiglu
+    assert mx.abs(ours_swiglu(gate, x) - mlx_swiglu(gate, x)).max().item() < TOL
+    assert mx.abs(ours_swiglu(gate[:, :1], x) - mlx_swiglu(gate[:, :1], x)).max().item() < TOL  # broadcast
 
 
 def test_half_precision_uses_the_fallback():
@@ -91,7 +132,7 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     tokens = mx.array([[1, 5, 9, 2, 7, 3]])
     want = model(tokens)
     assert cpu_kernels.install(model)
-    assert llama.swiglu is cpu_kernels.swiglu
+    assert llama.swiglu is (cpu_kernels.swiglu if NATIVE is None else cpu_kernels.native_swiglu)
     assert isinstance(model.layers[1].mlp.down_proj, cpu_kernels.TransposedLinear)
     assert cpu_kernels.install(model)  # idempotent: does not wrap itself
     assert mx.abs(model(tokens) - want).max().item() < 1e-4

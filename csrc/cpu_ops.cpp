@@ -1,0 +1,264 @@
+// Vectorised CPU kernels for the three places where MLX's Linux CPU backend
+// spends most of a forward outside the matmuls: it evaluates exp/power one
+// scalar at a time (~6-15 ns per element), and a batched decode's attention
+// is ~100 tiny GEMM calls per layer. Each op here is an MLX primitive, so it
+// stays lazy and runs on the stream it was created on.
+//
+// Built by scripts/build_cpu_ops.py against the installed MLX (headers, libmlx
+// and nanobind domain "mlx", so mx.array passes straight through). Python
+// falls back to meshlm/model/cpu_kernels.py's MLX versions when it is absent.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// 2^x, relative error ~2e-7 (Cephes exp2f polynomial on [-0.5, 0.5]); inputs
+// below -126 give 2^-126. Branch-free so the loops around it vectorise.
+inline float exp2_fast(float x) {
+  x = std::min(std::max(x, -126.0f), 127.0f);
+  float whole = std::nearbyint(x);
+  float f = x - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* __restrict out, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = g[i] * x[i] / (1.0f + exp2_fast(-g[i] * LOG2E));
+  }
+}
+
+// Rows of base-2 scores -> probabilities (each row sums to 1).
+void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t rows, size_t n) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* row = s + r * n;
+    float* o = out + r * n;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (size_t i = 0; i < n; ++i) m = std::max(m, row[i]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (size_t i = 0; i < n; ++i) {
+      o[i] = exp2_fast(row[i] - m);
+      sum += o[i];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) o[i] *= inv;
+  }
+}
+
+// One query position per row against its own keys: q (B, Hk, r, D) already
+// scaled by scale*log2(e); keys/values (B, Hk, S, D) with any strides on the
+// first three axes; mask (B or 1, S) of 0/1 bytes or none. out (B, Hk, r, D).
+struct DecodeShape {
+  int64_t B, Hk, r, S, D;
+  int64_t ks[3], vs[3];  // element strides of keys/values on B, Hk, S
+  int64_t mask_rows;     // 0: no mask; 1: one mask row for all; B: per row
+};
+
+void decode_attention_kernel(const DecodeShape& sh, const float* q, const float* k, const float* v,
+                             const uint8_t* mask, float* out) {
+  const int64_t r = sh.r, S = sh.S, D = sh.D;
+  std::vector<float> scores(static_cast<size_t>(r * S));
+  std::vector<float> acc(static_cast<size_t>(r * D));
+  for (int64_t b = 0; b < sh.B; ++b) {
+    const uint8_t* m = sh.mask_rows == 0 ? nullptr : mask + (sh.mask_rows == 1 ? 0 : b) * S;
+    for (int64_t h = 0; h < sh.Hk; ++h) {
+      const float* qh = q + ((b * sh.Hk + h) * r) * D;
+      const float* kh = k + b * sh.ks[0] + h * sh.ks[1];
+      const float* vh = v + b * sh.vs[0] + h * sh.vs[1];
+      for (int64_t s = 0; s < S; ++s) {
+        const float* kr = kh + s * sh.ks[2];
+        for (int64_t j = 0; j < r; ++j) {
+          const float* qj = qh + j * D;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
+          scores[j * S + s] = dot;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> sums(static_cast<size_t>(r), 0.0f);
+      for (int64_t j = 0; j < r; ++j) {
+        float* sc = scores.data() + j * S;
+        float mx_ = -INFINITY;
+        for (int64_t s = 0; s < S; ++s)
+          if (!m || m[s]) mx_ = std::max(mx_, sc[s]);
+        float sum = 0.0f;
+        for (int64_t s = 0; s < S; ++s) {
+          float p = (!m || m[s]) ? exp2_fast(sc[s] - mx_) : 0.0f;
+          sc[s] = p;
+          sum += p;
+        }
+        sums[j] = sum;
+      }
+      for (int64_t s = 0; s < S; ++s) {
+        const float* vr = vh + s * sh.vs[2];
+        for (int64_t j = 0; j < r; ++j) {
+          float p = scores[j * S + s];
+          if (p == 0.0f) continue;
+          float* a = acc.data() + j * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      }
+      float* o = out + ((b * sh.Hk + h) * r) * D;
+      for (int64_t j = 0; j < r; ++j) {
+        float inv = sums[j] > 0.0f ? 1.0f / sums[j] : 0.0f;  // a row with every key masked gives zeros
+        for (int64_t d = 0; d < D; ++d) o[j * D + d] = acc[j * D + d] * inv;
+      }
+    }
+  }
+}
+
+class CpuOnly : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+};
+
+class SwiGLU : public CpuOnly {
+ public:
+  using CpuOnly::CpuOnly;
+  const char* name() const override { return "MeshlmSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([g = in[0].data<float>(), x = in[1].data<float>(), o = out.data<float>(), n = out.size()]() {
+      swiglu_kernel(g, x, o, n);
+    });
+  }
+};
+
+class Softmax2 : public CpuOnly {
+ public:
+  using CpuOnly::CpuOnly;
+  const char* name() const override { return "MeshlmSoftmax2"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    size_t n = out.shape().back();
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([s = in[0].data<float>(), o = out.data<float>(), rows = out.size() / n, n]() {
+      softmax2_kernel(s, o, rows, n);
+    });
+  }
+};
+
+class DecodeAttention : public CpuOnly {
+ public:
+  DecodeAttention(mx::Stream s, bool masked) : CpuOnly(s), masked_(masked) {}
+  const char* name() const override { return "MeshlmDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return masked_ == static_cast<const DecodeAttention&>(other).masked_;
+  }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &q = in[0], &k = in[1], &v = in[2];
+    DecodeShape sh{q.shape(0), q.shape(1), q.shape(2), k.shape(2), q.shape(3), {}, {}, 0};
+    for (int i = 0; i < 3; ++i) {
+      sh.ks[i] = k.strides()[i];
+      sh.vs[i] = v.strides()[i];
+    }
+    const uint8_t* mask = nullptr;
+    if (masked_) {
+      sh.mask_rows = in[3].shape(0);
+      mask = in[3].data<uint8_t>();
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), mask, o = out.data<float>()]() {
+      decode_attention_kernel(sh, qp, kp, vp, mask, o);
+    });
+  }
+
+ private:
+  bool masked_;
+};
+
+mx::Stream current_stream() { return mx::to_stream(mx::StreamOrDevice{}); }
+
+mx::array float32_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument("meshlm cpu_ops take float32 arrays");
+  return mx::contiguous(a, false, s);
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& x) {
+  if (gate.shape() != x.shape()) throw std::invalid_argument("swiglu: gate and x shapes differ");
+  auto s = current_stream();
+  auto g = float32_contiguous(gate, s), xc = float32_contiguous(x, s);
+  return mx::array(g.shape(), mx::float32, std::make_shared<SwiGLU>(s), {g, xc});
+}
+
+mx::array softmax2(const mx::array& scores) {
+  auto s = current_stream();
+  auto sc = float32_contiguous(scores, s);
+  return mx::array(sc.shape(), mx::float32, std::make_shared<Softmax2>(s), {sc});
+}
+
+// Keys/values keep their strides (a KV cache's slice is not copied) as long as
+// each row of D values is contiguous.
+mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument("meshlm cpu_ops take float32 arrays");
+  return a.strides().back() == 1 ? a : mx::contiguous(a, false, s);
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                           std::optional<mx::array> mask) {
+  if (q.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || q.shape(0) != keys.shape(0) ||
+      q.shape(1) != keys.shape(1) || q.shape(3) != keys.shape(3)) {
+    throw std::invalid_argument("decode_attention: q (B, Hk, r, D), keys and values (B, Hk, S, D)");
+  }
+  auto s = current_stream();
+  std::vector<mx::array> inputs{float32_contiguous(q, s), rows_contiguous(keys, s), rows_contiguous(values, s)};
+  if (mask) {
+    auto m = *mask;
+    if (m.ndim() != 2 || m.shape(1) != keys.shape(2) || (m.shape(0) != 1 && m.shape(0) != q.shape(0))) {
+      throw std::invalid_argument("decode_attention: mask must be (B or 1, S)");
+    }
+    inputs.push_back(mx::contiguous(mx::astype(m, mx::uint8, s), false, s));
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(s, mask.has_value()), inputs);
+}
+
+}  // namespace
+
+NB_MODULE(_cpu_ops, m) {
+  m.doc() = "meshlm's vectorised CPU kernels as MLX primitives";
+  m.attr("mlx_version") = MESHLM_MLX_VERSION;
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
+  m.def("softmax2", &softmax2, nb::arg("scores"), "softmax over the last axis of base-2 scores");
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("mask") = nb::none(), "one query position per row; q pre-scaled by scale*log2(e)");
+}

@@ -1,0 +1,63 @@
+"""Compile csrc/cpu_ops.cpp into meshlm/model/_cpu_ops*.so against the installed MLX.
+
+Optional: without a C++20 compiler or nanobind, meshlm runs its pure-MLX
+kernels instead (it logs which). `make install` runs this on Linux; it is
+built for the machine it runs on (-march=native) and for this exact MLX
+version (the module records it, and meshlm ignores a build for another one).
+nanobind must be the release MLX's own bindings were built with, under MLX's
+nanobind domain, so that mx.array crosses between the two modules.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "csrc" / "cpu_ops.cpp"
+TARGET = ROOT / "meshlm" / "model" / f"_cpu_ops{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def command() -> list[str]:
+    import mlx.core as mx
+    import nanobind
+
+    mlx_dir = Path(mx.__file__).parent  # mlx/core is a directory in some wheels, a .so in others
+    mlx_dir = mlx_dir if (mlx_dir / "include").is_dir() else mlx_dir.parent
+    nb_src = Path(nanobind.source_dir())
+    return [
+        shutil.which("g++") or shutil.which("c++") or "c++",
+        "-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+        "-DNB_DOMAIN=mlx", f'-DMESHLM_MLX_VERSION="{mx.__version__}"',
+        f"-I{mlx_dir / 'include'}", f"-I{nanobind.include_dir()}",
+        f"-I{nb_src.parent / 'ext' / 'robin_map' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+        str(nb_src / "nb_combined.cpp"), str(SOURCE),
+        f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
+        "-o", str(TARGET),
+    ]
+
+
+def main() -> int:
+    if sys.platform != "linux":
+        print("cpu_ops: not built (only Linux runs MLX on the CPU; macOS uses Metal)")
+        return 0
+    try:
+        cmd = command()
+    except ImportError as e:
+        print(f"cpu_ops: not built ({e}); meshlm will use its MLX kernels")
+        return 1
+    print("cpu_ops: building", TARGET.relative_to(ROOT), flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        TARGET.unlink(missing_ok=True)
+        print(f"cpu_ops: build failed; meshlm will use its MLX kernels\n$ {shlex.join(cmd)}\n{done.stderr[-4000:]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
