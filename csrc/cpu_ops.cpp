@@ -15,6 +15,13 @@
 #include <stdexcept>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MESHLM_AVX2 1
+#else
+#define MESHLM_AVX2 0
+#endif
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -85,56 +92,112 @@ struct DecodeShape {
   int64_t mask_rows;     // 0: no mask; 1: one mask row for all; B: per row
 };
 
+#if MESHLM_AVX2
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// scores[s] = q . keys[s] for D a multiple of 16.
+void head_scores(const float* __restrict q, const float* __restrict kh, int64_t kstride, int64_t S, int64_t D,
+                 float* __restrict scores) {
+  for (int64_t s = 0; s < S; ++s) {
+    const float* kr = kh + s * kstride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+    }
+    scores[s] = hsum(_mm256_add_ps(a0, a1));
+  }
+}
+
+// out[0:64] = sum_s p[s] * values[s][0:64], eight accumulators kept in registers.
+void weighted_values_64(const float* __restrict p, const float* __restrict vh, int64_t vstride, int64_t S,
+                        float scale, float* __restrict out) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (p[s] == 0.0f) continue;  // masked key
+    const float* vr = vh + s * vstride;
+    __m256 w = _mm256_broadcast_ss(p + s);
+    c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), c0);
+    c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), c1);
+    c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), c2);
+    c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), c3);
+    c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 32), c4);
+    c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 40), c5);
+    c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 48), c6);
+    c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 56), c7);
+  }
+  __m256 k = _mm256_set1_ps(scale);
+  _mm256_storeu_ps(out, _mm256_mul_ps(c0, k));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(c1, k));
+  _mm256_storeu_ps(out + 16, _mm256_mul_ps(c2, k));
+  _mm256_storeu_ps(out + 24, _mm256_mul_ps(c3, k));
+  _mm256_storeu_ps(out + 32, _mm256_mul_ps(c4, k));
+  _mm256_storeu_ps(out + 40, _mm256_mul_ps(c5, k));
+  _mm256_storeu_ps(out + 48, _mm256_mul_ps(c6, k));
+  _mm256_storeu_ps(out + 56, _mm256_mul_ps(c7, k));
+}
+#endif
+
+// Base-2 softmax of one row of scores in place, masked keys (allowed[s] == 0) weighted 0; returns
+// 1 / sum (0 when every key is masked, so that row's output is zeros, not NaN).
+float softmax_row(float* __restrict sc, const float* __restrict allowed, int64_t S) {
+  float m = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) m = allowed[s] != 0.0f ? std::max(m, sc[s]) : m;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t s = 0; s < S; ++s) {
+    float p = exp2_fast(sc[s] - m) * allowed[s];
+    sc[s] = p;
+    sum += p;
+  }
+  return sum > 0.0f ? 1.0f / sum : 0.0f;
+}
+
 void decode_attention_kernel(const DecodeShape& sh, const float* q, const float* k, const float* v,
                              const uint8_t* mask, float* out) {
   const int64_t r = sh.r, S = sh.S, D = sh.D;
-  std::vector<float> scores(static_cast<size_t>(r * S));
-  std::vector<float> acc(static_cast<size_t>(r * D));
+  std::vector<float> scores(static_cast<size_t>(S)), allowed(static_cast<size_t>(S), 1.0f);
   for (int64_t b = 0; b < sh.B; ++b) {
-    const uint8_t* m = sh.mask_rows == 0 ? nullptr : mask + (sh.mask_rows == 1 ? 0 : b) * S;
+    if (sh.mask_rows != 0 && (b == 0 || sh.mask_rows != 1)) {
+      const uint8_t* m = mask + (sh.mask_rows == 1 ? 0 : b) * S;
+      for (int64_t s = 0; s < S; ++s) allowed[s] = m[s] ? 1.0f : 0.0f;
+    }
     for (int64_t h = 0; h < sh.Hk; ++h) {
-      const float* qh = q + ((b * sh.Hk + h) * r) * D;
       const float* kh = k + b * sh.ks[0] + h * sh.ks[1];
       const float* vh = v + b * sh.vs[0] + h * sh.vs[1];
-      for (int64_t s = 0; s < S; ++s) {
-        const float* kr = kh + s * sh.ks[2];
-        for (int64_t j = 0; j < r; ++j) {
-          const float* qj = qh + j * D;
+      // One query head at a time: its scores stay in L1, and the head's keys and values, read once
+      // per query head of the group, stay in L2.
+      for (int64_t j = 0; j < r; ++j) {
+        const float* qj = q + ((b * sh.Hk + h) * r + j) * D;
+        float* o = out + ((b * sh.Hk + h) * r + j) * D;
+#if MESHLM_AVX2
+        if (D % 64 == 0) {
+          head_scores(qj, kh, sh.ks[2], S, D, scores.data());
+          float inv = softmax_row(scores.data(), allowed.data(), S);
+          for (int64_t d = 0; d < D; d += 64) weighted_values_64(scores.data(), vh + d, sh.vs[2], S, inv, o + d);
+          continue;
+        }
+#endif
+        for (int64_t s = 0; s < S; ++s) {
+          const float* kr = kh + s * sh.ks[2];
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
-          scores[j * S + s] = dot;
+          scores[s] = dot;
         }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> sums(static_cast<size_t>(r), 0.0f);
-      for (int64_t j = 0; j < r; ++j) {
-        float* sc = scores.data() + j * S;
-        float mx_ = -INFINITY;
-        for (int64_t s = 0; s < S; ++s)
-          if (!m || m[s]) mx_ = std::max(mx_, sc[s]);
-        float sum = 0.0f;
+        float inv = softmax_row(scores.data(), allowed.data(), S);
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
         for (int64_t s = 0; s < S; ++s) {
-          float p = (!m || m[s]) ? exp2_fast(sc[s] - mx_) : 0.0f;
-          sc[s] = p;
-          sum += p;
-        }
-        sums[j] = sum;
-      }
-      for (int64_t s = 0; s < S; ++s) {
-        const float* vr = vh + s * sh.vs[2];
-        for (int64_t j = 0; j < r; ++j) {
-          float p = scores[j * S + s];
+          float p = scores[s] * inv;
           if (p == 0.0f) continue;
-          float* a = acc.data() + j * D;
+          const float* vr = vh + s * sh.vs[2];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+          for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
         }
-      }
-      float* o = out + ((b * sh.Hk + h) * r) * D;
-      for (int64_t j = 0; j < r; ++j) {
-        float inv = sums[j] > 0.0f ? 1.0f / sums[j] : 0.0f;  // a row with every key masked gives zeros
-        for (int64_t d = 0; d < D; ++d) o[j * D + d] = acc[j * D + d] * inv;
       }
     }
   }

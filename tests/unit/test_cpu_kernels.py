@@ -87,6 +87,16 @@ def test_native_decode_reads_a_kv_cache_slice_in_place():
 
 
 @pytest.mark.parametrize("native", KERNELS)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the native decode kernel's 64-wide passes, and its fallback
+def test_decode_head_dims(native, head_dim):
+    q = mx.random.normal((3, 8, 1, head_dim))
+    k, v = mx.random.normal((3, 2, 45, head_dim)), mx.random.normal((3, 2, 45, head_dim))
+    mask = mx.arange(45)[None, None, None] >= mx.array([0, 7, 44])[:, None, None, None]
+    want = reference(q, k, v, scale=0.125, mask=mask)
+    assert mx.abs(ours(q, k, v, mask, native=native) - want).max().item() < TOL
+
+
+@pytest.mark.parametrize("native", KERNELS)
 def test_fully_masked_rows_stay_finite(native):
     """Left-padded rows of a batched prefill mask every key; NaN there would poison the real rows' values."""
     q, k, v = mx.random.normal((2, 4, 5, 16)), mx.random.normal((2, 2, 5, 16)), mx.random.normal((2, 2, 5, 16))
