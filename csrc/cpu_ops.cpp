@@ -9,10 +9,13 @@
 // falls back to meshlm/model/cpu_kernels.py's MLX versions when it is absent.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -315,6 +318,224 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(s, mask.has_value()), inputs);
 }
 
+
+// ---- Linear layers with weights packed in 16-column panels ------------------
+//
+// OpenBLAS 0.3.21 re-packs the whole weight matrix on every call and has no
+// matrix-vector path for one-row GEMMs, so a decode step at small batch reads
+// the weights more than once at less than the machine's bandwidth. Weights
+// packed once at load as (N/16, K, 16) panels are streamed sequentially by a
+// 6x16 register-blocked FMA kernel instead. More rows than PACKED_MAX_ROWS
+// (prefills, compute-bound) go to MLX's matmul on an unpacked copy.
+
+constexpr int PANEL = 16;
+constexpr int64_t PACKED_MAX_ROWS = 64;
+
+#if MESHLM_AVX2
+template <int MR>
+inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __restrict w, const float* bias,
+                       float* __restrict c, int64_t ldc, int64_t K) {
+  // Named accumulators: GCC spills an array of __m256 to the stack on every iteration.
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b0 = _mm256_loadu_ps(w + PANEL * k), b1 = _mm256_loadu_ps(w + PANEL * k + 8), a;
+    a = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(a, b0, c00);
+    c01 = _mm256_fmadd_ps(a, b1, c01);
+    if constexpr (MR > 1) {
+      a = _mm256_broadcast_ss(x1 + k);
+      c10 = _mm256_fmadd_ps(a, b0, c10);
+      c11 = _mm256_fmadd_ps(a, b1, c11);
+    }
+    if constexpr (MR > 2) {
+      a = _mm256_broadcast_ss(x2 + k);
+      c20 = _mm256_fmadd_ps(a, b0, c20);
+      c21 = _mm256_fmadd_ps(a, b1, c21);
+    }
+    if constexpr (MR > 3) {
+      a = _mm256_broadcast_ss(x3 + k);
+      c30 = _mm256_fmadd_ps(a, b0, c30);
+      c31 = _mm256_fmadd_ps(a, b1, c31);
+    }
+    if constexpr (MR > 4) {
+      a = _mm256_broadcast_ss(x4 + k);
+      c40 = _mm256_fmadd_ps(a, b0, c40);
+      c41 = _mm256_fmadd_ps(a, b1, c41);
+    }
+    if constexpr (MR > 5) {
+      a = _mm256_broadcast_ss(x5 + k);
+      c50 = _mm256_fmadd_ps(a, b0, c50);
+      c51 = _mm256_fmadd_ps(a, b1, c51);
+    }
+  }
+  __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  auto store = [&](int r, __m256 lo, __m256 hi) {
+    _mm256_storeu_ps(c + r * ldc, _mm256_add_ps(lo, bias0));
+    _mm256_storeu_ps(c + r * ldc + 8, _mm256_add_ps(hi, bias1));
+  };
+  store(0, c00, c01);
+  if constexpr (MR > 1) store(1, c10, c11);
+  if constexpr (MR > 2) store(2, c20, c21);
+  if constexpr (MR > 3) store(3, c30, c31);
+  if constexpr (MR > 4) store(4, c40, c41);
+  if constexpr (MR > 5) store(5, c50, c51);
+}
+
+struct GemmArgs {
+  const float* x;     // (M, K)
+  const float* w;     // (N/16, K, 16)
+  const float* bias;  // (N) or null
+  float* out;         // (M, N)
+  int64_t M, K, N;
+};
+
+void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* w = g.w + p * g.K * PANEL;
+    const float* bias = g.bias ? g.bias + p * PANEL : nullptr;
+    float* c = g.out + p * PANEL;
+    int64_t i = 0;
+    for (; i + 6 <= g.M; i += 6) gemm_micro<6>(g.x + i * g.K, g.K, w, bias, c + i * g.N, g.N, g.K);
+    const float* x = g.x + i * g.K;
+    c += i * g.N;
+    switch (g.M - i) {
+      case 1: gemm_micro<1>(x, g.K, w, bias, c, g.N, g.K); break;
+      case 2: gemm_micro<2>(x, g.K, w, bias, c, g.N, g.K); break;
+      case 3: gemm_micro<3>(x, g.K, w, bias, c, g.N, g.K); break;
+      case 4: gemm_micro<4>(x, g.K, w, bias, c, g.N, g.K); break;
+      case 5: gemm_micro<5>(x, g.K, w, bias, c, g.N, g.K); break;
+      default: break;
+    }
+  }
+}
+
+// One helper thread shares each GEMM's panels with the calling stream thread,
+// both taking chunks from one counter: when the helper is descheduled (two
+// cores shared with OpenBLAS and a second stream) the caller does the work
+// instead of waiting for it. Between calls it spins briefly (a decode step
+// issues ~200 GEMMs a fraction of a millisecond apart), then sleeps on a
+// futex so an idle server does not burn a core.
+class GemmPool {
+ public:
+  void run(const GemmArgs& g, int64_t panels) {
+    std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
+    if (threads_ < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
+      packed_gemm_panels(g, 0, panels);
+      return;
+    }
+    std::call_once(started_, [this] { std::thread([this] { loop(); }).detach(); });
+    while (inside_.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
+    job_ = g;
+    panels_ = panels;
+    next_.store(0);
+    int ticket = ++tickets_;
+    posted_.store(ticket);
+    posted_.notify_one();
+    work();
+    while (inside_.load() == ticket) _mm_pause();  // its last chunk
+  }
+  void set_threads(int n) { threads_ = std::max(1, n); }
+
+ private:
+  static constexpr int64_t CHUNK = 4;  // panels per grab
+  static constexpr int SPIN = 2000;  // pause instructions (~20-50 us) before sleeping; longer spins slowed batch-16 decode
+
+  void work() {
+    for (;;) {
+      int64_t p0 = next_.fetch_add(CHUNK);
+      if (p0 >= panels_) return;
+      packed_gemm_panels(job_, p0, std::min(p0 + CHUNK, panels_));
+    }
+  }
+  void loop() {
+    int seen = 0;
+    for (;;) {
+      int ticket = posted_.load();
+      for (int spin = 0; ticket == seen && spin < SPIN; ++spin) {
+        _mm_pause();
+        ticket = posted_.load();
+      }
+      if (ticket == seen) {
+        posted_.wait(seen);
+        continue;
+      }
+      seen = ticket;
+      // Announce, then re-check (both sequentially consistent): either the caller sees us inside and
+      // waits, or we see that it has moved on and stay out of the next job's set-up.
+      inside_.store(ticket);
+      if (posted_.load() == ticket) work();
+      inside_.store(0);
+    }
+  }
+
+  std::atomic<int> posted_{0}, inside_{0};
+  std::atomic<int64_t> next_{0};
+  GemmArgs job_{};
+  int64_t panels_ = 0;
+  int tickets_ = 0;
+  int threads_ = 1;
+  std::mutex use_;
+  std::once_flag started_;
+};
+
+GemmPool& gemm_pool() {
+  static GemmPool* pool = new GemmPool();  // never destroyed: its detached thread outlives static destructors
+  return *pool;
+}
+
+class PackedLinear : public CpuOnly {
+ public:
+  PackedLinear(mx::Stream s, bool has_bias) : CpuOnly(s), has_bias_(has_bias) {}
+  const char* name() const override { return "MeshlmPackedLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const PackedLinear&>(other).has_bias_;
+  }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &x = in[0], &w = in[1];
+    int64_t K = w.shape(1), N = w.shape(0) * PANEL;
+    GemmArgs g{x.data<float>(), w.data<float>(), has_bias_ ? in[2].data<float>() : nullptr, nullptr,
+               static_cast<int64_t>(x.size() / K), K, N};
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    g.out = out.data<float>();
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([g, panels = w.shape(0)]() { gemm_pool().run(g, panels); });
+  }
+
+ private:
+  bool has_bias_;
+};
+#endif
+
+mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx::array> bias) {
+  if (w.ndim() != 3 || w.shape(2) != PANEL || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("packed_linear: x (..., K) and w (N/16, K, 16)");
+  }
+  auto s = current_stream();
+  int K = w.shape(1), N = w.shape(0) * PANEL;
+  int64_t M = x.size() / K;
+  if (!MESHLM_AVX2 || M > PACKED_MAX_ROWS || x.dtype() != mx::float32) {
+    auto unpacked = mx::reshape(mx::transpose(w, {1, 0, 2}, s), {K, N}, s);
+    return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
+  }
+#if MESHLM_AVX2
+  auto shape = x.shape();
+  shape.back() = N;
+  std::vector<mx::array> inputs{float32_contiguous(x, s), float32_contiguous(w, s)};
+  if (bias) inputs.push_back(float32_contiguous(*bias, s));
+  return mx::array(shape, mx::float32, std::make_shared<PackedLinear>(s, bias.has_value()), inputs);
+#else
+  throw std::logic_error("unreachable");
+#endif
+}
+
+void set_gemm_threads(int n) {
+#if MESHLM_AVX2
+  gemm_pool().set_threads(n);
+#endif
+}
 }  // namespace
 
 NB_MODULE(_cpu_ops, m) {
@@ -322,6 +543,11 @@ NB_MODULE(_cpu_ops, m) {
   m.attr("mlx_version") = MESHLM_MLX_VERSION;
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
   m.def("softmax2", &softmax2, nb::arg("scores"), "softmax over the last axis of base-2 scores");
+  m.attr("packed_gemm") = static_cast<bool>(MESHLM_AVX2);
+  m.attr("panel") = PANEL;
+  m.def("packed_linear", &packed_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none(),
+        "x @ W (+ bias) with W packed as (N/16, K, 16) panels");
+  m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"),
         nb::arg("mask") = nb::none(), "one query position per row; q pre-scaled by scale*log2(e)");
 }

@@ -199,10 +199,33 @@ class TransposedLinear(nn.Module):
         return x @ self["weight_t"]
 
 
-def transpose_linears(model: nn.Module) -> int:
+class PackedLinear(nn.Module):
+    """`nn.Linear` with its weight packed as (out/16, in, 16) column panels for `_cpu_ops.packed_linear`:
+    decode-sized batches stream each panel once (OpenBLAS re-packs the whole weight on every call)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        out_dims, in_dims = linear.weight.shape
+        panel = _native.panel
+        self.weight_p = mx.contiguous(linear.weight.T.reshape(in_dims, out_dims // panel, panel).transpose(1, 0, 2))
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    @property
+    def weight(self) -> mx.array:
+        """The (out, in) weight, for code that reads a layer's shape (lazy: copied only if evaluated)."""
+        w = self["weight_p"]
+        return w.transpose(1, 0, 2).reshape(w.shape[1], -1).T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _native.packed_linear(x, self["weight_p"], self["bias"] if "bias" in self else None)
+
+
+def transpose_linears(model: nn.Module, packed: bool = False) -> int:
     """Swap every plain float32 `nn.Linear` (not quantized or sharded ones, whose classes differ) for a
-    TransposedLinear, module by module so at most one module's linear weights exist twice at once;
-    returns how many. A tied LM head is the embedding table and stays as it is."""
+    TransposedLinear, or with `packed` (the native kernels loaded) a PackedLinear where its output size is
+    a multiple of the panel width; module by module so at most one module's linear weights exist twice
+    at once; returns how many. A tied LM head is the embedding table and stays as it is."""
     swapped = 0
 
     def visit(container) -> None:  # a Module is a dict of its parameters and children
@@ -210,7 +233,8 @@ def transpose_linears(model: nn.Module) -> int:
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, child in list(items):
             if type(child) is nn.Linear and child.weight.dtype == mx.float32:
-                replacement = TransposedLinear(child)
+                pack = packed and child.weight.shape[0] % _native.panel == 0
+                replacement = PackedLinear(child) if pack else TransposedLinear(child)
                 mx.eval(replacement.parameters())
                 container[key] = replacement
                 swapped += 1
@@ -243,7 +267,11 @@ def install(model: Any, cores: int = 1, native: bool = True) -> bool:
         module.scaled_dot_product_attention = _cpu_attention
         module.swiglu = native_swiglu if ops is not None else swiglu
         log.info("CPU kernels: base-2 attention and SwiGLU for %s; native: %s", module.__name__, status)
-    transposed = transpose_linears(model)
-    if transposed:
-        log.info("CPU kernels: %d linear layers hold their weights transposed", transposed)
+    packed = native and native_ops()[0] is not None and _native.packed_gemm
+    if packed:
+        _native.set_gemm_threads(cores)
+    swapped = transpose_linears(model, packed)
+    if swapped:
+        log.info("CPU kernels: %d linear layers hold their weights %s", swapped,
+                 "in 16-column panels" if packed else "transposed")
     return True

@@ -143,7 +143,8 @@ def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
     want = model(tokens)
     assert cpu_kernels.install(model)
     assert llama.swiglu is (cpu_kernels.swiglu if NATIVE is None else cpu_kernels.native_swiglu)
-    assert isinstance(model.layers[1].mlp.down_proj, cpu_kernels.TransposedLinear)
+    linear_type = cpu_kernels.PackedLinear if NATIVE is not None and NATIVE.packed_gemm else cpu_kernels.TransposedLinear
+    assert isinstance(model.layers[1].mlp.down_proj, linear_type)
     assert cpu_kernels.install(model)  # idempotent: does not wrap itself
     assert mx.abs(model(tokens) - want).max().item() < 1e-4
 
@@ -205,3 +206,59 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_t
     assert cpu_kernels.install(model, cores=2)
     got = logits()
     assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) < 1e-4
+
+
+@pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel's tails; >64 rows: MLX's matmul
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
+    import mlx.nn as nn
+
+    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = mx.random.normal((rows, 96))
+    packed = cpu_kernels.PackedLinear(linear)
+    assert packed["weight_p"].shape == (10, 96, 16)
+    assert mx.array_equal(packed.weight, linear.weight).item()
+    assert mx.abs(packed(x) - linear(x)).max().item() < 1e-5
+    assert packed(x.reshape(1, rows, 96)).shape == (1, rows, 160)
+
+
+@pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
+def test_packed_gemm_threads_and_streams(monkeypatch):
+    """Two threads share a GEMM's panels; a GEMM from a second stream meanwhile runs alone. Many calls in
+    a row, so the helper thread's sleep/wake hand-off is exercised as well."""
+    import mlx.nn as nn
+
+    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
+    NATIVE.set_gemm_threads(2)
+    layers = [cpu_kernels.PackedLinear(nn.Linear(128, 256)) for _ in range(3)]
+    refs = [nn.Linear(128, 256) for _ in range(3)]
+    for ref, layer in zip(refs, layers):
+        ref.update({"weight": layer.weight, "bias": layer.bias})
+    second = mx.new_stream(mx.cpu)
+    for rows in (1, 16, 33, 16, 1):
+        x = mx.random.normal((rows, 128))
+        outs, want = [], []
+        for ref, layer in zip(refs, layers):
+            outs.append(layer(x))
+            with mx.stream(second):
+                outs.append(layer(x * 2))
+            want += [ref(x), ref(x * 2)]
+        mx.eval(outs)
+        assert max(mx.abs(o - w).max().item() for o, w in zip(outs, want)) < 1e-4
+
+
+def test_transpose_linears_packs_where_the_panel_fits(monkeypatch):
+    import mlx.nn as nn
+
+    if NATIVE is None or not NATIVE.packed_gemm:
+        pytest.skip(f"packed GEMM not built: {NATIVE_STATUS}")
+    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
+    block = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False))  # 40 outputs: not a multiple of 16
+    x = mx.random.normal((3, 64))
+    want = block(x)
+    assert cpu_kernels.transpose_linears(block, packed=True) == 2
+    assert type(block.layers[0]) is cpu_kernels.PackedLinear
+    assert type(block.layers[1]) is cpu_kernels.TransposedLinear
+    assert mx.abs(block(x) - want).max().item() < 1e-5
