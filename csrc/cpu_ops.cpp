@@ -325,11 +325,12 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
 // matrix-vector path for one-row GEMMs, so a decode step at small batch reads
 // the weights more than once at less than the machine's bandwidth. Weights
 // packed once at load as (N/16, K, 16) panels are streamed sequentially by a
-// 6x16 register-blocked FMA kernel instead. More rows than PACKED_MAX_ROWS
-// (prefills, compute-bound) go to MLX's matmul on an unpacked copy.
+// 6x16 register-blocked FMA kernel instead. Prefills use it too: measured on
+// the demo model, it beat OpenBLAS there as well (a 6 x 170-token prefill
+// 2.8-3.0 s vs 3.1-3.3 s), and an unpacked copy per call for OpenBLAS cost
+// more than either.
 
 constexpr int PANEL = 16;
-constexpr int64_t PACKED_MAX_ROWS = 64;
 
 #if MESHLM_AVX2
 template <int MR>
@@ -515,8 +516,7 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx
   }
   auto s = current_stream();
   int K = w.shape(1), N = w.shape(0) * PANEL;
-  int64_t M = x.size() / K;
-  if (!MESHLM_AVX2 || M > PACKED_MAX_ROWS || x.dtype() != mx::float32) {
+  if (!MESHLM_AVX2 || x.dtype() != mx::float32) {  // unpacked (a copy of the weight) for MLX's matmul
     auto unpacked = mx::reshape(mx::transpose(w, {1, 0, 2}, s), {K, N}, s);
     return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
   }

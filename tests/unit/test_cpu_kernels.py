@@ -209,7 +209,7 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_t
 
 
 @pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
-@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel's tails; >64 rows: MLX's matmul
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel and its tails
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
     import mlx.nn as nn
@@ -222,6 +222,8 @@ def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
     assert mx.array_equal(packed.weight, linear.weight).item()
     assert mx.abs(packed(x) - linear(x)).max().item() < 1e-5
     assert packed(x.reshape(1, rows, 96)).shape == (1, rows, 160)
+    xh = x.astype(mx.bfloat16)  # other dtypes take MLX's matmul on the unpacked weight, as nn.Linear would
+    assert packed(xh).dtype == linear(xh).dtype and mx.abs(packed(xh) - linear(xh)).max().item() < 1e-5
 
 
 @pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
