@@ -1,8 +1,10 @@
-// Vectorised CPU kernels for the three places where MLX's Linux CPU backend
-// spends most of a forward outside the matmuls: it evaluates exp/power one
-// scalar at a time (~6-15 ns per element), and a batched decode's attention
-// is ~100 tiny GEMM calls per layer. Each op here is an MLX primitive, so it
-// stays lazy and runs on the stream it was created on.
+// Vectorised CPU kernels for where MLX's Linux CPU backend spends a forward:
+// it evaluates exp/power one scalar at a time (~6-15 ns per element; SwiGLU
+// and the attention softmax), a batched decode's attention is ~100 tiny GEMM
+// calls per layer, and OpenBLAS re-packs every weight matrix on every call
+// (the linear layers; see "packed in 16-column panels" below). Each op here
+// is an MLX primitive, so it stays lazy and runs on the stream it was created
+// on.
 //
 // Built by scripts/build_cpu_ops.py against the installed MLX (headers, libmlx
 // and nanobind domain "mlx", so mx.array passes straight through). Python
