@@ -19,11 +19,13 @@ model a 512-token prefill spent 1.25 s of 2.4 s in attention. `power(2, x)` is
   (a batch-16 decode step of the demo model: 102 -> 96 ms).
 
 When `make install` could build csrc/cpu_ops.cpp (`_cpu_ops`, see
-scripts/build_cpu_ops.py), three of these run as vectorised C++ MLX
-primitives instead of MLX's scalar CPU loops: SwiGLU, the softmax of a
-prefill's scores, and a decode's whole attention (one pass over each row's
-keys and values instead of ~100 tiny GEMMs per layer). Without it (no
-compiler, another MLX version) the MLX versions below run, with a log line.
+scripts/build_cpu_ops.py), these run as vectorised C++ MLX primitives
+instead of MLX's scalar CPU loops: SwiGLU, the softmax of a prefill's scores,
+a decode's whole attention (one pass over each row's keys and values instead
+of ~100 tiny GEMMs per layer), and the linear layers (`PackedLinear`: weights
+packed once at load, where OpenBLAS re-packs them on every call). Without it
+(no compiler, another MLX version) the MLX versions below run, with a log
+line.
 
 Only used on the CPU device with float32 activations; Metal keeps mlx's fused
 `mx.fast.scaled_dot_product_attention`. Results agree with mlx-lm's to fp32
