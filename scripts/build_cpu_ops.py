@@ -10,6 +10,7 @@ nanobind domain, so that mx.array crosses between the two modules.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ SOURCE = ROOT / "csrc" / "cpu_ops.cpp"
 TARGET = ROOT / "meshlm" / "model" / f"_cpu_ops{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
-def command() -> list[str]:
+def command(out: Path) -> list[str]:
     import mlx.core as mx
     import nanobind
 
@@ -37,7 +38,7 @@ def command() -> list[str]:
         f"-I{nb_src.parent / 'ext' / 'robin_map' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
         str(nb_src / "nb_combined.cpp"), str(SOURCE),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
-        "-o", str(TARGET),
+        "-o", str(out),
     ]
 
 
@@ -45,17 +46,21 @@ def main() -> int:
     if sys.platform != "linux":
         print("cpu_ops: not built (only Linux runs MLX on the CPU; macOS uses Metal)")
         return 0
+    # Built beside the target, then renamed over it: a running server keeps the file it mapped.
+    partial = TARGET.with_name(TARGET.name + ".partial")
     try:
-        cmd = command()
+        cmd = command(partial)
     except ImportError as e:
         print(f"cpu_ops: not built ({e}); meshlm will use its MLX kernels")
         return 1
     print("cpu_ops: building", TARGET.relative_to(ROOT), flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        partial.unlink(missing_ok=True)
         TARGET.unlink(missing_ok=True)
         print(f"cpu_ops: build failed; meshlm will use its MLX kernels\n$ {shlex.join(cmd)}\n{done.stderr[-4000:]}")
         return 1
+    os.replace(partial, TARGET)
     return 0
 
 
