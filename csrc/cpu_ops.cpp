@@ -277,9 +277,13 @@ class DecodeAttention : public CpuOnly {
 
 mx::Stream current_stream() { return mx::to_stream(mx::StreamOrDevice{}); }
 
-mx::array float32_contiguous(const mx::array& a, mx::Stream s) {
+const mx::array& require_float32(const mx::array& a) {
   if (a.dtype() != mx::float32) throw std::invalid_argument("meshlm cpu_ops take float32 arrays");
-  return mx::contiguous(a, false, s);
+  return a;
+}
+
+mx::array float32_contiguous(const mx::array& a, mx::Stream s) {
+  return mx::contiguous(require_float32(a), false, s);
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& x) {
@@ -290,6 +294,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
 }
 
 mx::array softmax2(const mx::array& scores) {
+  if (scores.ndim() < 1) throw std::invalid_argument("softmax2: scores need a last axis");
   auto s = current_stream();
   auto sc = float32_contiguous(scores, s);
   return mx::array(sc.shape(), mx::float32, std::make_shared<Softmax2>(s), {sc});
@@ -298,8 +303,7 @@ mx::array softmax2(const mx::array& scores) {
 // Keys/values keep their strides (a KV cache's slice is not copied) as long as
 // each row of D values is contiguous.
 mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
-  if (a.dtype() != mx::float32) throw std::invalid_argument("meshlm cpu_ops take float32 arrays");
-  return a.strides().back() == 1 ? a : mx::contiguous(a, false, s);
+  return require_float32(a).strides().back() == 1 ? a : mx::contiguous(a, false, s);
 }
 
 mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
@@ -341,37 +345,19 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
   // Named accumulators: GCC spills an array of __m256 to the stack on every iteration.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < K; ++k) {
-    __m256 b0 = _mm256_loadu_ps(w + PANEL * k), b1 = _mm256_loadu_ps(w + PANEL * k + 8), a;
-    a = _mm256_broadcast_ss(x0 + k);
-    c00 = _mm256_fmadd_ps(a, b0, c00);
-    c01 = _mm256_fmadd_ps(a, b1, c01);
-    if constexpr (MR > 1) {
-      a = _mm256_broadcast_ss(x1 + k);
-      c10 = _mm256_fmadd_ps(a, b0, c10);
-      c11 = _mm256_fmadd_ps(a, b1, c11);
-    }
-    if constexpr (MR > 2) {
-      a = _mm256_broadcast_ss(x2 + k);
-      c20 = _mm256_fmadd_ps(a, b0, c20);
-      c21 = _mm256_fmadd_ps(a, b1, c21);
-    }
-    if constexpr (MR > 3) {
-      a = _mm256_broadcast_ss(x3 + k);
-      c30 = _mm256_fmadd_ps(a, b0, c30);
-      c31 = _mm256_fmadd_ps(a, b1, c31);
-    }
-    if constexpr (MR > 4) {
-      a = _mm256_broadcast_ss(x4 + k);
-      c40 = _mm256_fmadd_ps(a, b0, c40);
-      c41 = _mm256_fmadd_ps(a, b1, c41);
-    }
-    if constexpr (MR > 5) {
-      a = _mm256_broadcast_ss(x5 + k);
-      c50 = _mm256_fmadd_ps(a, b0, c50);
-      c51 = _mm256_fmadd_ps(a, b1, c51);
-    }
+    __m256 b0 = _mm256_loadu_ps(w + PANEL * k), b1 = _mm256_loadu_ps(w + PANEL * k + 8);
+    auto row = [&](int r, __m256& lo, __m256& hi) {
+      __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      lo = _mm256_fmadd_ps(a, b0, lo);
+      hi = _mm256_fmadd_ps(a, b1, hi);
+    };
+    row(0, c00, c01);
+    if constexpr (MR > 1) row(1, c10, c11);
+    if constexpr (MR > 2) row(2, c20, c21);
+    if constexpr (MR > 3) row(3, c30, c31);
+    if constexpr (MR > 4) row(4, c40, c41);
+    if constexpr (MR > 5) row(5, c50, c51);
   }
   __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -516,21 +502,22 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx
   if (w.ndim() != 3 || w.shape(2) != PANEL || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument("packed_linear: x (..., K) and w (N/16, K, 16)");
   }
-  auto s = current_stream();
   int K = w.shape(1), N = w.shape(0) * PANEL;
-  if (!MESHLM_AVX2 || x.dtype() != mx::float32) {  // unpacked (a copy of the weight) for MLX's matmul
-    auto unpacked = mx::reshape(mx::transpose(w, {1, 0, 2}, s), {K, N}, s);
-    return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != N)) {
+    throw std::invalid_argument("packed_linear: bias must be (N,), N = 16 x w.shape[0]");
   }
+  auto s = current_stream();
 #if MESHLM_AVX2
-  auto shape = x.shape();
-  shape.back() = N;
-  std::vector<mx::array> inputs{float32_contiguous(x, s), float32_contiguous(w, s)};
-  if (bias) inputs.push_back(float32_contiguous(*bias, s));
-  return mx::array(shape, mx::float32, std::make_shared<PackedLinear>(s, bias.has_value()), inputs);
-#else
-  throw std::logic_error("unreachable");
+  if (x.dtype() == mx::float32) {
+    auto shape = x.shape();
+    shape.back() = N;
+    std::vector<mx::array> inputs{float32_contiguous(x, s), float32_contiguous(w, s)};
+    if (bias) inputs.push_back(float32_contiguous(*bias, s));
+    return mx::array(shape, mx::float32, std::make_shared<PackedLinear>(s, bias.has_value()), inputs);
+  }
 #endif
+  auto unpacked = mx::reshape(mx::transpose(w, {1, 0, 2}, s), {K, N}, s);  // a copy, for MLX's matmul
+  return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
 }
 
 void set_gemm_threads(int n) {

@@ -27,6 +27,10 @@ NATIVE, NATIVE_STATUS = cpu_kernels.native_ops()
 KERNELS = [None, pytest.param(NATIVE, id="native", marks=pytest.mark.skipif(NATIVE is None, reason=NATIVE_STATUS))]
 
 
+NEEDS_PACKED_GEMM = pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm,
+                                       reason=f"packed GEMM not built: {NATIVE_STATUS}")
+
+
 def test_native_kernels_are_built_where_a_compiler_is():
     if sys.platform != "linux" or not shutil.which("g++"):
         pytest.skip("scripts/build_cpu_ops.py builds on Linux with g++")
@@ -208,7 +212,7 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_t
     assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) < 1e-4
 
 
-@pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
+@NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel and its tails
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
@@ -226,7 +230,7 @@ def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
     assert packed(xh).dtype == linear(xh).dtype and mx.abs(packed(xh) - linear(xh)).max().item() < 1e-5
 
 
-@pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm, reason=f"packed GEMM not built: {NATIVE_STATUS}")
+@NEEDS_PACKED_GEMM
 def test_packed_gemm_threads_and_streams(monkeypatch):
     """Two threads share a GEMM's panels; a GEMM from a second stream meanwhile runs alone. Many calls in
     a row, so the helper thread's sleep/wake hand-off is exercised as well."""
@@ -251,11 +255,10 @@ def test_packed_gemm_threads_and_streams(monkeypatch):
         assert max(mx.abs(o - w).max().item() for o, w in zip(outs, want)) < 1e-4
 
 
+@NEEDS_PACKED_GEMM
 def test_transpose_linears_packs_where_the_panel_fits(monkeypatch):
     import mlx.nn as nn
 
-    if NATIVE is None or not NATIVE.packed_gemm:
-        pytest.skip(f"packed GEMM not built: {NATIVE_STATUS}")
     monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
     block = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False))  # 40 outputs: not a multiple of 16
     x = mx.random.normal((3, 64))
@@ -264,3 +267,20 @@ def test_transpose_linears_packs_where_the_panel_fits(monkeypatch):
     assert type(block.layers[0]) is cpu_kernels.PackedLinear
     assert type(block.layers[1]) is cpu_kernels.TransposedLinear
     assert mx.abs(block(x) - want).max().item() < 1e-5
+
+
+@NEEDS_PACKED_GEMM
+def test_native_ops_reject_bad_shapes_with_clear_errors():
+    """The kernels index raw buffers: a wrong shape must be an error at graph build, never a bad read."""
+    w = mx.zeros((2, 8, 16))
+    with pytest.raises(ValueError, match="bias must be"):
+        NATIVE.packed_linear(mx.zeros((3, 8)), w, mx.zeros((31,)))
+    with pytest.raises(ValueError, match="x \\(..., K\\)"):
+        NATIVE.packed_linear(mx.zeros((3, 9)), w)
+    with pytest.raises(ValueError, match="last axis"):
+        NATIVE.softmax2(mx.array(1.0))
+    with pytest.raises(ValueError, match="float32"):
+        NATIVE.swiglu(mx.zeros((2,), dtype=mx.float16), mx.zeros((2,), dtype=mx.float16))
+    with pytest.raises(ValueError, match="mask must be"):
+        NATIVE.decode_attention(mx.zeros((2, 1, 3, 8)), mx.zeros((2, 1, 5, 8)), mx.zeros((2, 1, 5, 8)),
+                                mx.ones((3, 5), dtype=mx.bool_))
