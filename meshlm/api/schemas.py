@@ -1,39 +1,115 @@
-"""OpenAI request shapes (pydantic). Unknown fields are accepted and ignored, as OpenAI's own server does for `user`."""
+"""OpenAI request shapes (pydantic), with every numeric parameter bounded.
+
+Unknown fields are accepted and ignored, as OpenAI's own server does for
+`user`. Known OpenAI parameters that would change what the model generates and
+that meshlm does not implement are refused with a 400 naming them, never
+silently ignored. Ranges follow OpenAI's documentation where it gives one
+(README.md lists them all).
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1000  # per stop string; matching costs O(new text) per token whatever the length
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+
+# OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
+_UNSUPPORTED = ("tools", "functions", "function_call", "audio", "web_search_options", "reasoning_effort")
+
+
+def _refuse(name: str, value: Any) -> Any:
+    if value is not None:
+        raise ValueError(f"`{name}` is not supported by this server")
+    return value
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # None: the model's or the server's default
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's extension; -1 and 0 turn it off
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
-    n: StrictInt = Field(1, ge=1, le=16)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's extension
+    ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
-    ignore_eos: StrictBool = False  # vLLM extension; benchmarks use it
+    tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    response_format: dict | None = None
+    modalities: list[str] | None = None
+
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info) -> Any:
+        return _refuse(info.field_name, value)
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported by this server")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("only the text modality is supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence may be at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_limits(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed")
+        for key, bias in value.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys must be token ids (decimal integers), got {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {key} must be between -100 and 100, got {bias}")
+        return value
 
     def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return tuple(s for s in stops if s)
+
+    def bias_items(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @property
     def include_usage(self) -> bool:
@@ -66,6 +142,20 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        return value if value in (None, "none") else _refuse("tool_choice", value)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -75,6 +165,27 @@ class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _refuse("suffix", value or None)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return value
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -13,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.serving import Serving, now
@@ -21,11 +21,11 @@ from meshlm.api.streaming import Completion, watch_disconnect
 log = logging.getLogger(__name__)
 
 
-def create_app(serving: Serving, health=None) -> FastAPI:
+def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits()) -> FastAPI:
     """`health()` returns None when healthy or a message naming what is wrong."""
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
     engine = serving.engine
-    health = health or (lambda: engine.error)
+    health = health or (lambda: engine.problem)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -63,27 +63,23 @@ def create_app(serving: Serving, health=None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, limits)
         serving.check_model(req)
-        return await _respond(request, Completion(serving, req, [serving.chat_prompt(req)], chat=True))
+        prompt = await serving.prompts.chat(req)
+        return await _respond(request, Completion(serving, req, [prompt], chat=True))
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, limits)
         serving.check_model(req)
-        return await _respond(request, Completion(serving, req, serving.completion_prompts(req), chat=False))
+        prompts = await serving.prompts.completion(req)
+        return await _respond(request, Completion(serving, req, prompts, chat=False))
 
     return app
 
 
-async def _parse(request: Request, model):
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}")
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
+async def _parse(request: Request, model, limits: BodyLimits):
+    data = await parse_json(await read_body(request, limits.max_bytes), limits)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError, bad_request
-from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest, _Request
+from meshlm.api.prompts import PromptBuilder
+from meshlm.api.schemas import ChatCompletionRequest, _Request
 from meshlm.engine.engine import Engine, PromptTooLong, QueueFull
 from meshlm.engine.request import SamplingParams, StepOutput, TokenLogprob
 
@@ -31,41 +32,53 @@ class Choice:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that omits a sampling parameter gets: an explicit server flag, else the model's
+    generation_config.json, else OpenAI's own defaults. `source` says which, for the start-up log."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    source: str = "OpenAI defaults"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.temperature <= 2 and 0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p <= 1):
+            raise ValueError(f"sampling defaults out of range: {self.describe()}")
+
+    @classmethod
+    def resolve(cls, model: dict, temperature: float | None = None, top_p: float | None = None) -> "SamplingDefaults":
+        """`model`: the sampling keys of the model's generation_config.json (maybe empty)."""
+        values = {k: model[k] for k in ("temperature", "top_p", "top_k", "min_p") if model.get(k) is not None}
+        flags = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+        sources = [name for name, used in (("server flags", flags), ("generation_config.json", values)) if used]
+        try:
+            return cls(**{**values, **flags}, source=" over ".join(sources) or cls.source)
+        except TypeError as exc:  # a non-numeric value in generation_config.json
+            raise ValueError(f"bad sampling defaults {values}: {exc}") from None
+
+    def describe(self) -> str:
+        return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} min_p={self.min_p:g} "
+                f"(from {self.source})")
+
+
 class Serving:
-    def __init__(self, engine: Engine, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int) -> None:
+    def __init__(self, engine: Engine, prompts: PromptBuilder, model_name: str, default_max_tokens: int,
+                 defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.max_model_len = prompts.max_model_len
         self.default_max_tokens = default_max_tokens
+        self.defaults = defaults
 
     # -- request -> prompts ------------------------------------------------
     def check_model(self, req: _Request) -> None:
         if req.model not in (None, "", self.model_name):
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
-
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # templates raise on role orders they do not support
-            raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo")
-        p = req.prompt
-        if isinstance(p, str):
-            return [self.tokenizer.encode(p)]
-        if not p:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        if isinstance(p[0], str):
-            return [self.tokenizer.encode(s) for s in p]
-        return [list(x) for x in p]
 
     def sampling_params(self, req: _Request, prompt_len: int) -> SamplingParams:
         if prompt_len == 0:
@@ -79,16 +92,21 @@ class Serving:
                 code="context_length_exceeded",
             )
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if asked is not None and asked < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {asked}", param="max_tokens")
         # Documented policy: more than fits in the context is clamped to what fits.
         max_tokens = min(asked if asked is not None else self.default_max_tokens, room)
+        bias = req.bias_items()
+        self.prompts.check_ids([t for t, _ in bias], "logit_bias")
+        stop_ids = tuple(req.stop_token_ids or ())
+        self.prompts.check_ids(stop_ids, "stop_token_ids")
+        d = self.defaults
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, logprobs=req.logprob_count(),
-                stop=req.stop_list(), ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens, temperature=_given(req.temperature, d.temperature),
+                top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
+                min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                logit_bias=bias, logprobs=req.logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
+                min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
             )
         except ValueError as exc:
             raise bad_request(str(exc))
@@ -117,6 +135,9 @@ class Serving:
         except PromptTooLong as exc:
             self.abort(uids)
             raise bad_request(str(exc), code="context_length_exceeded")
+        except ValueError as exc:  # the engine's own last check of token ids
+            self.abort(uids)
+            raise bad_request(str(exc))
         except RuntimeError as exc:
             self.abort(uids)
             raise APIError(503, str(exc), type_="server_error", code="unavailable", headers={"Retry-After": "5"})
@@ -176,6 +197,10 @@ class Serving:
             "top_logprobs": [{self.token_text(t): v for t, v in x.top} for x in lps],
             "text_offset": offsets,
         }
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:

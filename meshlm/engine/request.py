@@ -22,9 +22,12 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: prompt and output tokens' logits divided (or, if < 0, multiplied)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: none; k: chosen token plus top-k alternatives
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -40,6 +43,12 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("top_logprobs must be between 0 and 20")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be between -100 and 100")
 
     @property
     def greedy(self) -> bool:

@@ -3,46 +3,75 @@
 Text that could still be the start of a stop string is held back until the
 next piece either completes the match (the stop string and everything after
 it are dropped) or rules it out (the held text is released).
+
+Each stop string runs a Knuth-Morris-Pratt automaton over the characters as
+they arrive, so feeding a piece costs O(len(piece)) per stop string, whatever
+the stop string's length or the text's: one client's long stop string cannot
+slow the engine thread that every stream shares.
 """
 
 from __future__ import annotations
 
 
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper border of pattern[:i + 1]."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class _Automaton:
+    """How much of one stop string the text's tail currently matches."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.fail = _failure(pattern)
+        self.state = 0  # characters of `pattern` matched by the end of the text so far
+
+    def step(self, ch: str) -> bool:
+        """Advance by one character; True when the whole pattern has just been matched."""
+        p, k = self.pattern, self.state
+        while k and ch != p[k]:
+            k = self.fail[k - 1]
+        if ch == p[k]:
+            k += 1
+        self.state = k
+        return k == len(p)
+
+
 class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.emitted = 0
+        self.automata = [_Automaton(s) for s in dict.fromkeys(stops) if s]
+        self.pending = ""  # received, not yet shown: at most the longest stop string's length
         self.stopped = False
 
     def feed(self, piece: str) -> str:
         """Add decoded text; return what may be shown now. Sets `stopped` on a match."""
         if self.stopped:
             return ""
-        self.text += piece
-        if not self.stops:
-            return self._emit(len(self.text))
-        longest = max(len(s) for s in self.stops)
-        search_from = max(0, self.emitted - longest + 1)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            return self._emit(min(hits))
-        return self._emit(len(self.text) - self._held_back())
+        if not self.automata:
+            return piece
+        self.pending += piece
+        base = len(self.pending) - len(piece)
+        for i, ch in enumerate(piece):
+            done = [a for a in self.automata if a.step(ch)]
+            if done:
+                self.stopped = True
+                end = base + i + 1
+                return self.pending[: end - max(len(a.pattern) for a in done)]
+        held = max(a.state for a in self.automata)
+        out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+        return out
 
     def flush(self) -> str:
         """Release held-back text when the sequence ends for another reason."""
-        return "" if self.stopped else self._emit(len(self.text))
-
-    def _held_back(self) -> int:
-        for n in range(min(len(self.text), max(len(s) for s in self.stops) - 1), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
-
-    def _emit(self, end: int) -> str:
-        end = max(end, self.emitted)
-        out = self.text[self.emitted : end]
-        self.emitted = end
+        if self.stopped:
+            return ""
+        out, self.pending = self.pending, ""
         return out

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from meshlm.engine.request import SamplingParams
-from meshlm.model.sampler import SeqSampling, sample
+from meshlm.engine.sampler import SeqSampling, sample
 
 LOGITS = [2.0, 1.0, 0.0, -1.0]  # softmax: ~[0.644, 0.237, 0.087, 0.032]
 CHI2_3DOF_P001 = 16.27  # chi-square critical value, 3 degrees of freedom, p = 0.001
@@ -177,3 +177,29 @@ def test_any_integer_seed_is_either_rejected_up_front_or_usable(seed):
     except ValueError:
         return  # validated: the API turns this into a 400
     SeqSampling.create(params)  # actual: TypeError from mx.random.key
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    logits = mx.array([LOGITS])
+    assert sample(logits, [state(temperature=0, logit_bias=((3, 100.0),))])[0] == [3]
+    assert sample(logits, [state(temperature=0, logit_bias=((0, -100.0),))])[0] == [1]
+    # Sampling too: a -100 bias makes a token practically impossible.
+    counts = draws(LOGITS, 300, temperature=1.0, seed=3, logit_bias=((0, -100.0), (1, -100.0)))
+    assert set(counts) <= {2, 3}
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = mx.array([[2.0, 1.9, -1.0, -1.1]])
+    s = SeqSampling.create(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[0])
+    assert sample(logits, [s])[0] == [1]  # the prompt's token 0: 2.0 / 2 < 1.9
+    assert sample(logits, [s])[0] == [0]  # now 1 is penalised too: 1.0 > 0.95
+    # Negative logits are multiplied, so a penalty never makes a seen token more likely.
+    neg = SeqSampling.create(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[0])
+    assert sample(mx.array([[-0.5, -0.6, -0.9]]), [neg])[0] == [1]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = mx.array([[5.0, 1.0, 4.0, 0.0]])  # token 0 is EOS, 2 a stop token id
+    s = SeqSampling.create(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)),
+                           eos_token_ids=frozenset({0}))
+    assert [sample(logits, [s])[0][0] for _ in range(3)] == [1, 1, 0]

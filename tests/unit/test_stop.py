@@ -99,3 +99,39 @@ def test_random_splits_never_leak_and_lose_nothing(seed):
         shown += m.flush()
         assert shown == expected
         assert m.stopped is (cut is not None)
+
+
+@pytest.mark.parametrize("stop, text, shown", [
+    ("aab", "aaab", "a"),  # a partial match that fails must fall back, not restart past the overlap
+    ("abab", "ababab", ""),
+    ("abcabd", "abcabcabd!", "abc"),
+    ("xx", "axxb", "a"),
+])
+def test_overlapping_prefixes_fall_back_correctly(stop, text, shown):
+    rng = random.Random(len(text))
+    for _ in range(20):
+        m = StopMatcher((stop,))
+        assert "".join(feed_all(m, random_split(text, rng))) == shown and m.stopped
+
+
+def test_first_stop_to_complete_wins_and_ties_cut_at_the_earliest_start():
+    m = StopMatcher(("bc", "abcd"))
+    assert m.feed("xabcd") == "xa" and m.stopped  # "bc" completes first
+    m = StopMatcher(("cd", "bcd"))
+    assert m.feed("abcde") == "a"  # both complete at "d": the longer started earlier
+
+
+def test_matching_cost_does_not_grow_with_the_stop_strings_length():
+    """O(new text) per piece: 1,000-character stop strings cost about what 2-character ones do."""
+    import time
+
+    def cost(stops):
+        m = StopMatcher(stops)
+        t0 = time.perf_counter()
+        for i in range(3000):
+            m.feed("ab c" if i % 2 else "de f")
+        return time.perf_counter() - t0
+
+    short = min(cost(tuple(c * 2 for c in "wxyz")) for _ in range(3))
+    long = min(cost(tuple(c * 999 + "!" for c in "wxyz")) for _ in range(3))
+    assert long < 3 * short, (short, long)

@@ -1,8 +1,14 @@
 """The sampler (leader only): turns a step's logits into tokens.
 
 Per-sequence state lives in `SeqSampling`: a PRNG key (split once per token, so
-a seeded request draws the same tokens whatever else shares its batch) and the
-counts of generated tokens for presence/frequency penalties.
+a seeded request draws the same tokens whatever else shares its batch), the
+counts of generated tokens for presence/frequency penalties, and what the
+logit processors need (the prompt's tokens for the repetition penalty, the
+tokens banned until `min_tokens`).
+
+Order, as vLLM applies it: logit bias and the min_tokens ban, then the
+repetition, frequency and presence penalties (logprobs are reported from
+here), then temperature, top-k, min-p and top-p.
 """
 
 from __future__ import annotations
@@ -21,25 +27,45 @@ class SeqSampling:
     params: SamplingParams
     key: mx.array
     counts: Counter = field(default_factory=Counter)
+    prompt_ids: frozenset[int] = frozenset()  # only kept when a repetition penalty needs them
+    banned: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are generated
 
     @classmethod
-    def create(cls, params: SamplingParams) -> "SeqSampling":
+    def create(cls, params: SamplingParams, prompt_ids: list[int] = (),
+               eos_token_ids: frozenset[int] = frozenset()) -> "SeqSampling":
         # Any integer is a valid OpenAI seed; MLX keys take an unsigned 64-bit value.
         seed = params.seed % 2**64 if params.seed is not None else random.getrandbits(63)
-        return cls(params, mx.random.key(seed))
+        prompt = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
+        banned = tuple(sorted(set(eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
+        return cls(params, mx.random.key(seed), prompt_ids=prompt, banned=banned)
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    @property
+    def generated(self) -> int:
+        return sum(self.counts.values())
 
-def _penalize(row: mx.array, state: SeqSampling) -> mx.array:
+
+def _process(row: mx.array, state: SeqSampling) -> mx.array:
+    """Logit bias, the min_tokens ban and the penalties, for one row."""
     p = state.params
-    if not state.counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
-        return row
-    ids = mx.array(list(state.counts.keys()))
-    counts = mx.array(list(state.counts.values()), dtype=mx.float32)
-    return row.at[ids].add(-(p.presence_penalty + p.frequency_penalty * counts))
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
+    if state.banned and state.generated < p.min_tokens:
+        row = row.at[mx.array(state.banned)].add(-float("inf"))
+    if p.repetition_penalty != 1 and (state.counts or state.prompt_ids):
+        ids = mx.array(sorted(state.prompt_ids | state.counts.keys()))
+        picked = row[ids]
+        scaled = mx.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        row = row.at[ids].add(scaled - picked)
+    if state.counts and (p.presence_penalty != 0 or p.frequency_penalty != 0):
+        ids = mx.array(list(state.counts.keys()))
+        counts = mx.array(list(state.counts.values()), dtype=mx.float32)
+        row = row.at[ids].add(-(p.presence_penalty + p.frequency_penalty * counts))
+    return row
 
 
 def _filter(row: mx.array, p: SamplingParams) -> mx.array:
@@ -64,7 +90,7 @@ def _filter(row: mx.array, p: SamplingParams) -> mx.array:
 
 def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
-    rows = [_penalize(logits[i], s) for i, s in enumerate(states)]
+    rows = [_process(logits[i], s) for i, s in enumerate(states)]
     tokens = []
     for row, s in zip(rows, states):
         if s.params.greedy:

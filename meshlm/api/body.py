@@ -1,0 +1,99 @@
+"""Reading a request body under limits: size (413), JSON syntax, nesting depth, integer size (400).
+
+The body is read before it is parsed, and refused unread when its
+Content-Length already exceeds the limit. JSON is parsed by msgspec (strict:
+no NaN or Infinity, integers bounded), then walked once without recursion to
+bound nesting and integer size, so no client value can raise RecursionError or
+reach the engine as a 10,000-digit integer. Parsing runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+
+from meshlm.api.errors import APIError, bad_request
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # ~4M tokens as text, ~2M as token ids: past any context we serve
+MAX_JSON_DEPTH = 32  # the deepest OpenAI request (a tool's JSON schema) needs far less
+INT_LIMIT = 2**64  # |integer| below this: seeds are u64, token ids far smaller
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # ServerConfig validates the flag
+    max_depth: int = MAX_JSON_DEPTH
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds the limit of {limit} bytes (--max-request-bytes)",
+                    code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_json(body: bytes, limits: BodyLimits) -> dict:
+    """A JSON object within the limits, parsed in a worker thread."""
+    return await asyncio.to_thread(parse_json_sync, body, limits)
+
+
+def parse_json_sync(body: bytes, limits: BodyLimits) -> dict:
+    try:
+        data = msgspec.json.decode(body)
+    except RecursionError:
+        raise bad_request(f"request body nests deeper than {limits.max_depth} levels")
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent.
+        raise bad_request(f"request body is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    check_limits(data, limits.max_depth)
+    return data
+
+
+def check_limits(data: object, max_depth: int) -> None:
+    """Bound nesting depth and integer size, iteratively (no recursion to exhaust)."""
+    stack: list[tuple[object, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > max_depth:
+            raise bad_request(f"request body nests deeper than {max_depth} levels (at {path or 'the top'})",
+                              param=_top(path))
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            _check_list(value, depth, path, stack)
+        elif type(value) is int and not -INT_LIMIT < value < INT_LIMIT:
+            raise bad_request(f"{path or 'body'}: integer out of range (|value| must be below 2**64)",
+                              param=_top(path))
+
+
+def _top(path: str) -> str | None:
+    """The request field a nested path starts at (what OpenAI's `param` names)."""
+    return re.split(r"[.\[]", path, maxsplit=1)[0] or None
+
+
+def _check_list(items: list, depth: int, path: str, stack: list) -> None:
+    # A prompt of token ids can hold millions of ints: check a flat int list in C, not per element.
+    if items and all(type(x) is int for x in items):
+        if not (-INT_LIMIT < min(items) and max(items) < INT_LIMIT):
+            raise bad_request(f"{path or 'body'}: integer out of range (|value| must be below 2**64)",
+                              param=_top(path))
+        return
+    stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(items))

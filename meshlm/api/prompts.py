@@ -1,0 +1,101 @@
+"""Request -> prompt token ids: chat templating, tokenization, and the checks that keep bad ids out.
+
+Every id that reaches the engine is in `0 <= id < vocab_size`: MLX's embedding
+gather does not bounds-check, so an id past the table reads (or faults on)
+memory it does not own. Text too long to fit the context is refused from its
+length alone when that already proves it (no token covers more characters
+than the tokenizer's longest vocabulary entry), so nobody waits for megabytes
+to be tokenized. Templating and tokenization run in a worker thread, through
+the tokenizers library's batch call, which releases the GIL: a long prompt
+does not stall the event loop that streams everyone else's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+from meshlm.api.errors import bad_request
+from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
+
+# Normalizers can merge characters (NFKC) before BPE sees them; this margin keeps the
+# length-only refusal conservative (it only spares tokenizing what cannot possibly fit).
+LENGTH_BOUND_MARGIN = 4
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one vocabulary entry spells (added/special tokens included)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+def _fast_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer, if there is one."""
+    inner = getattr(getattr(tokenizer, "_tokenizer", None), "_tokenizer", None)
+    return inner if hasattr(inner, "encode_batch") else None
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.token_chars = longest_token_chars(tokenizer)
+        self.max_chars = max_model_len * self.token_chars * LENGTH_BOUND_MARGIN
+        self._fast = _fast_backend(tokenizer)
+
+    # -- public, async ------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> list[int]:
+        self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
+        ids = await asyncio.to_thread(self._chat_sync, req)
+        self.check_ids(ids, "messages")
+        return ids
+
+    async def completion(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            p = [p]
+        if not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(p[0], str):
+            self._bound_chars(max(len(s) for s in p), "prompt")
+            prompts = await asyncio.to_thread(self._encode_many, list(p), True)
+            for i, ids in enumerate(prompts):
+                self.check_ids(ids, f"prompt[{i}]")
+            return prompts
+        prompts = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
+        for i, ids in enumerate(prompts):
+            where = "prompt" if isinstance(p[0], int) else f"prompt[{i}]"
+            if not ids:
+                raise bad_request(f"{where} must not be empty", param="prompt")
+            self.check_ids(ids, where)
+        return prompts
+
+    def check_ids(self, ids: Sequence[int], where: str, param: str | None = None) -> None:
+        """400 naming the first id outside the vocabulary (negative ones included)."""
+        if not ids or (0 <= min(ids) and max(ids) < self.vocab_size):
+            return
+        pos = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+        raise bad_request(f"{where}[{pos}]: token id {ids[pos]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                          param=param or where.split("[")[0])
+
+    # -- worker-thread side -------------------------------------------------
+    def _bound_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, and a text of {chars} "
+                f"characters cannot fit in it (no token spells more than {self.token_chars} characters).",
+                param=param, code="context_length_exceeded")
+
+    def _chat_sync(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise on role orders they do not support
+            raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
+        return self._encode_many([text], False)[0]
+
+    def _encode_many(self, texts: list[str], special: bool) -> list[list[int]]:
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=special)]
+        return [list(self.tokenizer.encode(t, add_special_tokens=special)) for t in texts]

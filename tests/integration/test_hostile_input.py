@@ -1,0 +1,295 @@
+"""Hostile input against a real server: every case is a 4xx (never a 5xx, a crash or a hang), and
+afterwards the same server answers a normal request within seconds and /health tells the truth.
+
+The tiny model's vocabulary is 512 ids and its context 512 tokens (conftest's `server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 512
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, "temperature": 0}
+
+
+def still_serving(srv: ServerProcess) -> None:
+    assert srv.proc.poll() is None, "the server process died"
+    t0 = time.monotonic()
+    r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert time.monotonic() - t0 < 5
+    health = httpx.get(srv.url + "/health", timeout=5)
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def error_of(r: httpx.Response, status: int = 400, param: str | None = None, *words: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
+@pytest.mark.parametrize("prompt, where", [
+    ([1, 2, 99999999], "prompt[2]"),
+    ([1, 2, VOCAB], "prompt[2]"),
+    ([5, -1, 7], "prompt[1]"),
+    ([[1, 2], [3, 2**40]], "prompt[1][1]"),
+    ([[4], [-3]], "prompt[1][0]"),
+    ([2**63 + i for i in range(40)], "prompt[0]"),  # crashed the engine thread in cache/keys.py
+])
+def test_token_ids_outside_the_vocabulary_are_refused(server, prompt, where):
+    err = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400,
+                   "prompt", where, "outside the vocabulary")
+    assert str(VOCAB - 1) in err["message"]
+    still_serving(server)
+
+
+def test_integers_beyond_64_bits_are_refused_before_validation(server):
+    for body in ({"prompt": [1, 2**64]}, {"prompt": "hi", "seed": -(2**70)}, {"prompt": "hi", "max_tokens": 10**30}):
+        error_of(httpx.post(server.url + "/v1/completions", json=body), 400, None, "out of range")
+    still_serving(server)
+
+
+def test_an_integer_with_thousands_of_digits_is_a_400(server):
+    body = b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}"
+    error_of(httpx.post(server.url + "/v1/completions", content=body), 400)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_are_not_json(server, literal):
+    body = b'{"prompt": "hi", "temperature": ' + literal + b"}"
+    error_of(httpx.post(server.url + "/v1/completions", content=body), 400, None, "not valid JSON")
+    still_serving(server)
+
+
+@pytest.mark.parametrize("depth", [33, 200, 5000, 100_000])
+def test_deep_nesting_is_a_400(server, depth):
+    body = b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    error_of(httpx.post(server.url + "/v1/completions", content=body), 400)
+    still_serving(server)
+
+
+def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
+    srv = ServerProcess(tiny_model, "--max-request-bytes", "64KiB", log_dir=tmp_path)
+    try:
+        big = json.dumps({"prompt": "word " * 20_000}).encode()
+        t0 = time.monotonic()
+        error_of(httpx.post(srv.url + "/v1/completions", content=big), 413)
+
+        def chunks():  # no Content-Length: counted while it streams in
+            for i in range(0, len(big), 4096):
+                yield big[i : i + 4096]
+
+        r = httpx.post(srv.url + "/v1/completions", content=chunks())
+        error_of(r, 413, None, "65536")
+        assert time.monotonic() - t0 < 5
+        still_serving(srv)
+    finally:
+        srv.stop()
+
+
+def test_a_20_mb_prompt_is_answered_at_once(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x" * 20_000_000}).encode(),
+                   timeout=30)
+    error_of(r, 413)
+    # Under the body limit but far over the context: refused from its length, not tokenized.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "lorem ipsum " * 1_000_000}, timeout=30)
+    assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "lorem ipsum " * 1_000_000}]})
+    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+    assert time.monotonic() - t0 < 10
+    still_serving(server)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"cat": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"stop_token_ids": [VOCAB + 3]}, "stop_token_ids"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": "x" * 1001}, "stop"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+])
+def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
+    error_of(r, 400, param)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"echo": True}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
+])
+def test_completion_only_parameters(server, extra, param):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+    error_of(r, 400, param)
+    still_serving(server)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(tiny_model)
+
+
+def greedy_tokens(server, **extra) -> list[str]:
+    body = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "logprobs": 0, "ignore_eos": True, **extra})
+    assert body.status_code == 200, body.text
+    return body.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_logit_bias_steers_the_sampler(server, tok):
+    plain = greedy_tokens(server)
+    assert greedy_tokens(server, logit_bias={"77": 100}) == [tok.decode([77])] * 6
+    spelled_like_first = [i for i in range(VOCAB) if tok.decode([i]) == plain[0]]
+    banned = greedy_tokens(server, logit_bias={str(i): -100 for i in spelled_like_first})
+    assert banned[0] != plain[0]
+    still_serving(server)
+
+
+# -- a long stop string must not slow anyone else's stream ----------------------------------------
+
+
+async def _stream_gaps(url: str, body: dict, gaps: list[float]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            last = None
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+
+async def _streams_with(url: str, long_stops: bool) -> list[float]:
+    """Inter-token gaps of three plain streams beside four more streams, which carry four
+    1,000-character stop strings each (that never match) or none: the same load either way."""
+    gaps: list[float] = []
+    base = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    streams = [_stream_gaps(url, {**base, "prompt": [10 + i, 11, 12]}, gaps) for i in range(3)]
+    stops = [c * 999 + "!" for c in "abcd"] if long_stops else None
+    streams += [_stream_gaps(url, {**base, "prompt": [30 + i, 31], "stop": stops}, []) for i in range(4)]
+    await asyncio.gather(*streams)
+    return gaps
+
+
+def test_long_stop_strings_do_not_slow_other_streams(server):
+    asyncio.run(_streams_with(server.url, False))  # warm-up
+    plain = statistics.median(asyncio.run(_streams_with(server.url, False)))
+    with_stops = statistics.median(asyncio.run(_streams_with(server.url, True)))
+    # A stop matcher that rescans the text or the stop strings would add milliseconds to every step.
+    assert with_stops < 1.25 * plain + 0.002, (plain, with_stops)
+    still_serving(server)
+
+
+# -- fuzzing ----------------------------------------------------------------------------------------
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "user", "ignore_eos", "echo",
+          "best_of", "suffix", "tools", "response_format", "min_tokens", "stop_token_ids", "role", "content"]
+
+
+def _value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(12 if depth < 4 else 8)
+    if kind == 0:
+        return rng.choice([0, 1, -1, 2, 16, 511, 512, 2**31, 2**63, -(2**63), 2**64 - 1, rng.randint(-10**6, 10**6)])
+    if kind == 1:
+        return rng.choice([0.0, -0.0, 0.5, 1.0, 2.0, 1e308, -1e308, 5e-324, rng.uniform(-3, 3)])
+    if kind == 2:
+        return "".join(rng.choice("ab \n\\\"<|>é😀\x00\u2028") for _ in range(rng.randrange(0, 40)))
+    if kind == 3:
+        return rng.choice([True, False, None])
+    if kind == 4:
+        return [rng.randrange(-5, 600) for _ in range(rng.randrange(0, 30))]
+    if kind == 5:
+        return rng.choice(["user", "assistant", "system", "tool", "wizard", "text", "json_object", "auto"])
+    if kind == 6:
+        return {"role": rng.choice(["user", "system", "x"]), "content": _value(rng, depth + 1)}
+    if kind == 7:
+        return rng.choice([{}, [], "", {"type": "text", "text": "hi"}])
+    if kind in (8, 9):
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
+    return {rng.choice(FIELDS): _value(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
+
+
+def _body(rng: random.Random) -> bytes:
+    data = {rng.choice(FIELDS): _value(rng) for _ in range(rng.randrange(0, 8))}
+    if rng.random() < 0.5:  # often close to valid, so the fuzzing reaches past schema validation
+        data.setdefault("messages", [{"role": "user", "content": "hi"}])
+        data.setdefault("prompt", [5, 6])
+    if isinstance(data.get("max_tokens"), int) and rng.random() < 0.9:
+        data["max_tokens"] = rng.randrange(1, 6)
+    raw = json.dumps(data, allow_nan=True).encode()
+    mutation = rng.randrange(10)
+    if mutation == 0:
+        return raw[: rng.randrange(0, len(raw) + 1)]  # truncated
+    if mutation == 1:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))  # noise
+    return raw
+
+
+def test_fuzzed_bodies_never_get_a_5xx(tiny_model, tmp_path):
+    srv = ServerProcess(tiny_model, "--max-model-len", "64", "--max-tokens-default", "4", log_dir=tmp_path)
+    rng = random.Random(20261123)
+    statuses: dict[int, int] = {}
+    deadline = time.monotonic() + 90
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            for i in range(400):
+                if time.monotonic() > deadline:
+                    break
+                path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+                body = _body(rng)
+                r = c.post(path, content=body, headers={"content-type": "application/json"})
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code < 500, (body[:300], r.text[:300])
+        assert sum(statuses.values()) >= 100 and 200 in statuses and 400 in statuses, statuses
+        still_serving(srv)
+    finally:
+        srv.stop()

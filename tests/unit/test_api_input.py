@@ -1,0 +1,122 @@
+"""Input checks below the HTTP layer: JSON limits, token ids, the length bound, sampling defaults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from meshlm.api.body import BodyLimits, check_limits, parse_json_sync
+from meshlm.api.errors import APIError
+from meshlm.api.prompts import PromptBuilder, longest_token_chars
+from meshlm.api.schemas import CompletionRequest
+from meshlm.api.serving import SamplingDefaults
+
+
+def refused(fn, *args) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"a": NaN}', "not valid JSON"),
+    (b'{"a": -Infinity}', "not valid JSON"),
+    (b'[1]', "JSON object"),
+    (b'{"a": ' + b"1" * 400 + b"}", ""),
+    (b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}", "nests deeper than 32"),
+    (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests deeper"),
+    (b'{"a": [1, 2, 18446744073709551616]}', "out of range"),
+    (b'{"a": {"b": [{"c": -18446744073709551616}]}}', "a.b[0].c: integer out of range"),
+])
+def test_json_limits(body, words):
+    err = refused(parse_json_sync, body, BodyLimits())
+    assert words in err.message
+
+
+def test_json_within_limits_passes_untouched():
+    data = {"prompt": list(range(100_000)), "seed": 2**64 - 1, "x": [[[[1.5, "s", None]]]]}
+    assert parse_json_sync(json.dumps(data).encode(), BodyLimits()) == data
+
+
+def test_depth_walk_is_iterative_and_names_the_path():
+    deep: list = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    err = refused(check_limits, {"messages": deep}, 32)
+    assert err.param == "messages"
+
+
+class FakeTokenizer:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def encode(self, text, add_special_tokens=True):
+        return [self.vocab.get(ch, 0) for ch in text]
+
+
+def builder(max_len: int = 10) -> PromptBuilder:
+    return PromptBuilder(FakeTokenizer({"a": 1, "bb": 2, "<|special|>": 3}), vocab_size=8, max_model_len=max_len)
+
+
+def test_longest_token_includes_special_tokens():
+    assert longest_token_chars(FakeTokenizer({"a": 1, "<|special|>": 3})) == 11
+
+
+@pytest.mark.parametrize("prompt, where", [
+    ([1, 8], "prompt[1]"), ([-1], "prompt[0]"), ([[1], [2, 3, 99]], "prompt[1][2]"), ([[]], "prompt[0]"),
+])
+def test_ids_outside_the_vocabulary_name_their_position(prompt, where):
+    req = CompletionRequest(prompt=prompt)
+    with pytest.raises(APIError) as info:
+        asyncio.run(builder().completion(req))
+    assert where in info.value.message and info.value.param == "prompt"
+
+
+def test_text_that_cannot_fit_is_refused_without_tokenizing():
+    b = builder(max_len=10)  # at most 10 tokens x 11 characters x margin 4 = 440 characters
+    b.tokenizer.encode = lambda *a, **k: pytest.fail("tokenized")
+    b._fast = None
+    with pytest.raises(APIError) as info:
+        asyncio.run(b.completion(CompletionRequest(prompt="a" * 441)))
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_tokenized_ids_are_checked_too():
+    b = builder()
+    b.tokenizer.encode = lambda text, add_special_tokens=True: [1, 50]  # a tokenizer larger than the model
+    b._fast = None
+    with pytest.raises(APIError) as info:
+        asyncio.run(b.completion(CompletionRequest(prompt="ab")))
+    assert "token id 50" in info.value.message
+
+
+def test_fast_backend_matches_the_tokenizer(tmp_path):
+    from mlx_lm.tokenizer_utils import load
+
+    from meshlm.model.demo import make_tiny
+
+    tok = load(make_tiny(tmp_path / "m", "llama", layers=1, hidden=32, heads=2, kv_heads=1))
+    b = PromptBuilder(tok, vocab_size=512, max_model_len=4096)
+    assert b._fast is not None
+    for text in ["hello world", "<|im_start|>user\nhi<|im_end|>", "émoji 😀 and numbers 12345", ""]:
+        assert b._encode_many([text], True) == [list(tok.encode(text))]
+        assert b._encode_many([text], False) == [list(tok.encode(text, add_special_tokens=False))]
+
+
+def test_sampling_defaults_resolution():
+    assert SamplingDefaults.resolve({}).source == "OpenAI defaults"
+    model = SamplingDefaults.resolve({"temperature": 0.2, "top_p": 0.9})
+    assert (model.temperature, model.top_p, model.source) == (0.2, 0.9, "generation_config.json")
+    flag = SamplingDefaults.resolve({"temperature": 0.2, "top_k": 5}, temperature=0.7)
+    assert (flag.temperature, flag.top_k, flag.source) == (0.7, 5, "server flags over generation_config.json")
+    for bad in ({"temperature": 7}, {"top_p": "high"}):
+        with pytest.raises(ValueError):
+            SamplingDefaults.resolve(bad)
