@@ -3,97 +3,119 @@
 from __future__ import annotations
 
 import logging
-import os
+import sys
 import threading
 import time
 
-from pathlib import Path
-
 import uvicorn
 
+from meshlm.api.body import BodyLimits
+from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
-from meshlm.api.serving import Serving
-from meshlm.cache.keys import CacheSalt
-from meshlm.cache.pool import BlockPool
-from meshlm.cache.prefix import PrefixCache
-from meshlm.cache.ssd import SSDConfig, SSDTier
+from meshlm.api.serving import SamplingDefaults, Serving
 from meshlm.config import ServeConfig
-from meshlm.metrics import PrefixCacheCollector
 from meshlm.engine.engine import Engine
+from meshlm.executor.local import LocalExecutor
+from meshlm.executor.rank import RankState, build_rank
+from meshlm.kv.blocks import BlockManager, CacheStats
+from meshlm.metrics import PrefixCacheCollector
 from meshlm.model.loader import LoadedModel, load_model
-from meshlm.parallel.local import LocalExecutor
+from meshlm.platform import kv_budget_bytes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_FRACTION = 0.25  # of physical RAM, when --kv-cache-memory is not given
-DEFAULT_KV_CAP = 8 * 2**30
 SHUTDOWN_GRACE_SECONDS = 2  # in-flight requests get this long to finish on SIGTERM
+FATAL_EXIT_DELAY_SECONDS = 5.0  # an engine failed for good: /health explains it this long, then the process exits
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 
 
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+class FatalExit:
+    """The engine's `on_fatal`: the process exits with EXIT_ENGINE_FAILED a few seconds after the engine
+    failed for good (clients get their errors and /health shows why meanwhile), for a supervisor to restart."""
+
+    def __init__(self, delay: float = FATAL_EXIT_DELAY_SECONDS) -> None:
+        self.delay = delay
+        self.code = 0
+        self.server: uvicorn.Server | None = None
+
+    def __call__(self, reason: str) -> None:
+        if self.code:
+            return
+        self.code = EXIT_ENGINE_FAILED
+        log.error("exiting with status %d in %.0f s: %s", self.code, self.delay, reason)
+        timer = threading.Timer(self.delay, self._stop)
+        timer.daemon = True
+        timer.start()
+
+    def _stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
 
 
-def kv_budget_bytes(config: ServeConfig) -> int:
-    return config.scheduler.kv_cache_memory or min(int(physical_memory() * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
-
-
-def build_prefix_cache(config: ServeConfig, loaded: LoadedModel, layout: str = "tp1", rank: int = 0):
-    """Salt, RAM pool and (unless turned off) the SSD tier for this rank; None when disabled."""
-    c = config.cache
-    if not c.enabled:
-        return None
-    salt = CacheSalt(loaded.fingerprint, loaded.dtype, layout, c.block_size)
-    ssd = None
-    if c.ssd:
-        ssd_config = SSDConfig(Path(c.cache_dir).expanduser(), int(c.ssd_cache_gb * 2**30), c.ssd_ttl_days)
-        ssd = SSDTier(ssd_config, salt, rank)
-    # Partial-block matches only on one rank: see PrefixCache.
-    return PrefixCache(salt, BlockPool(kv_budget_bytes(config)), ssd, partial=layout == "tp1")
-
-
-def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, prefix=None, watchdog=None) -> Engine:
-    """An engine over `executor` (default: this process alone, with its own prefix cache)."""
-    budget = kv_budget_bytes(config)
+def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
+                 watchdog=None, on_fatal=None) -> Engine:
+    """An engine over `executor` (default: this process alone); `rank` is the leader's own share, whose
+    KV budget, block size and SSD tier the block manager plans for (every rank's are the same)."""
     if executor is None:
-        prefix = build_prefix_cache(config, loaded)
-        executor = LocalExecutor(loaded.model, prefix, budget)
-    per_token = executor.kv_bytes_per_token()
-    kv_tokens = max(budget // per_token, 1)
+        rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler))
+        executor = LocalExecutor(rank)
+    kv_tokens = rank.max_blocks * rank.block_size
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
     if max_len < 2:
         raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
-    log.info("KV budget: %d tokens (%d bytes/token); max model len %d", kv_tokens, per_token, max_len)
-    engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, kv_tokens, loaded.eos_token_ids,
-                    prefix=prefix, watchdog=watchdog)
-    if prefix is not None:
-        engine.metrics.registry.register(PrefixCacheCollector(prefix))
+    log.info("KV budget: %d blocks of %d tokens (%d bytes each); max model len %d", rank.max_blocks,
+             rank.block_size, rank.store.shape.block_bytes, max_len)
+    stats = CacheStats()  # one set of counters across engine restarts
+
+    def new_blocks() -> BlockManager:
+        return BlockManager(rank.max_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
+
+    engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
+                    watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal)
+    if rank.salt is not None:
+        engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     return engine
 
 
 def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
-    if config.parallel.distributed:
-        from meshlm.parallel.cluster import ClusterPorts, serve_tensor_parallel
-
-        serve_tensor_parallel(config, argv or [], ports or ClusterPorts())
+    fatal = FatalExit()
+    if not config.parallel.distributed:
+        loaded = load_model(config.model)
+        run_http(config, loaded, build_engine(config, loaded, on_fatal=fatal), fatal)
         return
-    loaded = load_model(config.model)
-    run_http(config, loaded, build_engine(config, loaded))
+    from meshlm.cluster.ranks import ClusterPorts, start_cluster
+
+    leader = start_cluster(config, argv or [], ports or ClusterPorts())  # worker ranks never return
+    try:
+        engine = build_engine(config, leader.loaded, leader.executor, leader.rank, watchdog=leader.watchdog,
+                              on_fatal=fatal)
+        leader.fail = engine.fail
+        run_http(config, leader.loaded, engine, fatal)
+    finally:
+        leader.close()
 
 
-def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
+def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: FatalExit) -> None:
     """Serve until SIGINT/SIGTERM, then drain: in-flight requests get a grace period to finish,
-    the rest end with an error event, and the engine stops its ranks."""
-    serving = Serving(engine, loaded.tokenizer, loaded.name, engine.max_model_len, config.server.max_tokens_default)
-    app = create_app(serving)
+    the rest end with an error event, and the engine stops its ranks. An engine that failed for
+    good (`fatal`) ends the process with a non-zero status."""
+    s = config.server
+    defaults = SamplingDefaults.resolve(loaded.generation_defaults, s.default_temperature, s.default_top_p)
+    log.info("sampling defaults for requests that omit them: %s", defaults.describe())
+    prompts = PromptBuilder(loaded.tokenizer, loaded.vocab_size, engine.max_model_len)
+    serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults)
+    app = create_app(serving, limits=BodyLimits(s.max_request_bytes))
     engine.start()
     log.info("serving %s on http://%s:%d/v1", loaded.name, config.server.host, config.server.port)
     server = _DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                             log_level=config.server.log_level, timeout_graceful_shutdown=1), engine)
+    fatal.server = server
     try:
         server.run()
     finally:
         engine.stop()
+    if fatal.code:
+        sys.exit(fatal.code)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -43,6 +43,12 @@ def _serve_parser(sub) -> None:
                    help="prefill chunk + decode tokens per step (smaller: steadier streams, slower long prompts)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=16 * 2**20,
+                   help="larger request bodies get 413 before they are parsed (default 16MiB)")
+    p.add_argument("--default-temperature", type=float, default=None,
+                   help="temperature for requests that name none (default: the model's generation_config.json, else 1)")
+    p.add_argument("--default-top-p", type=float, default=None,
+                   help="top_p for requests that name none (default: the model's generation_config.json, else 1)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 4GB")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
     p.add_argument("--block-size", type=int, default=32, help="tokens per prefix-cache block (docs/BENCHMARKS.md)")
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _world_size(args: argparse.Namespace) -> int:
     """--tensor-parallel, or with only --hostfile, one rank per hostfile entry."""
     if args.hostfile and args.tensor_parallel == 1:
-        from meshlm.parallel.bootstrap import read_hostfile
+        from meshlm.cluster.bootstrap import read_hostfile
 
         return len(read_hostfile(args.hostfile))
     return args.tensor_parallel
@@ -129,7 +135,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,
                                 args.step_timeout, args.worker_timeout, ibv_devices=args.ibv_devices,
                                 jaccl_coordinator=args.jaccl_coordinator),
-        server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level),
+        server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
+                            args.default_temperature, args.default_top_p),
     )
 
 
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from meshlm.parallel.bootstrap import ClusterError
+    from meshlm.cluster.bootstrap import ClusterError
 
     try:
         if args.command == "serve":
@@ -160,11 +167,11 @@ def main(argv: list[str] | None = None) -> None:
 
             maybe_reexec_with_openblas(argv)
             from meshlm.app import serve
-            from meshlm.parallel.cluster import ClusterPorts
+            from meshlm.cluster.ranks import ClusterPorts
 
             serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
         elif args.command == "launch":
-            from meshlm.parallel.launch import launch
+            from meshlm.cluster.launch import launch
 
             serve_argv = args.serve_argv[1:] if args.serve_argv[:1] == ["--"] else args.serve_argv
             sys.exit(launch(args.hostfile, args.backend, serve_argv, args.dry_run))

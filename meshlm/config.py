@@ -108,10 +108,19 @@ class ServerConfig:
     port: int = 8000
     max_tokens_default: int = 512  # when a request names no max_tokens
     log_level: str = "info"
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before they are parsed
+    default_temperature: float | None = None  # None: the model's generation_config.json, else 1.0
+    default_top_p: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise ValueError("--default-temperature must be in [0, 2]")
+        if self.default_top_p is not None and not 0 < self.default_top_p <= 1:
+            raise ValueError("--default-top-p must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,19 @@ from meshlm.config import SchedulerConfig
 from meshlm.engine.detokenizer import IncrementalDetokenizer
 from meshlm.engine.plan import StepPlan
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
-from meshlm.engine.scheduler import Finished, PrefixIndex, QueueFull, Scheduler
+from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+from meshlm.kv.blocks import BlockManager
 from meshlm.engine.stop import StopMatcher
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
-from meshlm.model.sampler import SeqSampling, sample
+from meshlm.engine.sampler import SeqSampling, sample
 
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[StepOutput], None]
 IDLE_POLL_SECONDS = 0.25
+RESTART_BACKOFF_SECONDS = 1.0  # a failed single-process engine answers 503 this long, then serves again
+CRASH_LOOP_FAILURES, CRASH_LOOP_SECONDS = 3, 60.0  # this many failures this fast: exit for a supervisor
 
 
 class Executor(Protocol):
@@ -80,19 +83,24 @@ class Engine:
         tokenizer,
         config: SchedulerConfig,
         max_model_len: int,
-        kv_budget_tokens: int,
+        new_blocks: Callable[[], BlockManager],
         eos_token_ids: frozenset[int],
         metrics: Metrics | None = None,
-        prefix: PrefixIndex | None = None,
         watchdog=None,
+        vocab_size: int | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.metrics = metrics or Metrics()
-        self.scheduler = Scheduler(config, kv_budget_tokens, max_model_len, eos_token_ids, prefix)
+        # A restart after a failure starts from fresh block accounting (every rank's sequences are gone too).
+        self._new_scheduler = lambda: Scheduler(config, new_blocks(), max_model_len, eos_token_ids)
+        self.scheduler = self._new_scheduler()
         self._tracked: dict[int, _Tracked] = {}
         self._uids = itertools.count()
         self._lock = threading.Lock()
@@ -100,13 +108,21 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._preemptions_seen = 0
-        self.error: str | None = None  # set when the executor failed; /health reports it
+        self.error: str | None = None  # set when the engine failed; /health reports it
+        self._draining = False
+        self._failing = threading.RLock()  # the engine thread and the watchdog may fail it at once
+        self._failures: list[float] = []  # monotonic times of recent failures (crash-loop detection)
+        self._restart_at: float | None = None
+        self._on_fatal = on_fatal or (lambda reason: None)
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback) -> int:
-        """Queue a sequence. Raises PromptTooLong, QueueFull, or RuntimeError when unhealthy."""
-        if self.error:
-            raise RuntimeError(f"engine unavailable: {self.error}")
+        """Queue a sequence. Raises PromptTooLong, QueueFull, ValueError (an id outside the vocabulary:
+        the API checks first, this is the last line before the model), or RuntimeError when unhealthy."""
+        if self.problem:
+            raise RuntimeError(f"engine unavailable: {self.problem}")
+        self._check_vocab(prompt_ids, "prompt")
+        self._check_vocab([t for t, _ in params.logit_bias] + list(params.stop_token_ids), "sampling parameters")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -115,14 +131,17 @@ class Engine:
         with self._wake:
             uid = next(self._uids)
             seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
-            tracked = _Tracked(
-                seq, SeqSampling.create(params), IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit
-            )
+            sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids)
+            tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit)
             self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
             self._tracked[uid] = tracked
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self._wake.notify()
         return uid
+
+    def _check_vocab(self, ids: list[int], what: str) -> None:
+        if ids and self.vocab_size is not None and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            raise ValueError(f"{what} holds a token id outside the vocabulary (0..{self.vocab_size - 1})")
 
     def abort(self, uid: int) -> None:
         with self._wake:
@@ -151,27 +170,39 @@ class Engine:
     def _loop(self) -> None:
         """Double-buffered: while step t+1's forward runs (`mx.async_eval`), the
         host detokenizes and streams step t's tokens. A stop string found then
-        ends its sequence one step late; the extra token is discarded."""
+        ends its sequence one step late; the extra token is discarded. Any
+        exception, wherever it arises in a step, goes to `_engine_failed`."""
         pending: _Pending | None = None
-        while True:
-            plan, ended = self._next_plan(block=pending is None)
-            self._finish_all(ended)
-            result = self._guard(self._execute, plan) if plan is not None else None
-            if pending is not None:
-                self._emit(pending)
+        while not self._stopping:
+            try:
+                pending = self._step(pending)
+            except Exception as exc:
                 pending = None
-            if plan is None:
-                if self._stopping:
-                    return
-                continue
-            if result is not None:
-                pending = self._guard(self._collect_within_deadline, plan, result)
+                log.exception("engine step failed")
+                self._engine_failed(f"{type(exc).__name__}: {exc}")
+
+    def _step(self, pending: "_Pending | None") -> "_Pending | None":
+        plan, ended = self._next_plan(block=pending is None)
+        self._finish_all(ended)
+        result = self._execute(plan) if plan is not None else None
+        if plan is not None:
+            with self._lock:
+                self._update_gauges()
+        if pending is not None:
+            self._emit(pending)
+        if plan is None or result is None:
+            return None
+        return self._collect_within_deadline(plan, result)
 
     def _next_plan(self, block: bool) -> tuple[StepPlan | None, list[Finished]]:
         """The next step's plan; while idle, let the executor heartbeat and check its ranks."""
         while True:
+            self._maybe_restart()
             with self._wake:
                 if self._stopping:
+                    return None, []
+                if self.error:  # failed: wait for the restart (or the process to exit)
+                    self._wake.wait(IDLE_POLL_SECONDS)
                     return None, []
                 if self.scheduler.has_work:
                     return self.scheduler.schedule()
@@ -180,16 +211,7 @@ class Engine:
                 self._wake.wait(IDLE_POLL_SECONDS)
                 if self.scheduler.has_work or self._stopping or self.error:
                     continue
-            self._guard(self.executor.idle)
-
-    def _guard(self, fn, *args):
-        """Run one part of a step; a failure ends the requests, never the process."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            log.exception("engine step failed")
-            self._fail(f"{type(exc).__name__}: {exc}")
-            return None
+            self.executor.idle()
 
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
@@ -269,27 +291,67 @@ class Engine:
             )
         )
 
-    def _fail(self, message: str, recover: bool = True) -> None:
-        with self._lock:
-            seqs = self.scheduler.fail_all()
-        if recover:  # first, so /health is already unhealthy when clients read their errors
-            self._on_failure(message)
-        for seq in seqs:
-            self._finish(seq.uid, FinishReason.ERROR, error=self.error or message)
+    # -- failures -----------------------------------------------------------
+    def _engine_failed(self, message: str) -> None:
+        self._fail(message)
 
-    def _on_failure(self, message: str) -> None:
-        """A local executor recovers with fresh KV state; a cluster that cannot is unhealthy."""
+    def _fail(self, message: str, recover: bool = True) -> None:
+        """End every in-flight request with an error; then (`recover`) restart or give up.
+
+        Order matters: /health turns 503 before any client reads its error. A
+        single process restarts in place (fresh KV state, same weights) after
+        RESTART_BACKOFF_SECONDS; a cluster cannot (its collectives are broken),
+        nor can an engine failing CRASH_LOOP_FAILURES times within
+        CRASH_LOOP_SECONDS: then `on_fatal` asks the process to exit non-zero so
+        a supervisor restarts it (README, "Failures")."""
+        with self._failing:
+            self.error = self.error or message
+            with self._lock:
+                seqs = self.scheduler.fail_all()
+            for seq in seqs:
+                self._finish(seq.uid, FinishReason.ERROR, error=message)
+            if recover:
+                self._recover_or_give_up(message)
+
+    def _recover_or_give_up(self, message: str) -> None:
         try:
-            self.error = self.executor.reset(message)
-        except Exception:  # a reset that fails leaves the engine unhealthy, never the thread dead
+            problem = self.executor.reset(message)
+        except Exception:  # a reset that fails leaves the engine failed, never the thread dead
             log.exception("executor reset failed")
-            self.error = message
-        if self.error:
-            log.error("engine unhealthy: %s", self.error)
+            problem = message
+        now = time.monotonic()
+        self._failures = [t for t in self._failures if now - t < CRASH_LOOP_SECONDS] + [now]
+        if problem is None and len(self._failures) < CRASH_LOOP_FAILURES:
+            self.error = f"engine restarting after a failure: {message}"
+            self._restart_at = now + RESTART_BACKOFF_SECONDS
+            log.error("%s; serving again in %.0f s", self.error, RESTART_BACKOFF_SECONDS)
+            return
+        if problem is None:
+            problem = f"{len(self._failures)} engine failures within {CRASH_LOOP_SECONDS:.0f} s, the last: {message}"
+        self.error = problem
+        self._restart_at = None
+        log.error("engine failed for good: %s", problem)
+        self._on_fatal(problem)
+
+    def _maybe_restart(self) -> None:
+        """On the engine thread, once the back-off has passed: a fresh scheduler, healthy again."""
+        if self._restart_at is None or time.monotonic() < self._restart_at:
+            return
+        with self._wake:
+            self.scheduler = self._new_scheduler()
+            self._preemptions_seen = 0
+            self._restart_at = None
+            self.error = None
+        log.info("engine restarted")
+
+    @property
+    def problem(self) -> str | None:
+        """What /health reports: None when serving."""
+        return self.error or ("server shutting down" if self._draining else None)
 
     def drain(self, grace: float) -> None:
         """Refuse new requests, give running ones `grace` seconds, then end the rest with an error."""
-        self.error = "server shutting down"
+        self._draining = True
         deadline = time.monotonic() + grace
         while self._tracked and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -304,6 +366,8 @@ class Engine:
         self.metrics.queue_depth.set(len(self.scheduler.waiting))
         self.metrics.batch_size.set(len(self.scheduler.running))
         self.metrics.kv_bytes.set(self.executor.kv_bytes())
+        self.metrics.kv_blocks_used.set(self.scheduler.blocks.num_used)
+        self.metrics.kv_blocks_cached.set(self.scheduler.blocks.num_cached)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = self.scheduler.num_preemptions
 

@@ -9,6 +9,7 @@ neither the network nor the 500 MB export.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import uuid
@@ -21,7 +22,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from meshlm.model.gguf import DTYPES, export_gguf, gguf_path, write_hf_tokenizer, write_json
 
 DEMO_NAME = "smollm2-135m-instruct"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+# SmolLM2-135M-Instruct's model card samples with these; requests that omit them get them (README).
+DEMO_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 TINY_TYPES = ("llama", "qwen2", "qwen3")
 LOGIT_STD = 3.0
 QK_SCALE = 4.0  # attention logits x16
@@ -74,6 +77,7 @@ def export_demo(out: Path, dtype: str = "float32") -> Path:
     tmp.mkdir()
     try:
         export_gguf(source, tmp, dtype)
+        _add_sampling_defaults(tmp / "generation_config.json")
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -94,8 +98,18 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _add_sampling_defaults(path: Path) -> None:
+    write_json(path, {**json.loads(path.read_text()), **DEMO_SAMPLING})
+
+
 def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in REQUIRED_FILES)
+    """Every file written, and by an export new enough to carry the sampling defaults."""
+    if not all((path / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        return "temperature" in json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def cache_root() -> Path:

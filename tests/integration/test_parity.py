@@ -56,3 +56,28 @@ def test_demo_model_answers_and_matches_mlx_lm(demo_server):
     ids = tok.encode("The three primary colors are")
     want = [tok.decode([t]) for t in mlx_lm_greedy(demo_model_dir(), ids, 16)]
     assert meshlm_greedy_texts(demo_server.url, ids, 16) == want
+
+
+def readme_example() -> tuple[str, str]:
+    """README's first Python example and the output its comment promises."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    promised = re.search(r"print\(.*\)\s+# (.*)", code).group(1).strip()
+    return code, promised
+
+
+def test_readme_first_example_prints_what_it_promises(demo_server):
+    import subprocess
+    import sys
+
+    code, promised = readme_example()
+    code = code.replace("http://127.0.0.1:8000/v1", demo_server.url + "/v1")
+    assert demo_server.url in code
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == promised
+    # Requests that omit sampling parameters get the model card's defaults, and the log says so.
+    assert "temperature=0.2 top_p=0.9" in demo_server.log.read_text()

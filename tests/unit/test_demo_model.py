@@ -127,7 +127,7 @@ def test_demo_model_dir_exports_once_then_reuses(tmp_path, monkeypatch):
         calls.append(Path(out))
         assert Path(out).parent == tmp_path / "models"  # temp dir beside target
         for name in demo.REQUIRED_FILES:
-            (Path(out) / name).write_text("x")
+            (Path(out) / name).write_text("{}")
 
     monkeypatch.setenv("MESHLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(demo, "gguf_path", lambda: Path("/nonexistent.gguf"))
@@ -178,6 +178,9 @@ def test_demo_export_config(smol_dir):
     weights = mx.load(str(smol_dir / "model.safetensors"))
     assert "lm_head.weight" not in weights and len(weights) == 30 * 9 + 2
     assert weights["model.embed_tokens.weight"].dtype == mx.float32
+    # The model card's sampling defaults, for requests that omit them.
+    generation = json.loads((smol_dir / "generation_config.json").read_text())
+    assert generation["temperature"] == 0.2 and generation["top_p"] == 0.9
     # The cache is reused, not exported again.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MESHLM_CACHE_DIR", str(smol_dir.parent.parent))

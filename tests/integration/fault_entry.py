@@ -1,0 +1,60 @@
+"""Test-only entry point: `python fault_entry.py KIND ARG [meshlm arguments...]` runs meshlm with a fault
+planted by patching classes before `meshlm.cli.main` starts. Production code has no fault hooks at all:
+neither HTTP nor the environment of a real run can reach these.
+
+Kinds (ARG is a token id or a step id):
+  forward_raise TOKEN  the runner raises when a step runs a chunk holding token id TOKEN
+  schedule_raise TOKEN the scheduler raises while a waiting prompt holds TOKEN (a bug before any forward)
+  skip_step STEP       a worker rank applies nothing at step STEP but acknowledges it (a split brain)
+  stall_step STEP      a worker rank hangs at step STEP (only the watchdogs can end it)
+
+Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _plant(kind: str, arg: int) -> None:
+    from meshlm.engine.scheduler import Scheduler
+    from meshlm.model.runner import Runner
+
+    execute, schedule = Runner.execute, Scheduler.schedule
+
+    def raising_execute(self, plan, *rest):
+        if any(arg in c.token_ids for c in plan.chunks):
+            raise RuntimeError(f"injected forward failure (token {arg})")
+        return execute(self, plan, *rest)
+
+    def raising_schedule(self):
+        if any(arg in s.prompt_ids for s in self.waiting):
+            raise OverflowError(f"injected scheduler failure (token {arg})")
+        return schedule(self)
+
+    def skipping_execute(self, plan, *rest):
+        if plan.step_id == arg:  # acknowledged with this rank's old batch: the leader sees a split brain
+            from meshlm.model.runner import StepResult
+
+            return StepResult([], None)
+        return execute(self, plan, *rest)
+
+    def stalling_execute(self, plan, *rest):
+        if plan.step_id == arg:
+            time.sleep(3600)
+        return execute(self, plan, *rest)
+
+    patches = {"forward_raise": (Runner, "execute", raising_execute),
+               "schedule_raise": (Scheduler, "schedule", raising_schedule),
+               "skip_step": (Runner, "execute", skipping_execute),
+               "stall_step": (Runner, "execute", stalling_execute)}
+    cls, name, fn = patches[kind]
+    setattr(cls, name, fn)
+
+
+if __name__ == "__main__":
+    _plant(sys.argv[1], int(sys.argv[2]))
+    from meshlm.cli import main
+
+    main(sys.argv[3:])
