@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +17,15 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import sharded_load
 
 from meshlm.config import ModelConfig
-from meshlm.model import cpu_kernels
-from meshlm.platform import cores_for_this_process, resolve_dtype
+from meshlm.model.adapt import check_supported
+from meshlm.platform import resolve_dtype
 
 log = logging.getLogger(__name__)
+
+HASH_CHUNK = 8 * 2**20
+DIGEST_CACHE_FILE = "weight-digests.json"
+DIGEST_CACHE_VERSION = 1
+DIGEST_CACHE_MAX_ENTRIES = 512  # old entries (models deleted, test dirs) go first
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class LoadedModel:
     context_length: int  # the model's own limit
     eos_token_ids: frozenset[int]
     fingerprint: str  # identifies the weights; salts prefix-cache keys
+    vocab_size: int  # rows of the embedding: every token id must be below it
+    generation_defaults: dict  # sampling keys of generation_config.json (temperature, top_p, ...), maybe empty
 
 
 def resolve_path(path: str, dtype: str = "float32") -> Path:
@@ -43,20 +53,134 @@ def resolve_path(path: str, dtype: str = "float32") -> Path:
     return p
 
 
-def model_fingerprint(path: Path) -> str:
-    """Digest of config.json and each weight file's name, size and safetensors header."""
+def model_fingerprint(path: Path, digest_cache: Path | None = None) -> str:
+    """Digest of config.json and every byte of every *.safetensors file (with its name).
+
+    It salts the prefix cache's keys, so two models differing in any weight
+    byte never share KV blocks. The tokenizer is left out: KV depends on token
+    ids, which the keys hash. Hashing reads all the weights once; each file's
+    digest is then cached by (resolved path, size, mtime_ns) in `digest_cache`
+    (default `<meshlm cache dir>/weight-digests.json`), so restarts skip it.
+    """
+    files = sorted(path.glob("*.safetensors"))
+    digests = weight_digests(files, digest_cache or default_digest_cache())
+    config = (path / "config.json").read_bytes()
     h = hashlib.blake2b(digest_size=12)
-    h.update((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-            h.update(fh.read(65536))
+    h.update(f"config.json:{len(config)}:".encode())  # length-prefixed: no two inputs concatenate alike
+    h.update(config)
+    for f in files:
+        h.update(f"{f.name}:{digests[f]};".encode())
     return h.hexdigest()
+
+
+def default_digest_cache() -> Path:
+    from meshlm.model.demo import cache_root
+
+    return cache_root() / DIGEST_CACHE_FILE
+
+
+def hash_file(path: Path, chunk: int = HASH_CHUNK) -> str:
+    """blake2b of the whole file, read in chunks (weights do not fit in RAM twice)."""
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while data := f.read(chunk):
+            h.update(data)
+    return h.hexdigest()
+
+
+def weight_digests(files: list[Path], cache_path: Path) -> dict[Path, str]:
+    """Each file's digest, from `cache_path` when its (resolved path, size, mtime_ns) match, else hashed.
+
+    Side effect: newly hashed files are added to `cache_path`; a cache that cannot be
+    read or written only costs hashing again, never an error.
+    """
+    cache = read_digest_cache(cache_path)
+    digests: dict[Path, str] = {}
+    todo: list[tuple[Path, str, os.stat_result]] = []
+    for f in files:
+        st, key = f.stat(), str(f.resolve())
+        entry = cache.get(key)
+        if entry is not None and (entry["size"], entry["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+            digests[f] = entry["digest"]
+        else:
+            todo.append((f, key, st))
+    if todo:
+        hashed, entries = _hash_files(todo)
+        digests.update(hashed)
+        write_digest_cache(cache_path, entries)
+    return digests
+
+
+def _hash_files(todo: list[tuple[Path, str, os.stat_result]]) -> tuple[dict[Path, str], dict[str, dict]]:
+    """Hash `todo`: (digest per file, cache entries by resolved path). A file that changed while
+    being read gets no entry: its digest may mix old and new bytes."""
+    total = sum(st.st_size for _, _, st in todo)
+    log.info("hashing %.1f GB of weights in %s for the cache fingerprint (once; cached by size and mtime)",
+             total / 1e9, todo[0][0].parent)
+    t0 = time.monotonic()
+    digests: dict[Path, str] = {}
+    entries: dict[str, dict] = {}
+    for f, key, st in todo:
+        digests[f] = hash_file(f)
+        after = f.stat()
+        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
+            entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digests[f]}
+        else:
+            log.warning("%s changed while being hashed; its digest is not cached", f)
+    log.info("hashed %.1f GB of weights in %.1f s", total / 1e9, time.monotonic() - t0)
+    return digests, entries
+
+
+def read_digest_cache(path: Path) -> dict[str, dict]:
+    """The valid entries of the digest cache; {} when it is missing or corrupt (then it is rewritten)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        log.debug("no weight digest cache at %s yet", path)
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable weight digest cache %s: %s", path, exc)
+        return {}
+    files = data.get("files") if isinstance(data, dict) and data.get("version") == DIGEST_CACHE_VERSION else None
+    if not isinstance(files, dict):
+        log.warning("ignoring weight digest cache %s: not a version-%d cache", path, DIGEST_CACHE_VERSION)
+        return {}
+    return {k: v for k, v in files.items() if _valid_entry(v)}
+
+
+def _valid_entry(entry: object) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("digest"), str)
+            and all(type(entry.get(k)) is int for k in ("size", "mtime_ns")))
+
+
+def write_digest_cache(path: Path, new: dict[str, dict]) -> None:
+    """Merge `new` into the cache file atomically (temp file + os.replace); failures are logged, not raised.
+
+    The file is re-read first so entries another process added meanwhile are kept;
+    entries of files that no longer exist are pruned, and the oldest past the cap.
+    """
+    if not new:
+        return
+    entries = {k: v for k, v in read_digest_cache(path).items() if k not in new and os.path.exists(k)}
+    entries.update(new)  # newest last: the cap keeps the tail
+    entries = dict(list(entries.items())[-DIGEST_CACHE_MAX_ENTRIES:])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"version": DIGEST_CACHE_VERSION, "files": entries}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache weight digests in %s (the next start hashes again): %s", path, exc)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
     """Load the whole model, or with `tensor_group` only this rank's shard (mlx-lm's sharded_load)."""
     path = resolve_path(cfg.path)
+    check_supported(json.loads((path / "config.json").read_text()))
     if tensor_group is None:
         model, tokenizer = mlx_lm_load(str(path))
     else:
@@ -66,10 +190,23 @@ def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
-    if cfg.cpu_kernels:
-        cpu_kernels.install(model, cores_for_this_process(), cfg.native_kernels)
     context = int(config.get("max_position_embeddings") or 4096)
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)
     log.info("loaded %s (%s, dtype %s, context %d)", path, name, dtype, context)
-    return LoadedModel(model, tokenizer, path, name, dtype, context, eos, model_fingerprint(path))
+    return LoadedModel(model, tokenizer, path, name, dtype, context, eos, model_fingerprint(path),
+                       int(config["vocab_size"]), generation_defaults(path))
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling defaults a model ships in generation_config.json (as vLLM reads them); {} without one."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path / 'generation_config.json'} is not readable JSON: {exc}") from None
+    return {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}

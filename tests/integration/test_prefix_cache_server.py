@@ -14,8 +14,11 @@ import json
 import os
 import random
 import shutil
+import struct
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,9 +26,9 @@ import mlx.core as mx
 import pytest
 
 from conftest import ServerProcess
-from meshlm.cache.keys import CacheSalt, block_keys
-from meshlm.cache.pool import Block
-from meshlm.cache.ssd import SUFFIX, SSDConfig, SSDTier
+from meshlm.kv.keys import CacheSalt, block_keys
+from meshlm.kv.store import BlockData as Block
+from meshlm.kv.ssd import LOW_WATER, RESCAN_FRACTION, SUFFIX, TMP_DIR, SSDConfig, SSDTier
 from meshlm.model.loader import model_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -38,6 +41,7 @@ SSD = 'meshlm_prefix_cache_bytes{tier="ssd"}'
 HITS_RAM = 'meshlm_prefix_cache_hits_total{tier="ram"}'
 HITS_SSD = 'meshlm_prefix_cache_hits_total{tier="ssd"}'
 EVICTIONS_RAM = 'meshlm_prefix_cache_evictions_total{tier="ram"}'
+EVICTIONS_SSD = 'meshlm_prefix_cache_evictions_total{tier="ssd"}'
 DROPPED = "meshlm_prefix_cache_ssd_dropped_total"
 
 
@@ -406,6 +410,174 @@ def test_two_models_never_share_blocks(restarted, tiny_model, tiny_model_b, refe
     assert fingerprints == {model_fingerprint(tiny_model), model_fingerprint(tiny_model_b)}
     assert block_file(kv, tiny_model_b, RESTART_PROMPT, 0).is_file()
     assert sorted(p.name for p in a_dir.iterdir()) == a_files  # A's blocks untouched
+
+
+def change_a_late_tensor(path: Path) -> str:
+    """Roll (in place) the biggest tensor stored wholly past the first 64 KiB; header and sizes stay equal."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8: 8 + n])
+    spans = {name: [8 + n + o for o in v["data_offsets"]] for name, v in header.items() if name != "__metadata__"}
+    late = {name: span for name, span in spans.items() if span[0] >= 65536}
+    name = max(late, key=lambda k: late[k][1] - late[k][0])
+    rolled = mx.roll(mx.load(str(path))[name], 1, axis=0)
+    mx.eval(rolled)
+    start, end = late[name]
+    raw[start:end] = bytes(memoryview(rolled))
+    path.write_bytes(bytes(raw))
+    return name
+
+
+@pytest.fixture(scope="module")
+def tuned_model(tmp_path_factory) -> Path:
+    """`tiny_model` made again (same seed), then a tensor stored past the first 64 KiB changed: a fine-tune
+    that the old fingerprint (config.json + each file's first 64 KiB) could not tell from the base."""
+    from meshlm.model.demo import make_tiny
+
+    out = make_tiny(tmp_path_factory.mktemp("tuned") / "tiny-llama", "llama", layers=2, hidden=64, heads=4,
+                    kv_heads=2)
+    change_a_late_tensor(out / "model.safetensors")
+    return out
+
+
+def test_a_fine_tune_never_gets_the_base_models_kv_from_ssd(tiny_model, tuned_model, reference, tmp_path):
+    assert (tiny_model / "config.json").read_bytes() == (tuned_model / "config.json").read_bytes()
+    base_w, tuned_w = ((m / "model.safetensors").read_bytes() for m in (tiny_model, tuned_model))
+    assert base_w[:65536] == tuned_w[:65536] and len(base_w) == len(tuned_w) and base_w != tuned_w
+    assert model_fingerprint(tiny_model) != model_fingerprint(tuned_model)
+    prompt = ids(6 * BS + 1, seed=8)
+    kv = tmp_path / "kv"
+    base = ServerProcess(tiny_model, *FLAGS, log_dir=tmp_path)
+    try:
+        assert text(complete(base, prompt)) == reference(prompt)
+        wait_for(lambda: block_file(kv, tiny_model, prompt, 5).is_file(), what="the base model's SSD writes")
+    finally:
+        base.stop()
+    tuned = ServerProcess(tuned_model, *FLAGS, log_dir=tmp_path)  # same --kv-cache-dir
+    (tmp_path / "fresh").mkdir()
+    fresh = ServerProcess(tuned_model, "--no-prefix-cache", *FLAGS, log_dir=tmp_path / "fresh")
+    try:
+        body = complete(tuned, prompt)
+        assert cached(body) == 0 and tuned.metric(HITS_SSD) == 0
+        assert text(body) == text(complete(fresh, prompt))
+        assert text(body) != reference(prompt)  # the changed tensor matters, so a wrong hit would show
+    finally:
+        tuned.stop()
+        fresh.stop()
+    assert len(list(kv.iterdir())) == 2  # one fingerprint directory each
+
+
+# -- two servers sharing one --kv-cache-dir ----------------------------------------------
+
+SHARED_GB = "0.0002"  # 214,748 bytes: ~24 block files of ~8.7 KB
+PROBLEMS = ("SSD KV cache off", "dropping KV block", "not kept on disk", "Traceback", "Exception in thread")
+
+
+def burst(srv: ServerProcess, prompts: list[list[int]]) -> list[str]:
+    """Concurrent greedy completions; every one must succeed."""
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}) for p in prompts])
+
+    rs = asyncio.run(run())
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    return [text(r.json()) for r in rs]
+
+
+def tree_bytes(d: Path) -> int:
+    """Bytes of every file under `d` (blocks and in-flight temp files); files vanishing meanwhile count 0."""
+    total = 0
+    for root, _, names in os.walk(d):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class SharedLoad:
+    """Writes to servers from threads (4 concurrent 5-block prompts a round), samples the directory size."""
+
+    def __init__(self, rank_dir: Path) -> None:
+        self.rank_dir = rank_dir
+        self.answers: dict[tuple[int, ...], str] = {}
+        self.sizes: list[int] = []
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.sizes.append(tree_bytes(self.rank_dir))
+            time.sleep(0.01)
+
+    def rounds(self, srv: ServerProcess, seed: int, n: int = 0, until: threading.Event | None = None) -> int:
+        """`n` rounds, or rounds until `until` is set; returns how many ran."""
+        done = 0
+        while (until is not None and not until.is_set()) or done < n:
+            prompts = [ids(5 * BS + 3, seed=seed + 10 * done + j) for j in range(4)]
+            self.answers.update(zip(map(tuple, prompts), burst(srv, prompts)))
+            done += 1
+        return done
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sampler.join()
+
+
+def test_two_servers_share_one_ssd_directory(tiny_model, reference, tmp_path):
+    capacity = int(float(SHARED_GB) * 2**30)
+    args = ("--ssd-cache-gb", SHARED_GB, *FLAGS)
+    kv = tmp_path / "kv"
+    rank_dir = block_file(kv, tiny_model, ids(BS, seed=0), 0).parent
+    block = BS * 512 + 600  # KV bytes of a block (512 per token) and a generous header
+    a, b = (ServerProcess(tiny_model, *args, log_dir=tmp_path) for _ in range(2))
+    logs = [a.log, b.log]
+    load = SharedLoad(rank_dir)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(load.rounds, a, 1000, 4), pool.submit(load.rounds, b, 2000, 4)]:
+                f.result()
+            # Restart a while b keeps writing: a's start-up must leave b's files and temp files alone.
+            restarted = threading.Event()
+            writer = pool.submit(load.rounds, b, 3000, until=restarted)
+            a.stop()
+            a = ServerProcess(tiny_model, *args, log_dir=tmp_path)
+            logs.append(a.log)
+            restarted.set()
+            assert writer.result() >= 2  # b wrote before, during and after a's start-up
+            assert a.metric(DROPPED) == 0 and "0 dropped" in a.log.read_text()
+            for f in [pool.submit(load.rounds, a, 4000, 3), pool.submit(load.rounds, b, 5000, 3)]:
+                f.result()
+        last = ids(5 * BS + 3, seed=6000)  # the newest blocks: no eviction may take them
+        assert text(complete(b, last)) == reference(last)
+        wait_for(lambda: all(block_file(kv, tiny_model, last, i).is_file() for i in range(5))
+                 and not any((rank_dir / TMP_DIR).iterdir()), what="b's last SSD writes")
+        assert a.metric(EVICTIONS_SSD) + b.metric(EVICTIONS_SSD) > 0
+    finally:
+        load.stop()
+        a.stop()
+        b.stop()
+    for log in logs:
+        assert not [p for p in PROBLEMS if p in log.read_text()], log
+    assert len(load.answers) >= 2 * 4 * 4 + 2 * 4 + 2 * 3 * 4  # distinct prompts, ~5 blocks each
+    assert all(answer == reference(list(p), 4) for p, answer in load.answers.items())
+    # The stated slack (meshlm/cache/ssd.py): each writer may have written 5% of capacity the other has not
+    # seen yet, plus one temp file in flight.
+    slack = 2 * (capacity * RESCAN_FRACTION + block)
+    assert max(load.sizes) > capacity * LOW_WATER  # the directory did fill up
+    assert max(load.sizes) <= capacity + slack, (max(load.sizes), capacity)
+    assert tree_bytes(rank_dir) <= capacity + slack
+    third = ServerProcess(tiny_model, *args, log_dir=tmp_path)
+    try:
+        assert third.metric(DROPPED) == 0
+        body = complete(third, last)
+        assert cached(body) == 5 * BS and third.metric(HITS_SSD) >= 5
+        assert text(body) == reference(last)
+    finally:
+        third.stop()
 
 
 # -- a cache directory that cannot be used -----------------------------------------------

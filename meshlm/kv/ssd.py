@@ -1,0 +1,446 @@
+"""The SSD tier: KV blocks as safetensors files that survive restarts.
+
+Layout: `<cache_dir>/<model_fingerprint>/<layout>-<kv dtype>-b<block size>/rank_<r>/<key hex>.safetensors`.
+Writes go through a background thread (off the request path), each as a temp
+file renamed into place, so a crash leaves either the old state or a whole
+file. Every file carries its key, salt and a checksum of its tensor bytes in
+the safetensors metadata; at start-up the index is rebuilt from headers and
+anything torn, truncated, garbled or foreign is deleted and counted, never
+loaded. The checksum is verified again on every load.
+
+Several processes (servers, restarts overlapping) may share one directory:
+- Temp files live in `tmp/` as `<host>-<pid>-<nonce>-<n>.safetensors`, unique
+  per writer, so two processes writing the same key never collide (the last
+  rename wins; both files are valid). Start-up validates only the directory's
+  own `*.safetensors` and removes a temp file only when its writer is gone
+  (same host, pid not alive) or it is older than an hour.
+- Capacity and TTL are enforced under `fcntl.flock` on `.lock`: re-scan the
+  directory (sizes, mtimes; no headers) into the index and byte total, delete
+  expired files, then evict the oldest mtimes (loads touch their file, so mtime
+  is the shared LRU order) down to 95% of capacity. A writer re-scans when
+  its own total says over capacity, when it has written 5% of capacity since
+  its last scan, or when that scan is RESCAN_SECONDS old (so other writers'
+  blocks become hits); other writes cost O(1) (one scandir per 5% written).
+  Since every writer re-scans and evicts before it has written 5% unseen by
+  the others, N processes writing at once keep the directory within
+  capacity x (1 + 0.05 N), plus one temp file each.
+- A file another process deleted is a plain miss, not a dropped file.
+
+A cache directory that cannot be written (full, read-only) turns the tier off
+with one warning; serving continues from RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from meshlm.kv.keys import KEY_BYTES, CacheSalt
+from meshlm.kv.store import BlockData as Block
+
+log = logging.getLogger(__name__)
+
+FORMAT = "meshlm-kv-1"
+SUFFIX = ".safetensors"
+TMP_DIR = "tmp"  # in-flight writes; never scanned as blocks
+LOCK_FILE = ".lock"
+STALE_TMP_SECONDS = 3600  # no write takes that long: its writer died (or lives on another host)
+RESCAN_SECONDS = 10.0  # how stale this process's view of other writers' files may get
+RESCAN_FRACTION = 0.05  # a writer re-scans after writing this fraction of capacity since its last scan
+LOW_WATER = 0.95  # eviction frees down to this fraction of capacity
+MAX_STAGED = 4096  # prefetched blocks waiting for their plan to run
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    cache_dir: Path
+    capacity_bytes: int
+    ttl_days: float
+
+
+def checksum(arrays: dict[str, mx.array]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(name.encode())
+        h.update(memoryview(a.view(mx.uint8) if a.dtype.size != 1 else a))
+    return h.hexdigest()
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse a safetensors header; return (header, expected file size). Raises ValueError."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("truncated before header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 16 * 2**20:
+            raise ValueError("implausible header length")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    return header, 8 + n + end
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def key_of(name: str) -> bytes | None:
+    """The key a block file name stands for, or None for any other name."""
+    stem = name[: -len(SUFFIX)]
+    if not name.endswith(SUFFIX) or len(stem) != 2 * KEY_BYTES:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0, ...) would address our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def temp_is_stale(name: str, mtime: float, now: float) -> bool:
+    """A temp file nobody will rename any more: older than an hour, or written by a dead process on this host."""
+    if now - mtime > STALE_TMP_SECONDS:
+        return True
+    parts = name[: -len(SUFFIX)].rsplit("-", 3)  # host names may contain "-"
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False  # not our naming: only age removes it
+    return parts[0] == socket.gethostname() and not pid_alive(int(parts[1]))
+
+
+class SSDTier:
+    def __init__(self, config: SSDConfig, salt: CacheSalt, rank: int) -> None:
+        self.config = config
+        self.salt = salt
+        self.rank = rank
+        self.dir = config.cache_dir / salt.model_fingerprint / salt.directory / f"rank_{rank}"
+        self.enabled = True
+        self.dropped = 0  # files rejected at start-up or on load
+        self.writes = 0
+        self.evictions = 0
+        # key -> file size; insertion order = LRU order. Other processes' files join it at each re-scan.
+        self._index: dict[bytes, int] = {}
+        self._bytes = 0  # sum of self._index's sizes, kept as it changes (the writer checks it per block)
+        self._last_scan = time.monotonic()
+        self._written = 0  # bytes this process wrote since its last scan: what the others may not have seen
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=1024)
+        self._writer: threading.Thread | None = None
+        self._temp_names = itertools.count()
+        self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
+        self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._rebuild_index()
+        except OSError as exc:
+            self._disable(f"cannot use {self.dir}: {exc}")
+
+    # -- start-up ---------------------------------------------------------
+    def _rebuild_index(self) -> None:
+        """Validate every block file's header (dropping bad ones) and clear dead writers' temp files.
+
+        Creates nothing, so an unused tier leaves its directory empty."""
+        expiry = time.time() - self.config.ttl_days * 86400
+        with os.scandir(self.dir) as entries:
+            files = [Path(e.path) for e in entries if e.name.endswith(SUFFIX) and e.is_file()]
+        dated = [(mtime, p) for p in files if (mtime := _mtime(p)) is not None]  # oldest first: LRU order
+        for _, path in sorted(dated):
+            try:
+                key = self._validate(path, expiry)
+                size = path.stat().st_size
+            except FileNotFoundError:  # evicted by another process meanwhile: not a bad file
+                continue
+            if key is None:
+                self._drop(path)
+            else:
+                self._put(key, size)
+        stale = self._remove_stale_temps()
+        log.info("SSD KV tier %s: %d blocks, %d dropped", self.dir, len(self._index), self.dropped)
+        if stale:
+            log.info("SSD KV tier %s: removed %d temp files of writers that are gone", self.dir, stale)
+
+    def _validate(self, path: Path, expiry: float) -> bytes | None:
+        """The file's key if it is a whole, fresh block of this salt and rank, else None.
+
+        Raises FileNotFoundError when another process deleted it meanwhile (not a bad file)."""
+        try:
+            if path.stat().st_mtime < expiry:
+                return None
+            header, size = _read_header(path)
+            meta = header.get("__metadata__") or {}
+            key = key_of(path.name)
+            # Keys are the same on every rank, so the rank is checked too: another rank's shard is foreign.
+            ok = (key is not None and meta.get("format") == FORMAT and meta.get("salt") == self.salt.root().hex()
+                  and meta.get("key") == key.hex() and meta.get("rank") == str(self.rank)
+                  and size == path.stat().st_size)
+            return key if ok else None
+        except FileNotFoundError:
+            raise
+        except Exception:  # whatever is wrong with a file, it is dropped, never fatal
+            return None
+
+    def _remove_stale_temps(self) -> int:
+        """Delete temp files whose writer is gone; another live process's in-flight write is left alone."""
+        removed, now = 0, time.time()
+        try:
+            entries = list(os.scandir(self.dir / TMP_DIR))
+        except FileNotFoundError:
+            return 0
+        for e in entries:
+            try:
+                if temp_is_stale(e.name, e.stat().st_mtime, now):
+                    os.unlink(e.path)
+                    removed += 1
+            except FileNotFoundError:  # renamed into place or removed meanwhile
+                pass
+        return removed
+
+    def _drop(self, path: Path) -> None:
+        self.dropped += 1
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    # -- lookups ----------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        return self.enabled and key in self._index
+
+    def prefetch(self, key: bytes) -> bool:
+        """Read and verify a block now, so a plan loads only blocks known to be good; the next `load`
+        of `key` takes it from memory. False (a miss) for a missing, bad or expired file."""
+        if key in self._staged:
+            return True
+        if key not in self:
+            return False
+        if len(self._staged) >= MAX_STAGED:  # plans that never ran (a failed step): forget their reads
+            self._staged.clear()
+        block = self._read(key)
+        if block is not None:
+            self._staged[key] = block
+        return block is not None
+
+    def load(self, key: bytes) -> Block | None:
+        """The block `key`: prefetched, else read and verified now; None if missing or bad."""
+        block = self._staged.pop(key, None)
+        return block if block is not None else self._read(key)
+
+    def _read(self, key: bytes) -> Block | None:
+        """Read and verify a block; a bad or expired file is deleted and counted, and None returned.
+
+        A file another process deleted (evicted) is a plain miss: forgotten, not counted."""
+        path = self._path(key)
+        try:
+            if path.stat().st_mtime < time.time() - self.config.ttl_days * 86400:
+                raise ValueError("older than the TTL")
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            if (meta.get("checksum") != checksum(arrays) or meta.get("key") != key.hex()
+                    or meta.get("rank") != str(self.rank)):
+                raise ValueError("checksum mismatch")
+            n = len(arrays) // 2
+            block = Block([arrays[f"k.{i}"] for i in range(n)], [arrays[f"v.{i}"] for i in range(n)])
+        except Exception as exc:  # any unreadable file is a miss, never a crash
+            self._forget(key)
+            # mx.load reports a missing file as RuntimeError, hence the second check.
+            if isinstance(exc, FileNotFoundError) or not path.exists():
+                return None
+            log.warning("dropping KV block %s: %s", path.name, exc)
+            self._drop(path)
+            return None
+        with self._lock:  # refresh LRU position
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._index[key] = size
+        try:  # and on disk: mtime is the LRU order other processes and restarts see; the TTL counts from it
+            os.utime(path)
+        except FileNotFoundError:  # evicted right after we read it
+            self._forget(key)
+        except OSError:
+            pass
+        return block
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def _put(self, key: bytes, size: int) -> None:
+        self._pop(key)
+        self._index[key] = size
+        self._bytes += size
+
+    def _pop(self, key: bytes) -> None:
+        self._bytes -= self._index.pop(key, 0)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._pop(key)
+
+    # -- writes -----------------------------------------------------------
+    def save(self, key: bytes, block: Block) -> None:
+        """Queue a block for writing (its arrays must already be evaluated)."""
+        if not self.enabled or key in self._index:
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="meshlm-ssd", daemon=True)
+            self._writer.start()
+        try:
+            self._queue.put_nowait((key, block))
+        except queue.Full:  # the disk is behind; the block stays RAM-only
+            pass
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until queued writes are on disk (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write_loop(self) -> None:
+        while True:
+            key, block = self._queue.get()
+            try:
+                if self.enabled:
+                    self._write(key, block)
+            except Exception as exc:  # mx.save_safetensors raises RuntimeError on ENOSPC/EROFS
+                self._disable(f"writing {self.dir} failed: {exc}")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, block: Block) -> None:
+        arrays = {f"k.{i}": a for i, a in enumerate(block.keys)}
+        arrays.update({f"v.{i}": a for i, a in enumerate(block.values)})
+        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "rank": str(self.rank),
+                "checksum": checksum(arrays)}
+        path = self._path(key)
+        tmp = self._temp_path()
+        tmp.parent.mkdir(exist_ok=True)
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata=meta)  # insists on the .safetensors suffix
+            os.replace(tmp, path)
+            size = path.stat().st_size
+        except FileNotFoundError as exc:
+            # Our temp file was removed (a start-up that took us for dead) or the new file was
+            # evicted at once: this block stays RAM-only, the tier is fine.
+            log.warning("KV block %s not kept on disk: %s", path.name, exc)
+            return
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._put(key, size)
+            self.writes += 1
+            self._written += size
+        if self._scan_due():
+            self._enforce_capacity()
+
+    def _scan_due(self) -> bool:
+        capacity = self.config.capacity_bytes
+        return (self._bytes > capacity or self._written >= capacity * RESCAN_FRACTION
+                or time.monotonic() - self._last_scan >= RESCAN_SECONDS)
+
+    def _temp_path(self) -> Path:
+        """A name no other writer uses; start-up reads the pid back to tell live writers from dead ones."""
+        name = f"{socket.gethostname()}-{os.getpid()}-{self._nonce}-{next(self._temp_names)}{SUFFIX}"
+        return self.dir / TMP_DIR / name
+
+    def _enforce_capacity(self) -> None:
+        """Under the directory lock: re-scan, then evict least recently used files down to LOW_WATER.
+
+        The lock makes the processes sharing the directory evict in turn, each
+        from a fresh view, so they neither over-evict nor miss each other's bytes."""
+        with self._dir_lock():
+            self._rescan()
+            if self._bytes <= self.config.capacity_bytes:
+                return
+            target = int(self.config.capacity_bytes * LOW_WATER)
+            while True:
+                with self._lock:
+                    if self._bytes <= target or not self._index:
+                        return
+                    oldest = next(iter(self._index))
+                    self._pop(oldest)
+                    self.evictions += 1
+                self._path(oldest).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _dir_lock(self) -> Iterator[None]:
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _rescan(self) -> None:
+        """Rebuild the index and byte total from the directory (every process's files); delete expired ones.
+
+        Headers are not read (a load checks them); sizes and mtimes come from one scandir."""
+        expiry_ns = (time.time() - self.config.ttl_days * 86400) * 1e9
+        found = self._scan()
+        # mtimes are coarse (a clock tick of a few ms): equal ones keep this process's own LRU order,
+        # files it has not seen yet counting as newer.
+        with self._lock:
+            known = {key: i for i, key in enumerate(self._index)}
+        found.sort(key=lambda f: (f[0], known.get(f[1], len(known))))
+        index = {key: size for mtime, key, size in found if mtime >= expiry_ns}
+        with self._lock:
+            self._index, self._bytes = index, sum(index.values())
+            self._last_scan, self._written = time.monotonic(), 0
+        for mtime, key, _ in found:
+            if mtime < expiry_ns:
+                self._path(key).unlink(missing_ok=True)
+                self.evictions += 1
+
+    def _scan(self) -> list[tuple[int, bytes, int]]:
+        """(mtime_ns, key, size) of every block file in the directory, whoever wrote it."""
+        found = []
+        with os.scandir(self.dir) as entries:
+            for e in entries:
+                key = key_of(e.name)
+                if key is None:
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # deleted since listed
+                    st = e.stat()
+                    found.append((st.st_mtime_ns, key, st.st_size))
+        return found
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / (key.hex() + SUFFIX)
+
+    def _disable(self, reason: str) -> None:
+        if self.enabled:
+            log.warning("SSD KV cache off, continuing RAM-only: %s", reason)
+        self.enabled = False
