@@ -14,18 +14,22 @@ from pathlib import Path
 import httpx
 import pytest
 
+from meshlm.cluster import bootstrap
+
+FAULT_ENTRY = str(Path(__file__).with_name("fault_entry.py"))
+
+
+def fault_entry(kind: str, arg: int) -> list[str]:
+    """The command prefix of a meshlm process with a planted fault (see fault_entry.py)."""
+    return [sys.executable, FAULT_ENTRY, kind, str(arg)]
+
 
 def free_port(avoid: range = range(0)) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
+    return bootstrap.free_port(avoid=avoid)
 
 
 def free_port_run(n: int) -> range:
-    """n consecutive free ports (a ring hostfile's ranks listen on base + rank)."""
+    """n consecutive free ports (a ring hostfile's ranks listen on base + rank), outside the ephemeral range."""
     while True:
         base = free_port()
         try:
@@ -38,13 +42,15 @@ def free_port_run(n: int) -> range:
 
 
 class ServerProcess:
-    def __init__(self, model: Path | str, *args: str, log_dir: Path) -> None:
+    def __init__(self, model: Path | str, *args: str, log_dir: Path, entry: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`entry`: the program to run instead of `python -m meshlm` (fault_entry.py with its fault)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(self.port),
-               "--kv-cache-dir", str(log_dir / "kv"), *args]
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+        cmd = [*(entry or [sys.executable, "-m", "meshlm"]), "serve", "--model", str(model), "--port",
+               str(self.port), "--kv-cache-dir", str(log_dir / "kv"), *args]
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 

@@ -59,19 +59,28 @@ def two_hosts():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path):
+@pytest.mark.parametrize("secret_in", ["hostfile", "env"])
+def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path, secret_in):
     from meshlm.model.demo import make_tiny
 
     (a, ip_a), (b, ip_b) = two_hosts
     model = make_tiny(tmp_path / "tiny-kv4", "llama", layers=2, hidden=64, heads=4, kv_heads=4)
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([{"ssh": f"netns:{a}", "ips": [ip_a]}, {"ssh": f"netns:{b}", "ips": [ip_b]}]))
+    secret = "multihost-test-secret-0123456789abcdef"
+    hosts = [{"ssh": f"netns:{a}", "ips": [ip_a]}, {"ssh": f"netns:{b}", "ips": [ip_b]}]
+    env = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
+    if secret_in == "hostfile":  # the hostfile's object form carries it to every rank
+        hostfile.write_text(json.dumps({"secret": secret, "hosts": hosts}))
+        hostfile.chmod(0o600)
+    else:  # meshlm launch passes its environment on to the ranks it starts on this machine
+        hostfile.write_text(json.dumps(hosts))
+        env["MESHLM_CLUSTER_SECRET"] = secret
     prompts = [f"host test {i} about rivers" for i in range(4)]
     log = (tmp_path / "launch.log").open("wb")
     cluster = subprocess.Popen(
         [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
          "--host", ip_a, "--port", "8000", "--kv-cache-dir", str(tmp_path / "kv")],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CLIENT, f"http://{ip_a}:8000",
                               json.dumps(prompts)], capture_output=True, text=True, timeout=180)
@@ -83,6 +92,7 @@ def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path):
     assert cluster.returncode == 0
     ring = (tmp_path / "launch.log").read_text()
     assert "all 2 ranks joined" in ring
+    assert secret not in ring
     single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
                             capture_output=True, text=True, timeout=120)
     assert got == json.loads(single.stdout), single.stderr

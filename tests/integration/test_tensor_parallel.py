@@ -101,7 +101,7 @@ def test_endurance_sequential_concurrent_and_no_kv_growth(tp2):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     results = asyncio.run(_complete_all(tp2.url, [f"concurrent {i}" for i in range(64)], 4))
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
-    assert wait_until(lambda: tp2.metric("meshlm_kv_cache_bytes") == 0, 10)
+    assert wait_until(lambda: tp2.metric("meshlm_kv_blocks_used") == 0, 10)
 
 
 def test_cancel_mid_stream_cleans_every_rank(tp2):
@@ -111,7 +111,7 @@ def test_cancel_mid_stream_cleans_every_rank(tp2):
             for i, _ in enumerate(r.iter_lines()):
                 if i > 5:
                     break
-    assert wait_until(lambda: tp2.metric("meshlm_batch_size") == 0 and tp2.metric("meshlm_kv_cache_bytes") == 0, 10)
+    assert wait_until(lambda: tp2.metric("meshlm_batch_size") == 0 and tp2.metric("meshlm_kv_blocks_used") == 0, 10)
     # Every rank applied the removal: the next request's plan fingerprint check passes on all ranks.
     r = httpx.post(tp2.url + "/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200

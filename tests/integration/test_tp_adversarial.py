@@ -1,7 +1,9 @@
 """The adversarial cases of tensor-parallel serving (reference §P8.7.1), each with real ranks.
 
 Deadlock, token mismatch and partial failure (a killed worker) live in
-test_tensor_parallel.py; this file covers the rest.
+test_tensor_parallel.py; this file covers the rest, including strangers on the
+control port, ranks with the wrong cluster secret and ranks of another
+protocol version.
 """
 
 from __future__ import annotations
@@ -9,16 +11,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ServerProcess, free_port, free_port_run
+from conftest import FAULT_ENTRY, ServerProcess, free_port, free_port_run
 from test_tensor_parallel import alive, children, wait_until
 
 pytestmark = pytest.mark.slow
@@ -54,33 +61,6 @@ def stop(srv: ServerProcess) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_split_brain_is_detected_and_stops_the_cluster_loudly(model, tmp_path):
-    srv = tp_server(model, tmp_path, "--step-timeout", "10", env={"MESHLM_FAULT_INJECT": "skip_step=4"})
-    try:
-        t0 = time.monotonic()
-        r = complete(srv.url, "a worker will miss step four", n=20, timeout=30)
-        assert r.status_code == 503 and "error" in r.json()
-        assert time.monotonic() - t0 < 15
-        health = httpx.get(srv.url + "/health").json()
-        assert "rank 1" in health["error"] or "split brain" in health["error"]
-    finally:
-        stop(srv)
-
-
-def test_hung_worker_is_ended_by_the_watchdogs(model, tmp_path):
-    srv = tp_server(model, tmp_path, "--step-timeout", "3", env={"MESHLM_FAULT_INJECT": "stall_step=3"})
-    worker = children(srv.proc.pid)[0]
-    try:
-        t0 = time.monotonic()
-        r = complete(srv.url, "a worker will hang", n=20, timeout=30)
-        assert r.status_code == 503
-        assert time.monotonic() - t0 < 10
-        assert wait_until(lambda: not alive(worker), 10)  # its own watchdog ends it
-        assert httpx.get(srv.url + "/health").status_code == 503
-    finally:
-        stop(srv)
-
-
 def test_oversized_prompt_crosses_the_control_plane(model, tmp_path):
     prompt = [(7 * i) % 500 + 3 for i in range(3500)]  # no fixed buffer: 3,500 token ids in one plan
     single = ServerProcess(model, "--max-model-len", "4096", "--no-prefix-cache", "--max-tokens-per-step", "4096",
@@ -105,7 +85,7 @@ def test_ssd_tier_is_rank_isolated_and_survives_restart(model, tmp_path):
         stop(srv)
     rank_dirs = sorted((tmp_path / "kv").glob("*/tp2-*/rank_*"))
     assert [d.name for d in rank_dirs] == ["rank_0", "rank_1"]
-    names = [sorted(p.name for p in d.iterdir()) for d in rank_dirs]
+    names = [sorted(p.name for p in d.glob("*.safetensors")) for d in rank_dirs]
     assert names[0] == names[1] and names[0]  # identical keys on every rank
     for name in names[0]:  # but each rank holds its own shard of the KV
         assert (rank_dirs[0] / name).read_bytes() != (rank_dirs[1] / name).read_bytes()
@@ -127,7 +107,7 @@ def test_another_ranks_shard_is_never_loaded(model, tmp_path):
     finally:
         stop(srv)
     r0, r1 = sorted((tmp_path / "kv").glob("*/tp2-*/rank_*"))
-    for f in r0.iterdir():
+    for f in r0.glob("*.safetensors"):
         (r1 / f.name).write_bytes(f.read_bytes())
     srv = tp_server(model, tmp_path)
     try:
@@ -179,7 +159,7 @@ def test_thousand_short_requests_leave_no_kv_behind(model, tmp_path):
         asyncio.run(run(4, 0))
         base = rss_kb(worker)
         asyncio.run(run(16, 200))
-        assert wait_until(lambda: srv.metric("meshlm_kv_cache_bytes") == 0, 10)
+        assert wait_until(lambda: srv.metric("meshlm_kv_blocks_used") == 0, 10)
         # Every step's ACK carries the worker's own batch fingerprint: a leaked sequence would be a split brain.
         assert httpx.get(srv.url + "/health").status_code == 200
         assert rss_kb(worker) - base < 64 * 1024
@@ -187,25 +167,257 @@ def test_thousand_short_requests_leave_no_kv_behind(model, tmp_path):
         stop(srv)
 
 
+# -- ranks started by hand from a hostfile, and what the cluster secret keeps out ----------------
+
+SECRET = "integration-test-cluster-secret-0123456789"
+WRONG_SECRET = "not-this-clusters-secret-9876543210-abcdef"
+# A rank of another meshlm build: the same code speaking the next control protocol version.
+OTHER_BUILD = ("import sys; from meshlm.transport import codec; codec.VERSION += 1; "
+               "from meshlm.cli import main; main(sys.argv[1:])")
+
+
+@dataclass(frozen=True)
+class HandCluster:
+    """A two-rank hostfile on loopback and the ports its ranks use (none may collide with the ring's)."""
+
+    tmp: Path
+    ring: range
+    control: int
+    http: int
+
+    @classmethod
+    def create(cls, tmp: Path) -> HandCluster:
+        hosts = tmp / "hosts.json"
+        hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+        ring = free_port_run(2)  # rank r listens on ring[r]: no other port of this test may land there
+        return cls(tmp, ring, free_port(avoid=ring), free_port(avoid=ring))
+
+    def start(self, model: Path, rank: int, *, secret: str | None = SECRET,
+              launcher: tuple[str, ...] = ("-m", "meshlm"), env: dict[str, str] | None = None,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`meshlm serve --rank r`, its secret in MESHLM_CLUSTER_SECRET as a user would set it; stderr to a file."""
+        environ = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
+        environ.update({"OPENBLAS_NUM_THREADS": "1", **(env or {})})
+        if secret is not None:
+            environ["MESHLM_CLUSTER_SECRET"] = secret
+        port = self.http if rank == 0 else free_port(avoid=self.ring)
+        cmd = [sys.executable, *launcher, "serve", "--model", str(model), "--rank", str(rank), "--port", str(port),
+               "--hostfile", str(self.tmp / "hosts.json"), "--tensor-parallel", "2", "--ring-port", str(self.ring[0]),
+               "--control-port", str(self.control), "--kv-cache-dir", str(self.tmp / "kv"), "--max-model-len", "512",
+               *extra]
+        return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=self.log(rank).open("wb"))
+
+    def log(self, rank: int) -> Path:
+        return self.tmp / f"rank{rank}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM the leader (it stops its workers), then make sure nothing is left."""
+    procs[0].send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a rank exited before the cluster was up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("cluster not healthy in time")
+
+
+def wait_listening(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def log_time(log: str, pattern: str) -> datetime:
+    """When a rank logged the first line matching `pattern` (the CLI's asctime, to the millisecond)."""
+    for line in log.splitlines():
+        if re.search(pattern, line):
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    raise AssertionError(f"no log line matches {pattern!r}:\n{log[-3000:]}")
+
+
+def faulty_worker(hc: HandCluster, model: Path, kind: str, step: int, timeout: str) -> list[subprocess.Popen]:
+    """A leader and a worker rank whose runner misbehaves at `step` (tests/integration/fault_entry.py)."""
+    procs = [hc.start(model, 0, extra=("--step-timeout", timeout)),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, kind, str(step)), env={"MESHLM_OPENBLAS": "0"},
+                      extra=("--step-timeout", timeout))]
+    wait_healthy(hc.url, procs)
+    return procs
+
+
+def test_split_brain_is_detected_and_stops_the_cluster_loudly(model, tmp_path):
+    hc = HandCluster.create(tmp_path)
+    procs = faulty_worker(hc, model, "skip_step", 4, "10")
+    try:
+        t0 = time.monotonic()
+        r = complete(hc.url, [5, 6, 7, 8], n=20, timeout=30)
+        assert r.status_code == 503 and "error" in r.json()
+        assert time.monotonic() - t0 < 15
+        health = httpx.get(hc.url + "/health").json()
+        assert "rank 1" in health["error"] or "split brain" in health["error"]
+        assert procs[0].wait(20) == 70  # a cluster cannot recover: the leader exits for its supervisor
+    finally:
+        finish(procs)
+
+
+def test_hung_worker_is_ended_by_the_watchdogs(model, tmp_path):
+    hc = HandCluster.create(tmp_path)
+    procs = faulty_worker(hc, model, "stall_step", 3, "3")
+    try:
+        t0 = time.monotonic()
+        r = complete(hc.url, [5, 6, 7, 8], n=20, timeout=30)
+        assert r.status_code == 503
+        assert time.monotonic() - t0 < 10
+        assert procs[1].wait(10) == 5  # its own watchdog ends it (EXIT_DEADLINE)
+        assert httpx.get(hc.url + "/health").status_code == 503
+    finally:
+        finish(procs)
+
+
 def test_ranks_with_different_models_refuse_to_form_a_cluster(model, tmp_path):
     from meshlm.model.demo import make_tiny
 
     other = make_tiny(tmp_path / "other", "llama", layers=2, hidden=64, heads=4, kv_heads=4, seed=5)
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
-    ring = free_port_run(2)  # rank r listens on ring[r]: no other port of this test may land there
-    common = ["--hostfile", str(hosts), "--tensor-parallel", "2", "--ring-port", str(ring[0]),
-              "--control-port", str(free_port(avoid=ring)), "--kv-cache-dir", str(tmp_path / "kv")]
-    procs = [subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(m), "--rank", str(r),
-                               "--port", str(free_port(avoid=ring)), *common], stderr=subprocess.PIPE)
-             for r, m in ((1, other), (0, model))]
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0), hc.start(other, 1)]
     try:
-        errs = [p.communicate(timeout=90)[1].decode() for p in procs]
+        for p in procs:
+            p.wait(90)
     finally:
         for p in procs:
             p.kill()
     assert procs[1].returncode != 0 and procs[0].returncode != 0
-    assert "fingerprint" in errs[1].lower()
+    assert "fingerprint" in hc.log(1).read_text().lower()
+
+
+def test_local_cluster_secret_is_generated_and_never_shown(model, tmp_path):
+    """Rank 0 makes the secret of the ranks it spawns and hands it over in their environment only."""
+    srv = tp_server(model, tmp_path)
+    try:
+        worker = children(srv.proc.pid)[0]
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{worker}/environ").read_text().split("\0") if "=" in v)
+        secret = environ["MESHLM_CLUSTER_SECRET"]
+        assert re.fullmatch("[0-9a-f]{64}", secret)
+        assert complete(srv.url, "hello there").status_code == 200
+        for pid in (srv.proc.pid, worker):
+            assert secret not in Path(f"/proc/{pid}/cmdline").read_text()
+        assert secret not in srv.log.read_text()
+    finally:
+        stop(srv)
+    assert secret not in srv.log.read_text()
+
+
+def test_strangers_on_the_control_port_do_not_disturb_the_cluster(model, tmp_path):
+    """During start-up: silence, garbage and a worker with the wrong secret; once up: the port is closed."""
+    from meshlm.transport.auth import ClusterSecret
+    from meshlm.transport.control import ControlWorker, HandshakeError
+
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0)]
+    impostor_error: list[BaseException] = []
+
+    def impostor() -> None:
+        w = ControlWorker("127.0.0.1", hc.control, 1, "whatever", 5.0, world_size=2, connect_timeout=120,
+                          secret=ClusterSecret(WRONG_SECRET))
+        try:
+            w.connect()
+        except BaseException as e:  # recorded for the test to assert on
+            impostor_error.append(e)
+
+    try:
+        wait_listening(hc.control)  # the leader binds its control port before it loads anything
+        silent = socket.create_connection(("127.0.0.1", hc.control))
+        garbage = socket.create_connection(("127.0.0.1", hc.control))
+        garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(300))
+        thread = threading.Thread(target=impostor, daemon=True)
+        thread.start()
+        procs.append(hc.start(model, 1))
+        wait_healthy(hc.url, procs)
+        thread.join(10)
+        assert impostor_error and isinstance(impostor_error[0], HandshakeError)
+        assert "authentication failed" in str(impostor_error[0])
+        for stranger in (silent, garbage):
+            stranger.settimeout(10)
+            assert b"".join(iter(lambda s=stranger: s.recv(4096), b"")) != b""  # CHALLENGE, REJECT, then closed
+            stranger.close()
+        first = complete(hc.url, "the river runs")
+        assert first.status_code == 200
+        # The cluster formed, so the listener is gone: a later stranger is refused by the kernel.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", hc.control), timeout=2)
+        assert httpx.get(hc.url + "/health").status_code == 200
+        assert complete(hc.url, "the river runs").json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        finish(procs)
+    leader_log = hc.log(0).read_text()
+    assert re.search(r"dropped connection from 127\.0\.0\.1:\d+ during the handshake: authentication failed",
+                     leader_log)
+    assert "bad magic" in leader_log
+    assert SECRET not in leader_log and WRONG_SECRET not in leader_log and SECRET not in hc.log(1).read_text()
+
+
+def test_a_rank_with_the_wrong_secret_is_refused_and_the_leader_keeps_waiting(model, tmp_path):
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0), hc.start(model, 1, secret=WRONG_SECRET)]
+    try:
+        assert procs[1].wait(90) == 2  # refused at once, after its shard loaded
+        worker_log = hc.log(1).read_text()
+        assert "leader rejected rank 1: authentication failed" in worker_log and "secret" in worker_log
+        time.sleep(1)
+        assert procs[0].poll() is None  # a refused connection does not end the leader's start-up
+        leader_log = hc.log(0).read_text()
+        assert "waiting up to 180 s for ranks 1..1" in leader_log
+        assert re.search(r"dropped connection from 127\.0\.0\.1:\d+ during the handshake: authentication "
+                         r"failed", leader_log)
+        with pytest.raises(httpx.ConnectError):  # and it serves nothing until every rank proved itself
+            httpx.get(hc.url + "/health", timeout=2)
+    finally:
+        finish(procs)
+    for log in (hc.log(0).read_text(), hc.log(1).read_text()):
+        assert SECRET not in log and WRONG_SECRET not in log
+
+
+def test_a_rank_of_another_protocol_version_is_rejected_at_once(model, tmp_path):
+    from meshlm.transport.codec import VERSION
+
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0),
+             hc.start(model, 1, launcher=("-c", OTHER_BUILD), env={"MESHLM_OPENBLAS": "0"})]  # no re-exec
+    try:
+        assert procs[0].wait(90) == 2 and procs[1].wait(30) == 2
+    finally:
+        for p in procs:
+            p.kill()
+    leader_log, worker_log = hc.log(0).read_text(), hc.log(1).read_text()
+    message = rf"127\.0\.0\.1:\d+ speaks control protocol version {VERSION + 1}, this leader speaks {VERSION}"
+    assert re.search("ERROR meshlm: " + message, leader_log), leader_log[-2000:]
+    assert (f"speaks control protocol version {VERSION}, this build speaks {VERSION + 1}" in worker_log
+            or re.search(message, worker_log)), worker_log[-2000:]
+    # At once: the leader failed within seconds of starting to wait, not at its 180 s handshake deadline.
+    waited = log_time(leader_log, "waiting up to 180 s") - log_time(leader_log, "ERROR meshlm")
+    assert -10 < waited.total_seconds() <= 0
 
 
 @pytest.mark.parametrize("args, words", [

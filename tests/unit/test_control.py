@@ -1,11 +1,15 @@
-"""Control channel over real sockets on 127.0.0.1: lockstep plans, heartbeats, deadlines, failures."""
+"""Control channel over real sockets on 127.0.0.1: the authenticated handshake, lockstep plans, heartbeats,
+deadlines, failures, strangers and peers of another protocol version."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -16,21 +20,26 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.engine.plan import Chunk, NewSequence, StepPlan
-from meshlm.engine.request import SamplingParams
-from meshlm.parallel.codec import (
+from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan
+from meshlm.transport import codec
+from meshlm.transport.auth import SECRET_ENV, ClusterSecret, hello_proof, welcome_proof
+from meshlm.transport.codec import (
+    HEADER_SIZE,
     Ack,
+    Challenge,
+    Frame,
     FrameDecoder,
     Hello,
     Kind,
+    Proof,
     Welcome,
-    encode_ack,
+    decode,
+    decode_reason,
+    encode,
     encode_frame,
-    encode_hello,
-    encode_plan,
-    encode_welcome,
+    welcome_fields,
 )
-from meshlm.parallel.control import (
+from meshlm.transport.control import (
     ControlLeader,
     ControlWorker,
     HandshakeError,
@@ -45,11 +54,15 @@ pytestmark = pytest.mark.timeout(30)
 
 TIMEOUT = 5.0
 FP = "model@rev1"
+SECRET_TEXT = "0123456789abcdef" * 4
+SECRET = ClusterSecret(SECRET_TEXT)
+OTHER_TEXT = "fedcba9876543210" * 4
+OTHER = ClusterSecret(OTHER_TEXT)
 REPO = Path(__file__).resolve().parents[2]
 
 
 def plan(step_id: int, tokens: tuple[int, ...] = (1, 2, 3), fingerprint: int = 0) -> StepPlan:
-    return StepPlan(step_id, chunks=(Chunk(1, 0, tokens, sample=True),), fingerprint=fingerprint)
+    return StepPlan(step_id, chunks=(Chunk(1, 0, tokens, LOGITS_LAST),), fingerprint=fingerprint)
 
 
 def free_port() -> int:
@@ -62,10 +75,11 @@ class WorkerThread(threading.Thread):
     """The standard worker loop; records plans received and the error that ended it, if any."""
 
     def __init__(self, port: int, rank: int, world_size: int, fingerprint: str = FP, *,
-                 on_plan: Callable[[ControlWorker, StepPlan], None] | None = None, **kw: float) -> None:
+                 on_plan: Callable[[ControlWorker, StepPlan], None] | None = None,
+                 secret: ClusterSecret = SECRET, **kw: float) -> None:
         super().__init__(daemon=True)
         kw.setdefault("timeout", TIMEOUT)
-        self.worker = ControlWorker("127.0.0.1", port, rank, fingerprint, world_size=world_size, **kw)
+        self.worker = ControlWorker("127.0.0.1", port, rank, fingerprint, world_size=world_size, secret=secret, **kw)
         self.on_plan = on_plan or (lambda w, p: w.ack(p.step_id, p.fingerprint))
         self.plans: list[StepPlan] = []
         self.error: BaseException | None = None
@@ -85,7 +99,7 @@ class WorkerThread(threading.Thread):
 @contextmanager
 def cluster(world_size: int = 3, leader_kw: dict | None = None, **worker_kw: object
             ) -> Iterator[tuple[ControlLeader, list[WorkerThread]]]:
-    leader = ControlLeader("127.0.0.1", 0, world_size, TIMEOUT, fingerprint=FP, **(leader_kw or {}))
+    leader = ControlLeader("127.0.0.1", 0, world_size, TIMEOUT, fingerprint=FP, secret=SECRET, **(leader_kw or {}))
     workers = [WorkerThread(leader.port, r, world_size, **worker_kw) for r in range(1, world_size)]
     for w in workers:
         w.start()
@@ -107,8 +121,8 @@ def test_hundred_plans_in_order_with_acks():
     sent = [
         StepPlan(
             step_id=i,
-            new=(NewSequence(i, 0, SamplingParams(seed=i, stop=("</s>",))),) if i % 10 == 0 else (),
-            chunks=tuple(Chunk(u, i, tuple(rng.randrange(50_000) for _ in range(rng.randrange(1, 50))), True)
+            new=(NewSequence(i, 0),) if i % 10 == 0 else (),
+            chunks=tuple(Chunk(u, i, tuple(rng.randrange(50_000) for _ in range(rng.randrange(1, 50))), LOGITS_LAST)
                          for u in range(3)),
             removed=(i - 1,) if i % 7 == 0 else (),
             fingerprint=rng.randrange(1, 2**64),
@@ -121,7 +135,7 @@ def test_hundred_plans_in_order_with_acks():
             seqs.append(leader.broadcast(p))
             acks = leader.collect_acks(p.step_id)
             assert acks == {1: Ack(p.step_id, p.fingerprint), 2: Ack(p.step_id, p.fingerprint)}
-        assert seqs == list(range(1, 101))  # seq 0 was WELCOME
+        assert seqs == list(range(2, 102))  # seq 0 was CHALLENGE, seq 1 WELCOME
     for w in workers:
         assert w.error is None
         assert w.plans == sent
@@ -148,7 +162,7 @@ def test_large_plan_with_200k_token_chunk():
 
 
 def test_world_size_one_has_no_workers():
-    leader = ControlLeader(world_size=1, timeout=1.0)
+    leader = ControlLeader(world_size=1, timeout=1.0, secret=SECRET)
     assert leader.wait_for_workers() == {}
     leader.broadcast(plan(0))
     assert leader.collect_acks(0) == {}
@@ -172,8 +186,8 @@ def test_heartbeats_keep_an_idle_worker_alive_past_its_timeout():
 
 
 def test_silent_leader_makes_worker_raise_leader_lost():
-    leader = ControlLeader(world_size=2, timeout=TIMEOUT)
-    worker = ControlWorker("127.0.0.1", leader.port, 1, FP, 0.3, world_size=2)
+    leader = ControlLeader(world_size=2, timeout=TIMEOUT, secret=SECRET)
+    worker = ControlWorker("127.0.0.1", leader.port, 1, FP, 0.3, world_size=2, secret=SECRET)
     t = threading.Thread(target=worker.connect, daemon=True)
     t.start()
     leader.wait_for_workers()
@@ -187,8 +201,8 @@ def test_silent_leader_makes_worker_raise_leader_lost():
 
 
 def test_closed_leader_is_noticed_at_once():
-    leader = ControlLeader(world_size=2, timeout=TIMEOUT)
-    with ControlWorker("127.0.0.1", leader.port, 1, FP, TIMEOUT, world_size=2) as worker:
+    leader = ControlLeader(world_size=2, timeout=TIMEOUT, secret=SECRET)
+    with ControlWorker("127.0.0.1", leader.port, 1, FP, TIMEOUT, world_size=2, secret=SECRET) as worker:
         t = threading.Thread(target=worker.connect, daemon=True)
         t.start()
         leader.wait_for_workers()
@@ -201,20 +215,30 @@ def test_closed_leader_is_noticed_at_once():
 
 
 WORKER_SCRIPT = """
-import sys
-from meshlm.parallel.control import ControlWorker
-port, rank = int(sys.argv[1]), int(sys.argv[2])
-with ControlWorker("127.0.0.1", port, rank, "model@rev1", 10.0, world_size=3) as w:
+import os, sys
+from meshlm.transport import codec
+from meshlm.transport.auth import ClusterSecret
+from meshlm.transport.control import ControlWorker
+port, rank, world, codec.VERSION = map(int, sys.argv[1:5])  # VERSION: pretend to be another meshlm build
+secret = ClusterSecret(os.environ["MESHLM_CLUSTER_SECRET"])
+with ControlWorker("127.0.0.1", port, rank, "model@rev1", 10.0, world_size=world, secret=secret) as w:
     w.connect()
     while (plan := w.next_plan()) is not None:
         w.ack(plan.step_id, plan.fingerprint)
 """
 
 
+def worker_process(port: int, rank: int, world: int = 3, version: int = codec.VERSION,
+                   secret: str = SECRET_TEXT, **kw: object) -> subprocess.Popen:
+    """A worker in its own process; its secret comes through the environment, as a real rank's does."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), SECRET_ENV: secret}
+    args = [str(port), str(rank), str(world), str(version)]
+    return subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, *args], env=env, **kw)  # type: ignore[call-overload]
+
+
 @contextmanager
 def worker_processes(port: int, ranks: list[int]) -> Iterator[dict[int, subprocess.Popen]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = {r: subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(port), str(r)], env=env) for r in ranks}
+    procs = {r: worker_process(port, r) for r in ranks}
     try:
         yield procs
     finally:
@@ -225,7 +249,7 @@ def worker_processes(port: int, ranks: list[int]) -> Iterator[dict[int, subproce
 
 
 def test_sigkilled_worker_is_detected_during_a_step():
-    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP)
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     with worker_processes(leader.port, [1, 2]) as procs:
         leader.wait_for_workers(timeout=10)
         leader.broadcast(plan(0))
@@ -243,7 +267,7 @@ def test_sigkilled_worker_is_detected_during_a_step():
 
 
 def test_sigkilled_worker_is_detected_while_idle():
-    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, heartbeat_interval=0.05)
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, heartbeat_interval=0.05, secret=SECRET)
     with worker_processes(leader.port, [1, 2]) as procs:
         leader.wait_for_workers(timeout=10)
         procs[1].send_signal(signal.SIGKILL)
@@ -304,7 +328,7 @@ def _join(workers: list[WorkerThread]) -> None:
 
 
 def test_fingerprint_mismatch_is_rejected_on_both_sides():
-    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP)
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     workers = _start(leader.port, 3, [(1, FP), (2, "model@rev2")], connect_timeout=1.0)
     message = "rank 2 loaded model fingerprint 'model@rev2' but the leader's is 'model@rev1'"
     with pytest.raises(HandshakeError, match=message):
@@ -316,7 +340,7 @@ def test_fingerprint_mismatch_is_rejected_on_both_sides():
 
 
 def test_workers_must_agree_with_each_other_without_a_leader_fingerprint():
-    leader = ControlLeader(world_size=3, timeout=TIMEOUT)
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, secret=SECRET)
     workers = _start(leader.port, 3, [(1, "a")])
     time.sleep(0.2)  # rank 1 first, so the message is deterministic
     workers += _start(leader.port, 3, [(2, "b")])
@@ -326,7 +350,7 @@ def test_workers_must_agree_with_each_other_without_a_leader_fingerprint():
 
 
 def test_missing_rank_is_named_at_the_deadline():
-    leader = ControlLeader(world_size=4, timeout=TIMEOUT, fingerprint=FP)
+    leader = ControlLeader(world_size=4, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     workers = _start(leader.port, 4, [(2, FP)])
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match=r"missing ranks \[1, 3\]"):
@@ -344,32 +368,18 @@ def test_missing_rank_is_named_at_the_deadline():
     ],
 )
 def test_bad_rank_layouts_are_rejected(specs, world, message):
-    leader = ControlLeader(world_size=world, timeout=TIMEOUT, fingerprint=FP)
+    leader = ControlLeader(world_size=world, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     workers = _start(leader.port, 3, specs, connect_timeout=1.0)
     with pytest.raises(HandshakeError, match=message):
         leader.wait_for_workers()
     _join(workers)
 
 
-def test_stray_connections_do_not_disturb_the_handshake():
-    leader = ControlLeader(world_size=2, timeout=TIMEOUT, fingerprint=FP)
-    silent = socket.create_connection(("127.0.0.1", leader.port))
-    http = socket.create_connection(("127.0.0.1", leader.port))
-    http.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 40)
-    workers = _start(leader.port, 2, [(1, FP)])
-    assert set(leader.wait_for_workers()) == {1}
-    leader.shutdown()
-    _join(workers)
-    assert workers[0].error is None
-    silent.close()
-    http.close()
-
-
 def test_worker_retries_until_the_leader_binds():
     port = free_port()
     workers = _start(port, 2, [(1, FP)])
     time.sleep(0.3)
-    leader = ControlLeader("127.0.0.1", port, 2, TIMEOUT, fingerprint=FP)
+    leader = ControlLeader("127.0.0.1", port, 2, TIMEOUT, fingerprint=FP, secret=SECRET)
     leader.wait_for_workers()
     leader.broadcast(plan(0))
     assert set(leader.collect_acks(0)) == {1}
@@ -379,34 +389,268 @@ def test_worker_retries_until_the_leader_binds():
 
 
 def test_unreachable_leader_fails_at_the_connect_deadline():
-    worker = ControlWorker("127.0.0.1", free_port(), 1, FP, TIMEOUT, world_size=2, connect_timeout=0.3)
+    worker = ControlWorker("127.0.0.1", free_port(), 1, FP, TIMEOUT, world_size=2, connect_timeout=0.3,
+                           secret=SECRET)
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="could not reach the leader"):
         worker.connect()
     assert time.monotonic() - t0 < 1.0
 
 
-# -- hostile or broken peers -------------------------------------------------------------
+# -- raw peers: frames written by hand, for peers the real classes would never be ----------
 
 
-def _read_frame(sock: socket.socket) -> None:
-    dec = FrameDecoder()
-    while dec.next_frame() is None:
-        dec.feed(sock.recv(65536))
+class Raw:
+    """One socket that speaks frames by hand (its decoder keeps what a recv brings beyond one frame)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.dec = FrameDecoder()
+
+    @classmethod
+    def connect(cls, port: int) -> Raw:
+        return cls(socket.create_connection(("127.0.0.1", port), timeout=5.0))
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frame(self, timeout: float = 5.0) -> Frame:
+        self.sock.settimeout(timeout)
+        while (f := self.dec.next_frame()) is None:
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("peer closed the connection")
+            self.dec.feed(data)
+        return f
+
+    def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        """True once the peer hung up (frames still buffered are skipped)."""
+        try:
+            while True:
+                self.frame(timeout)
+        except (EOFError, ConnectionResetError):
+            return True
+        except socket.timeout:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _as_version(frame: bytes, version: int) -> bytes:
+    """The same frame as another meshlm build would write it: the header's version and checksum redone."""
+    b = bytearray(frame)
+    b[4:6] = version.to_bytes(2, "little")
+    digest = hashlib.blake2b(bytes(b[:20]), digest_size=8)
+    digest.update(bytes(b[HEADER_SIZE:]))
+    b[20:28] = digest.digest()
+    return bytes(b)
+
+
+def hello_frames(leader_nonce: bytes, secret: ClusterSecret, rank: int = 1, world: int = 2,
+                 nonce: bytes = b"w" * 32) -> tuple[bytes, bytes]:
+    """HELLO (seq 0) and PROOF (seq 1) as a worker holding `secret` writes them."""
+    hello = encode(Hello(rank, world, FP, nonce))
+    proof = encode_frame(Kind.PROOF, 1, encode(Proof(hello_proof(secret, leader_nonce, hello))))
+    return encode_frame(Kind.HELLO, 0, hello), proof
+
+
+class Waiting(threading.Thread):
+    """`leader.wait_for_workers()` in the background: the leader accepts only while it waits."""
+
+    def __init__(self, leader: ControlLeader, timeout: float | None = None) -> None:
+        super().__init__(daemon=True)
+        self.leader, self.timeout = leader, timeout
+        self.result: dict[int, Hello] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.leader.wait_for_workers(self.timeout)
+        except BaseException as e:  # recorded for the test to assert on
+            self.error = e
+
+    def outcome(self, timeout: float = 10.0) -> dict[int, Hello]:
+        self.join(timeout)
+        assert not self.is_alive(), "the leader is still waiting"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _leader(world: int = 2, **kw: object) -> ControlLeader:
+    kw.setdefault("timeout", TIMEOUT)
+    return ControlLeader("127.0.0.1", 0, world, fingerprint=FP, secret=SECRET, **kw)  # type: ignore[arg-type]
+
+
+def _serve_one_plan(leader: ControlLeader, workers: list[WorkerThread]) -> None:
+    leader.broadcast(plan(0))
+    assert set(leader.collect_acks(0)) == {w.worker.rank for w in workers}
+    leader.shutdown()
+    _join(workers)
+    assert all(w.error is None and len(w.plans) == 1 for w in workers)
+
+
+# -- authentication ------------------------------------------------------------------------
+
+
+def test_handshake_proves_both_sides_with_fresh_nonces():
+    leader = _leader()
+    waiting = Waiting(leader)
+    raw = Raw.connect(leader.port)
+    challenge = raw.frame()
+    assert (challenge.kind, challenge.seq) == (Kind.CHALLENGE, 0)
+    nonce = decode(Kind.CHALLENGE, challenge.payload).nonce
+    for frame in hello_frames(nonce, SECRET):
+        raw.send(frame)
+    assert waiting.outcome() == {1: Hello(1, 2, FP, b"w" * 32)}
+    welcome = raw.frame()
+    assert (welcome.kind, welcome.seq) == (Kind.WELCOME, 1)
+    got = decode(Kind.WELCOME, welcome.payload)
+    assert (got.world_size, got.fingerprint) == (2, FP)
+    # The leader's proof covers this worker's nonce and its own: only a holder of the secret could write it.
+    assert got.mac == welcome_proof(SECRET, b"w" * 32, nonce, welcome_fields(2, FP))
+    assert got.mac != welcome_proof(OTHER, b"w" * 32, nonce, welcome_fields(2, FP))
+    leader.close()
+    raw.close()
+    # Every connection gets a fresh challenge, so a recorded HELLO and PROOF cannot be replayed.
+    again = _leader()
+    waiting = Waiting(again, timeout=1.0)
+    raws = [Raw.connect(again.port) for _ in range(2)]
+    nonces = {decode(Kind.CHALLENGE, r.frame().payload).nonce for r in raws}
+    assert len(nonces | {nonce}) == 3
+    with pytest.raises(HandshakeError):
+        waiting.outcome()
+    for r in raws:
+        r.close()
+
+
+def test_replayed_proof_is_refused():
+    leader = _leader(auth_timeout=2.0)
+    waiting = Waiting(leader, timeout=1.5)
+    first, second = Raw.connect(leader.port), Raw.connect(leader.port)
+    recorded = hello_frames(decode(Kind.CHALLENGE, first.frame().payload).nonce, SECRET)
+    second.frame()
+    for frame in recorded:  # a PROOF made for the first connection's challenge, sent on the second
+        second.send(frame)
+    assert second.frame().kind is Kind.REJECT
+    with pytest.raises(HandshakeError, match="missing ranks \\[1\\]; refused 1 connection"):
+        waiting.outcome()
+    first.close()
+    second.close()
+
+
+def test_wrong_secret_is_refused_at_once_and_the_real_rank_still_joins(caplog):
+    leader = _leader()
+    waiting = Waiting(leader)
+    t0 = time.monotonic()
+    impostors = _start(leader.port, 2, [(1, FP)], secret=OTHER, connect_timeout=TIMEOUT)
+    _join(impostors)
+    assert time.monotonic() - t0 < 2.0  # told at once, not left to its own deadline
+    error = impostors[0].error
+    assert isinstance(error, HandshakeError)
+    assert "leader rejected rank 1: authentication failed" in str(error) and "secret" in str(error)
+    assert waiting.is_alive()  # the leader did not give up: it still waits for the real rank 1
+    workers = _start(leader.port, 2, [(1, FP)])
+    assert set(waiting.outcome()) == {1}
+    _serve_one_plan(leader, workers)
+    assert re.search(r"dropped connection from 127\.0\.0\.1:\d+ during the handshake: authentication failed",
+                     caplog.text)
+    assert SECRET_TEXT not in caplog.text and OTHER_TEXT not in caplog.text
+
+
+def test_wrong_secret_alone_fails_at_the_deadline_naming_the_refused_peer():
+    leader = _leader()
+    impostors = _start(leader.port, 2, [(1, FP)], secret=OTHER, connect_timeout=TIMEOUT)
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError) as info:
+        leader.wait_for_workers(timeout=1.0)
+    assert 0.9 < time.monotonic() - t0 < 2.0
+    message = str(info.value)
+    assert re.search(r"missing ranks \[1\]; refused 1 connection\(s\): 127\.0\.0\.1:\d+: authentication failed",
+                     message)
+    assert SECRET_TEXT not in message and OTHER_TEXT not in message
+    _join(impostors)
+
+
+def test_strangers_sending_garbage_or_nothing_do_not_disturb_the_handshake():
+    leader = _leader()
+    waiting = Waiting(leader)
+    strangers = [Raw.connect(leader.port) for _ in range(7)]
+    silent, http, noise, quitter, forger, wrong_world, huge = strangers
+    http.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 40)
+    huge.send(encode_frame(Kind.HELLO, 0, b"x" * (1 << 20)))  # refused at its header, never buffered
+    noise.send(bytes(random.Random(3).randrange(256) for _ in range(500)))
+    quitter.send(hello_frames(b"x" * 32, SECRET)[0])  # HELLO, then gone before its PROOF
+    quitter.close()
+    # Claims are not believed before the proof: a forged rank 1 is dropped, not "two workers claim rank 1".
+    for frame in hello_frames(decode(Kind.CHALLENGE, forger.frame().payload).nonce, OTHER):
+        forger.send(frame)
+    for frame in hello_frames(decode(Kind.CHALLENGE, wrong_world.frame().payload).nonce, OTHER, world=99):
+        wrong_world.send(frame)
+    time.sleep(0.2)
+    workers = _start(leader.port, 2, [(1, FP)])
+    assert set(waiting.outcome()) == {1}
+    _serve_one_plan(leader, workers)
+    for raw in (http, noise, forger, wrong_world, huge):
+        assert raw.closed_by_peer()
+    for raw in strangers:
+        raw.close()
+
+
+def test_silent_stranger_is_dropped_at_its_own_deadline():
+    leader = _leader(auth_timeout=0.3)
+    waiting = Waiting(leader, timeout=3.0)
+    silent = Raw.connect(leader.port)
+    assert silent.frame().kind is Kind.CHALLENGE
+    t0 = time.monotonic()
+    reject = silent.frame()
+    assert reject.kind is Kind.REJECT and "no HELLO and PROOF within 0.3 s" in decode_reason(reject.payload)
+    assert 0.2 < time.monotonic() - t0 < 1.5
+    assert waiting.is_alive()
+    workers = _start(leader.port, 2, [(1, FP)])
+    assert set(waiting.outcome()) == {1}
+    _serve_one_plan(leader, workers)
+    silent.close()
+
+
+def test_a_flood_of_strangers_is_bounded_and_the_real_rank_still_joins():
+    leader = _leader(timeout=20.0)
+    waiting = Waiting(leader)
+    flood = [Raw.connect(leader.port) for _ in range(50)]  # more than the 32 held at once
+    time.sleep(0.3)
+    workers = _start(leader.port, 2, [(1, FP)])
+    assert set(waiting.outcome()) == {1}
+    _serve_one_plan(leader, workers)
+    assert sum(raw.closed_by_peer(timeout=1.0) for raw in flood) == len(flood)  # none left open
+    for raw in flood:
+        raw.close()
+
+
+def test_listener_is_closed_once_the_cluster_formed():
+    with cluster(2) as (leader, _):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", leader.port), timeout=1.0)
+        leader.broadcast(plan(0))
+        assert set(leader.collect_acks(0)) == {1}
 
 
 @contextmanager
-def fake_leader(frames: list[bytes]) -> Iterator[int]:
-    """Accepts one worker, reads its HELLO, sends WELCOME (seq 0), then `frames` verbatim."""
+def fake_leader(script: Callable[[Raw], None]) -> Iterator[int]:
+    """Accepts one worker and runs `script` on the raw connection; yields the port."""
     server = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
 
     def run() -> None:
         conn, _ = server.accept()
-        with conn:
-            _read_frame(conn)
-            conn.sendall(encode_frame(Kind.WELCOME, 0, encode_welcome(Welcome(2, FP))) + b"".join(frames))
+        raw = Raw(conn)
+        try:
+            script(raw)
             done.wait(5)
+        finally:
+            raw.close()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -418,28 +662,156 @@ def fake_leader(frames: list[bytes]) -> Iterator[int]:
         server.close()
 
 
+def leader_handshake(raw: Raw, secret: ClusterSecret = SECRET, nonce: bytes = b"l" * 32) -> None:
+    """What a leader holding `secret` does with one worker: CHALLENGE, read HELLO and PROOF, WELCOME."""
+    raw.send(encode_frame(Kind.CHALLENGE, 0, encode(Challenge(nonce))))
+    hello = decode(Kind.HELLO, raw.frame().payload)
+    assert raw.frame().kind is Kind.PROOF
+    mac = welcome_proof(secret, hello.nonce, nonce, welcome_fields(2, FP))
+    raw.send(encode_frame(Kind.WELCOME, 1, encode(Welcome(2, FP, mac))))
+
+
+def test_worker_refuses_a_leader_without_the_secret():
+    def impostor(raw: Raw) -> None:
+        leader_handshake(raw, OTHER)
+        raw.send(encode_frame(Kind.PLAN, 2, GOOD_PLAN))  # must never be applied
+
+    with fake_leader(impostor) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+                                                      secret=SECRET) as worker:
+        with pytest.raises(HandshakeError, match="did not prove it holds the cluster secret"):
+            worker.connect()
+        with pytest.raises(LeaderLost, match="not connected"):
+            worker.next_plan()
+
+
+def test_worker_refuses_a_welcome_without_a_challenge():
+    def eager(raw: Raw) -> None:
+        raw.frame()
+        raw.send(encode_frame(Kind.WELCOME, 0, encode(Welcome(2, FP, b"\0" * 32))))
+
+    with fake_leader(eager) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+                                                   secret=SECRET) as worker:
+        with pytest.raises(ProtocolError, match="expected CHALLENGE or REJECT, got WELCOME"):
+            worker.connect()
+
+
+# -- peers of another protocol version ---------------------------------------------------------
+
+
+def test_worker_of_another_version_fails_both_sides_at_once():
+    leader = _leader(timeout=10.0)
+    proc = worker_process(leader.port, 1, world=2, version=codec.VERSION + 1, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match=rf"127\.0\.0\.1:\d+ speaks control protocol version "
+                                                 rf"{codec.VERSION + 1}, this leader speaks {codec.VERSION}"):
+            leader.wait_for_workers()
+        assert time.monotonic() - t0 < 5.0  # not the 10 s handshake timeout
+        _, err = proc.communicate(timeout=5)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    assert (f"speaks control protocol version {codec.VERSION}, this build speaks {codec.VERSION + 1}" in err
+            or f"version {codec.VERSION + 1}, this leader speaks {codec.VERSION}" in err), err
+
+
+def test_reject_to_an_older_build_is_written_in_its_version():
+    leader = _leader(timeout=10.0)
+    waiting = Waiting(leader)
+    old = Raw.connect(leader.port)
+    old.send(_as_version(encode_frame(Kind.HELLO, 0, b"an old build's HELLO"), 1))
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError, match="speaks control protocol version 1, this leader speaks"):
+        waiting.outcome()
+    assert time.monotonic() - t0 < 2.0
+    received = b""
+    while chunk := old.sock.recv(65536):  # everything until the leader hung up
+        received += chunk
+    old.close()
+    reject_at = HEADER_SIZE + struct.unpack_from("<I", received, 16)[0]  # after the CHALLENGE
+    assert received[6] == Kind.CHALLENGE and received[reject_at + 6] == Kind.REJECT
+    assert int.from_bytes(received[reject_at + 4:reject_at + 6], "little") == 1  # a version 1 build reads this
+    reject = codec.decode_frame(received[reject_at:])
+    assert (reject.kind, reject.version) == (Kind.REJECT, 1)
+    assert "version 1" in decode_reason(reject.payload)
+
+
+def test_leader_of_another_version_is_refused_at_once():
+    heard: list[Frame] = []
+
+    def newer(raw: Raw) -> None:
+        raw.send(_as_version(encode_frame(Kind.CHALLENGE, 0, encode(Challenge(b"n" * 32))), codec.VERSION + 1))
+        heard.append(raw.frame())  # HELLO, sent before the worker read anything
+        heard.append(raw.frame())  # the worker's REJECT, written in this leader's version
+
+    with fake_leader(newer) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+                                                   connect_timeout=10.0, secret=SECRET) as worker:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match=f"speaks control protocol version {codec.VERSION + 1}, "
+                                                 f"this build speaks {codec.VERSION}"):
+            worker.connect()
+        assert time.monotonic() - t0 < 1.0
+        deadline = time.monotonic() + 5
+        while len(heard) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert heard[0].kind is Kind.HELLO
+    assert (heard[1].kind, heard[1].version) == (Kind.REJECT, codec.VERSION + 1)
+    assert "all ranks must run the same meshlm version" in decode_reason(heard[1].payload)
+
+
+def test_reject_from_an_older_leader_is_read_and_explained():
+    def old(raw: Raw) -> None:
+        raw.frame()
+        raw.send(_as_version(codec.encode_reject(0, "protocol version 2, this build speaks 1"), 1))
+
+    with fake_leader(old) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+                                                 secret=SECRET) as worker:
+        with pytest.raises(HandshakeError, match=r"\(control protocol version 1, this build speaks "
+                                                 rf"{codec.VERSION}\) rejected rank 1: protocol version 2"):
+            worker.connect()
+
+
+# -- hostile or broken peers after the handshake --------------------------------------------------
+
+
+@contextmanager
+def misbehaving_leader(frames: list[bytes]) -> Iterator[int]:
+    """A leader that holds the secret and shakes hands properly, then sends `frames` verbatim."""
+
+    def script(raw: Raw) -> None:
+        leader_handshake(raw)
+        raw.send(b"".join(frames))
+
+    with fake_leader(script) as port:
+        yield port
+
+
 def _corrupt(frame: bytes) -> bytes:
     return frame[:-1] + bytes([frame[-1] ^ 0x40])
 
 
-GOOD_PLAN = encode_plan(plan(0))
+GOOD_PLAN = encode(plan(0))
 
 
 @pytest.mark.parametrize(
     "frames, message",
     [
-        ([_corrupt(encode_frame(Kind.PLAN, 1, GOOD_PLAN))], "checksum mismatch"),
-        ([encode_frame(Kind.PLAN, 2, GOOD_PLAN)], "sequence 2 .* expected 1: gap"),
-        ([encode_frame(Kind.PLAN, 0, GOOD_PLAN)], "sequence 0 .* expected 1: duplicate"),
-        ([encode_frame(Kind.HEARTBEAT, 1), encode_frame(Kind.HEARTBEAT, 1)], "duplicate"),
-        ([encode_frame(Kind.ACK, 1, encode_ack(Ack(0, 0)))], "unexpected ACK"),
-        ([b"MLCP\x09\x00" + encode_frame(Kind.PLAN, 1, GOOD_PLAN)[6:]], "protocol version 9"),
-        ([encode_frame(Kind.PLAN, 1, GOOD_PLAN[:-1])], "truncated PLAN payload"),
-        ([encode_frame(Kind.HEARTBEAT, 1, b"x")], "trailing garbage in HEARTBEAT"),
+        ([_corrupt(encode_frame(Kind.PLAN, 2, GOOD_PLAN))], "checksum mismatch"),
+        ([encode_frame(Kind.PLAN, 3, GOOD_PLAN)], "sequence 3 .* expected 2: gap"),
+        ([encode_frame(Kind.PLAN, 1, GOOD_PLAN)], "sequence 1 .* expected 2: duplicate"),
+        ([encode_frame(Kind.HEARTBEAT, 2), encode_frame(Kind.HEARTBEAT, 2)], "duplicate"),
+        ([encode_frame(Kind.ACK, 2, encode(Ack(0, 0)))], "unexpected ACK"),
+        ([encode_frame(Kind.CHALLENGE, 2, encode(Challenge(b"x" * 32)))], "unexpected CHALLENGE frame after the handshake"),
+        ([b"MLCP\x09\x00" + encode_frame(Kind.PLAN, 2, GOOD_PLAN)[6:]], "protocol version 9"),
+        ([encode_frame(Kind.PLAN, 2, GOOD_PLAN[:-1])], "invalid PLAN payload"),
+        ([encode_frame(Kind.HEARTBEAT, 2, b"x")], "trailing garbage in HEARTBEAT"),
     ],
 )
 def test_worker_refuses_bad_frames_from_the_leader(frames, message):
-    with fake_leader(frames) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2) as worker:
+    with misbehaving_leader(frames) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+                                                           secret=SECRET) as worker:
         worker.connect()
         with pytest.raises(ProtocolError, match=message):
             worker.next_plan()
@@ -447,29 +819,32 @@ def test_worker_refuses_bad_frames_from_the_leader(frames, message):
 
 @contextmanager
 def fake_worker(leader: ControlLeader) -> Iterator[socket.socket]:
-    """A raw socket that says HELLO as rank 1 and reads WELCOME; the test writes what it likes."""
-    sock = socket.create_connection(("127.0.0.1", leader.port))
-    sock.sendall(encode_frame(Kind.HELLO, 0, encode_hello(Hello(1, 2, FP))))
-    leader.wait_for_workers()
-    _read_frame(sock)
+    """A raw socket that joins as rank 1 with the right secret and reads WELCOME; the test writes what it likes."""
+    waiting = Waiting(leader)
+    raw = Raw.connect(leader.port)
+    for frame in hello_frames(decode(Kind.CHALLENGE, raw.frame().payload).nonce, SECRET):
+        raw.send(frame)
+    waiting.outcome()
+    assert raw.frame().kind is Kind.WELCOME
     try:
-        yield sock
+        yield raw.sock
     finally:
-        sock.close()
+        raw.close()
 
 
 @pytest.mark.parametrize(
     "ack_frame, message",
     [
-        (_corrupt(encode_frame(Kind.ACK, 1, encode_ack(Ack(0, 0)))), "rank 1: checksum mismatch"),
-        (encode_frame(Kind.ACK, 5, encode_ack(Ack(0, 0))), "rank 1: sequence 5"),
-        (encode_frame(Kind.ACK, 1, encode_ack(Ack(7, 0))), "rank 1 acked step 7, expected step 0"),
-        (encode_frame(Kind.HELLO, 1, encode_hello(Hello(1, 2, FP))), "rank 1 sent HELLO after the handshake"),
-        (encode_frame(Kind.PLAN, 1, GOOD_PLAN), "rank 1: unexpected PLAN frame"),
+        (_corrupt(encode_frame(Kind.ACK, 2, encode(Ack(0, 0)))), "rank 1: checksum mismatch"),
+        (encode_frame(Kind.ACK, 5, encode(Ack(0, 0))), "rank 1: sequence 5"),
+        (encode_frame(Kind.ACK, 2, encode(Ack(7, 0))), "rank 1 acked step 7, expected step 0"),
+        (encode_frame(Kind.HELLO, 2, encode(Hello(1, 2, FP, b"w" * 32))), "rank 1 sent HELLO after"),
+        (encode_frame(Kind.PROOF, 2, encode(Proof(b"m" * 32))), "rank 1 sent PROOF after the handshake"),
+        (encode_frame(Kind.PLAN, 2, GOOD_PLAN), "rank 1: unexpected PLAN frame"),
     ],
 )
 def test_leader_refuses_bad_frames_from_a_worker(ack_frame, message):
-    leader = ControlLeader(world_size=2, timeout=2.0, fingerprint=FP)
+    leader = ControlLeader(world_size=2, timeout=2.0, fingerprint=FP, secret=SECRET)
     with fake_worker(leader) as sock:
         leader.broadcast(plan(0))
         sock.sendall(ack_frame)

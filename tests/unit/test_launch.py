@@ -1,15 +1,21 @@
-"""`meshlm launch`: the command each rank gets, and the mistakes it refuses."""
+"""`meshlm launch` and hostfiles: the command each rank gets, the cluster secret, and the mistakes refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
-from meshlm.parallel.bootstrap import ClusterError, Host, read_hostfile, ring_hostfile
-from meshlm.parallel.launch import rank_argv, rank_command
+from meshlm.transport.auth import SECRET_ENV, ClusterSecret
+from meshlm.cluster.bootstrap import ClusterError, Host, cluster_secret, load_hostfile, read_hostfile, ring_hostfile
+from meshlm.cluster.launch import check_secret, rank_argv, rank_command
+
+SECRET = "0123456789abcdef" * 4
 
 
 def test_local_netns_and_ssh_hosts():
@@ -37,20 +43,107 @@ def test_hostfile_formats(tmp_path):
     hosts = read_hostfile(good)
     assert hosts == [Host("a", ("10.0.0.1",)), Host("b", ("b",))]
     assert ring_hostfile(hosts, 5000) == [["10.0.0.1:5000"], ["b:5001"]]
-    for text in ("[]", "{", '[{"ips": []}]'):
+    for text in ("[]", "{", '[{"ips": []}]', '{"secret": "' + SECRET + '"}', '{"hosts": []}', '"x"'):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(ClusterError, match="hostfile"):
             read_hostfile(bad)
 
 
+def launch_cli(hosts, backend: str = "ring", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hosts), "--backend", backend, "--dry-run",
+         "--", "serve", "--model", "m"], capture_output=True, text=True, env=env)
+
+
 def test_dry_run_prints_one_command_per_rank_or_one_mpirun(tmp_path):
     hosts = tmp_path / "h.json"
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
-    run = lambda backend: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hosts), "--backend", backend, "--dry-run",
-         "--", "serve", "--model", "m"], capture_output=True, text=True, check=True).stdout.splitlines()
-    ring = run("ring")
+    env = {**os.environ, SECRET_ENV: SECRET}
+    ring = launch_cli(hosts, env=env).stdout.splitlines()
     assert len(ring) == 2 and ring[0].endswith("--rank 0") and ring[1].endswith("--rank 1")
-    mpi = run("mpi")
+    assert not any(SECRET in line for line in ring)  # the secret never goes on a command line
+    mpi = launch_cli(hosts, "mpi", env).stdout.splitlines()
     assert len(mpi) == 1 and mpi[0].startswith("mpirun -np 2 --host localhost,localhost") and "--rank" not in mpi[0]
+
+
+# -- the cluster secret ------------------------------------------------------------------------
+
+
+def test_hostfile_object_form_carries_the_secret(tmp_path):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"secret": SECRET, "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b"}]}))
+    path.chmod(0o600)
+    loaded = load_hostfile(path)
+    assert loaded.hosts == (Host("a", ("10.0.0.1",)), Host("b", ("b",)))
+    assert loaded.secret is not None and loaded.secret.reveal() == SECRET
+    assert read_hostfile(path) == list(loaded.hosts)
+    assert SECRET not in repr(loaded) and SECRET not in str(dataclasses.asdict(loaded))
+    assert cluster_secret({}, loaded).reveal() == SECRET
+    other = "f" * 40
+    assert cluster_secret({SECRET_ENV: other}, loaded).reveal() == other  # the environment wins
+
+
+def test_a_readable_hostfile_with_a_secret_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"secret": SECRET, "hosts": [{"ssh": "a"}]}))
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        load_hostfile(path)
+    assert "other users can read it: chmod 600" in caplog.text and SECRET not in caplog.text
+
+
+def test_a_cluster_without_a_secret_is_refused_saying_how_to_set_one(tmp_path):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": "localhost"}] * 2))
+    with pytest.raises(ClusterError, match=f"no secret: set {SECRET_ENV}.*\"secret\".*openssl rand -hex 32"):
+        cluster_secret({}, load_hostfile(path))
+    r = launch_cli(path, env={k: v for k, v in os.environ.items() if k != SECRET_ENV})
+    assert r.returncode == 2 and "this cluster has no secret" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("source", ["env", "hostfile"])
+def test_a_short_secret_is_refused_without_showing_it(tmp_path, source):
+    short = "tooshort-but-private"
+    path = tmp_path / "hosts.json"
+    if source == "env":
+        path.write_text(json.dumps([{"ssh": "localhost"}]))
+        environ = {SECRET_ENV: short}
+    else:
+        path.write_text(json.dumps({"secret": short, "hosts": [{"ssh": "localhost"}]}))
+        environ = {}
+    with pytest.raises(ClusterError, match="20 characters long; a cluster secret needs at least 32") as info:
+        cluster_secret(environ, load_hostfile(path))
+    assert short not in str(info.value)
+
+
+def test_secret_is_redacted_everywhere_but_reveal():
+    secret = ClusterSecret.generate()
+    text = secret.reveal()
+    assert len(text) == 64 and int(text, 16) >= 0
+    assert text not in repr(secret) and text not in str(secret) and text not in f"{secret}"
+    assert ClusterSecret.generate().reveal() != text
+    with pytest.raises(TypeError, match="never serialized"):
+        __import__("pickle").dumps(secret)
+
+
+def test_launch_checks_the_secret_only_where_it_can(monkeypatch, caplog):
+    here = load_hostfile_from([{"ssh": "localhost"}, {"ssh": "netns:b"}])
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ClusterError, match="no secret"):
+        check_secret(here)  # every rank starts here: none could get a secret
+    remote = load_hostfile_from([{"ssh": "localhost"}, {"ssh": "mac2.local"}])
+    with caplog.at_level(logging.WARNING):
+        check_secret(remote)  # mac2 may set it in its own environment
+    assert "mac2.local must each set MESHLM_CLUSTER_SECRET themselves" in caplog.text
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_secret(remote)
+    assert "not forwarded over ssh: mac2.local" in caplog.text and SECRET not in caplog.text
+
+
+def load_hostfile_from(entries: list[dict]):
+    from meshlm.cluster.bootstrap import Hostfile
+
+    return Hostfile(tuple(Host(e["ssh"], (e["ssh"],)) for e in entries), None)

@@ -6,6 +6,10 @@ the same path on every host, as must the model directory and a meshlm
 checkout with its .venv (docs/DISTRIBUTED.md). An `ssh` value of `localhost`
 runs the rank here; `netns:NAME` runs it here inside network namespace NAME
 (tests use this to give each rank its own network stack).
+
+The cluster secret: local and netns ranks inherit MESHLM_CLUSTER_SECRET from
+this process; ssh does not forward it, so remote ranks read the hostfile's
+"secret" (`{"secret": ..., "hosts": [...]}`) or their own environment.
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm.parallel.bootstrap import ClusterError, Host, read_hostfile
+from meshlm.transport.auth import SECRET_ENV
+from meshlm.cluster.bootstrap import ClusterError, Host, Hostfile, cluster_secret, load_hostfile
 
 log = logging.getLogger(__name__)
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_here(host: Host) -> bool:
+    """Started on this machine (so it inherits this environment, the secret included), not over ssh."""
+    return host.ssh in LOCAL_NAMES or host.ssh.startswith("netns:")
 
 
 def rank_command(host: Host, cmd: list[str], cwd: str) -> list[str]:
@@ -48,7 +58,9 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
 
 def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = False) -> int:
     path = Path(hostfile).resolve()
-    hosts = read_hostfile(path)
+    loaded = load_hostfile(path)
+    hosts = list(loaded.hosts)
+    check_secret(loaded)
     cwd = os.getcwd()
     base = [sys.executable, "-m", "meshlm"]
     if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
@@ -64,6 +76,19 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     _check_tools(cmds)
     procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
     return _supervise(procs)
+
+
+def check_secret(hostfile: Hostfile) -> None:
+    """Fail now when no rank here can get a secret; warn when remote ranks may lack one (each rank checks)."""
+    remote = [h.ssh for h in hostfile.hosts if not is_here(h)]
+    if not remote or SECRET_ENV in os.environ or hostfile.secret is not None:
+        cluster_secret(os.environ, hostfile)  # the check every rank makes, before anything starts
+    else:
+        log.warning("no cluster secret here (%s or the hostfile's \"secret\"): %s must each set %s themselves",
+                    SECRET_ENV, ", ".join(remote), SECRET_ENV)
+    if remote and hostfile.secret is None and SECRET_ENV in os.environ:
+        log.warning("%s is not forwarded over ssh: %s need it in their own environment, or put it in the "
+                    "hostfile's \"secret\"", SECRET_ENV, ", ".join(remote))
 
 
 def _check_tools(cmds: list[list[str]]) -> None:

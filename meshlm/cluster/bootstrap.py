@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.config import ParallelConfig
+from meshlm.transport.auth import SECRET_ENV, ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +51,24 @@ def check_backend(cfg: ParallelConfig) -> None:
         raise ClusterError(f"the {cfg.backend} backend is not available in this MLX build")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+LISTEN_PORTS = range(20000, 32768)  # below Linux's (and macOS's 49152+) ephemeral source ports
+
+
+def free_port(host: str = "127.0.0.1", avoid: range | set = range(0)) -> int:
+    """A free port to listen on, outside the ephemeral range: while a rank retries connecting to a
+    port nothing listens on yet, one of its own ephemeral source ports can *be* that port, and TCP
+    then connects it to itself (a simultaneous open), stealing the port from the rank meant to listen."""
+    rng = random.Random()
+    while True:
+        port = rng.choice(LISTEN_PORTS)
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
 
 
 @dataclass(frozen=True)
@@ -59,16 +77,57 @@ class Host:
     ips: tuple[str, ...]
 
 
-def read_hostfile(path: str | Path) -> list[Host]:
-    """mlx.launch's format: [{"ssh": "host", "ips": ["10.0.0.1"]}, ...], one entry per rank."""
+@dataclass(frozen=True)
+class Hostfile:
+    hosts: tuple[Host, ...]
+    secret: ClusterSecret | None  # its "secret", if it has one (redacted in any repr)
+
+
+HOSTFILE_FORMS = '[{"ssh": ..., "ips": [...]}, ...] or {"secret": ..., "hosts": [{"ssh": ..., "ips": [...]}, ...]}'
+
+
+def load_hostfile(path: str | Path) -> Hostfile:
+    """mlx.launch's list, one {"ssh", "ips"} entry per rank, or an object that adds the cluster secret:
+    {"secret": "...", "hosts": [...]}."""
     try:
         data = json.loads(Path(path).read_text())
-        hosts = [Host(str(h["ssh"]), tuple(h.get("ips") or [h["ssh"]])) for h in data]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ClusterError(f"cannot read hostfile {path}: {exc} (expected [{{\"ssh\": ..., \"ips\": [...]}}])")
+        entries, secret = (data["hosts"], data.get("secret")) if isinstance(data, dict) else (data, None)
+        hosts = tuple(Host(str(h["ssh"]), tuple(h.get("ips") or [h["ssh"]])) for h in entries)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ClusterError(f"cannot read hostfile {path}: {exc} (expected {HOSTFILE_FORMS})") from None
     if not hosts:
         raise ClusterError(f"hostfile {path} lists no hosts")
-    return hosts
+    return Hostfile(hosts, _hostfile_secret(path, secret))
+
+
+def _hostfile_secret(path: str | Path, text: object) -> ClusterSecret | None:
+    if text is None:
+        return None
+    try:
+        secret = ClusterSecret(text, f'the "secret" of hostfile {path}')  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+    if Path(path).stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("hostfile %s holds the cluster secret but other users can read it: chmod 600 it", path)
+    return secret
+
+
+def read_hostfile(path: str | Path) -> list[Host]:
+    return list(load_hostfile(path).hosts)
+
+
+def cluster_secret(environ: Mapping[str, str], hostfile: Hostfile | None = None) -> ClusterSecret:
+    """The secret of a cluster this process did not start itself: MESHLM_CLUSTER_SECRET, else the hostfile's."""
+    if SECRET_ENV in environ:
+        try:
+            return ClusterSecret(environ[SECRET_ENV], SECRET_ENV)
+        except ValueError as exc:
+            raise ClusterError(str(exc)) from None
+    if hostfile is not None and hostfile.secret is not None:
+        return hostfile.secret
+    raise ClusterError(f"this cluster has no secret: set {SECRET_ENV} to the same value on every rank, or give "
+                       'the hostfile one ({"secret": "...", "hosts": [...]}); generate it with '
+                       "`openssl rand -hex 32` (docs/DISTRIBUTED.md, Security)")
 
 
 def ring_hostfile(hosts: list[Host], base_port: int) -> list[list[str]]:
@@ -108,13 +167,16 @@ def init_group(cfg: ParallelConfig, ring_file: Path | None):
     return group
 
 
-def spawn_local_workers(argv: list[str], cluster: LocalCluster, n: int, log_dir: Path | None = None):
-    """Start ranks 1..n-1 of a local cluster as `meshlm serve ... --rank r` children."""
+def spawn_local_workers(argv: list[str], cluster: LocalCluster, n: int, secret: ClusterSecret,
+                        log_dir: Path | None = None):
+    """Start ranks 1..n-1 of a local cluster as `meshlm serve ... --rank r` children.
+
+    The secret goes in their environment, never on a command line (which any local user can read)."""
     procs = []
     threads = str(max(1, (os.cpu_count() or 1) // n))
     for rank in range(1, n):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(cluster.hostfile),
-               "OPENBLAS_NUM_THREADS": threads}
+               "OPENBLAS_NUM_THREADS": threads, SECRET_ENV: secret.reveal()}
         cmd = [sys.executable, "-m", "meshlm", *argv, "--rank", str(rank),
                "--ring-hostfile", str(cluster.hostfile), "--control-addr", cluster.control_addr]
         out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else None

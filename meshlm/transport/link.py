@@ -11,8 +11,8 @@ import socket
 import time
 from collections.abc import Iterable
 
-from meshlm.parallel import codec as wire
-from meshlm.parallel.codec import Frame, Kind, ProtocolError
+from meshlm.transport import codec as wire
+from meshlm.transport.codec import Frame, Kind, ProtocolError
 
 _RECV_BYTES = 1 << 20
 
@@ -100,6 +100,8 @@ class Link:
             return None
         if frame.kind not in self.accepts:
             raise ProtocolError(f"unexpected {frame.kind.name} frame from {self.peer}")
+        if frame.kind is Kind.REJECT:
+            return frame  # ends the connection whatever its number; a peer of another build cannot know ours
         if frame.seq != self.next_seq:
             what = "gap (frames lost)" if frame.seq > self.next_seq else "duplicate or replayed frame"
             raise ProtocolError(f"sequence {frame.seq} from {self.peer}, expected {self.next_seq}: {what}")

@@ -7,11 +7,13 @@ silently and can drop or replay messages across a reconnect, which would break
 the sequence-number invariant. Every wait below has a deadline.
 
 Protocol:
-  1. Each worker connects (retrying until its deadline) and sends HELLO
-     (rank, world size, model fingerprint).
-  2. Once every rank 1..N-1 has said HELLO and all fingerprints match, the
-     leader sends WELCOME to all. Any mismatch: REJECT(reason) to everyone and
-     `HandshakeError` on both sides.
+  1. Each worker connects (retrying until its deadline) and proves it holds
+     the cluster secret (`auth`: CHALLENGE, HELLO with rank, world size, model
+     fingerprint, then PROOF). A connection that cannot is dropped and the
+     leader keeps waiting; a peer of another protocol version ends the start.
+  2. Once every rank 1..N-1 has proved itself and all fingerprints match, the
+     leader sends each one WELCOME with its own proof. Any mismatch:
+     REJECT(reason) to everyone and `HandshakeError` on both sides.
   3. The leader broadcasts PLAN frames (identical bytes to every worker, so
      leader->worker sequence numbers agree across ranks), HEARTBEAT when idle,
      SHUTDOWN at the end.
@@ -36,9 +38,11 @@ from collections.abc import Iterable
 from types import TracebackType
 
 from meshlm.engine.plan import StepPlan
-from meshlm.parallel import codec as wire
-from meshlm.parallel.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, Welcome
-from meshlm.parallel.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
+from meshlm.transport import codec as wire
+from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joining, Refused, new_nonce,
+                                  prove_worker)
+from meshlm.transport.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, VersionMismatch, Welcome
+from meshlm.transport.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
 
 __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost",
            "ProtocolError", "SplitBrain", "WorkerFailed", "WorkerLost"]
@@ -46,10 +50,9 @@ __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeEr
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 10.0
-
-
-class HandshakeError(ControlError):
-    """The cluster could not form: missing ranks, mismatched model, bad rank numbering, or rejected."""
+AUTH_TIMEOUT = 10.0  # a real worker proves itself within a round trip of being accepted
+MAX_CANDIDATES = 32  # unauthenticated connections held at once during the handshake
+MAX_HELLO_BYTES = 64 << 10  # an unproven peer cannot make the leader buffer more than this
 
 
 class LeaderLost(ControlError):
@@ -90,12 +93,16 @@ def _last_error_ack(link: Link) -> Ack | None:
     try:
         while (frame := link.next_frame()) is not None:
             if frame.kind is Kind.ACK:
-                ack = wire.decode_ack(frame.payload)
+                ack = wire.decode(Kind.ACK, frame.payload)
                 if ack.error:
                     return ack
     except ControlError:
         pass
     return None
+
+
+def _candidates(sel: selectors.BaseSelector) -> list[Candidate]:
+    return [key.data for key in sel.get_map().values() if isinstance(key.data, Candidate)]
 
 
 class ControlLeader:
@@ -107,13 +114,16 @@ class ControlLeader:
     """
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, world_size: int = 2,
-                 timeout: float = DEFAULT_TIMEOUT, *, fingerprint: str | None = None,
-                 heartbeat_interval: float = 1.0, max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, *, secret: ClusterSecret, fingerprint: str | None = None,
+                 heartbeat_interval: float = 1.0, auth_timeout: float = AUTH_TIMEOUT,
+                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
         """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers`.
 
-        `fingerprint`: the leader's model fingerprint; every worker must match it.
-        None: workers must only agree with each other. `timeout` bounds the
-        handshake, every ack wait and every send unless a call passes its own.
+        `secret`: only workers that prove they hold it are admitted. `fingerprint`:
+        the leader's model fingerprint; every worker must match it. None: workers
+        must only agree with each other. `timeout` bounds the handshake, every ack
+        wait and every send unless a call passes its own. `auth_timeout`: how long
+        one connection may take to prove itself before it is dropped.
         """
         if world_size < 1:
             raise ValueError("world_size must be at least 1")
@@ -121,9 +131,11 @@ class ControlLeader:
         self.timeout = timeout
         self.fingerprint = fingerprint
         self.heartbeat_interval = heartbeat_interval
+        self.auth_timeout = auth_timeout
         self.max_payload = max_payload
+        self._secret = secret
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._listener = socket.create_server((bind_host, port), family=family, backlog=world_size + 8)
+        self._listener = socket.create_server((bind_host, port), family=family, backlog=world_size + MAX_CANDIDATES)
         self.host, self.port = self._listener.getsockname()[:2]
         self._links: dict[int, Link] = {}  # rank -> link, once admitted
         self._pending: dict[int, collections.deque[tuple[int, int]]] = {}  # rank -> (step_id, fingerprint) unacked
@@ -131,37 +143,44 @@ class ControlLeader:
         self._last_step = -1
         self._last_send = time.monotonic()
         self._lock = threading.RLock()
-        self._dropped: list[str] = []  # why stray connections were refused during the handshake
+        self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
+        self._dropped_count = 0
 
     # -- handshake ------------------------------------------------------------------
 
     def wait_for_workers(self, timeout: float | None = None) -> dict[int, Hello]:
-        """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks."""
+        """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks.
+
+        A connection that does not prove it holds the secret is dropped (with a
+        warning naming its address) and the wait goes on; a peer of another
+        protocol version, or a proven worker that does not fit, ends it at once.
+        """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        hellos: dict[int, Hello] = {}
+        admitted: dict[int, Candidate] = {}
         with self._lock, selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
             try:
-                while len(hellos) < self.world_size - 1:
-                    self._handshake_round(sel, hellos, deadline)
-                welcome = Welcome(self.world_size, self._expected_fingerprint(hellos) or "")
-                self._send_all(Kind.WELCOME, wire.encode_welcome(welcome))
+                while len(admitted) < self.world_size - 1:
+                    self._handshake_round(sel, admitted, deadline)
+                self._welcome_all(admitted)
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")
                 raise
             finally:
                 self._close_unadmitted(sel)
         self._listener.close()  # a static world: late or extra workers must not get in
-        return hellos
+        return {rank: c.hello for rank, c in admitted.items() if c.hello is not None}
 
-    def _handshake_round(self, sel: selectors.BaseSelector, hellos: dict[int, Hello], deadline: float) -> None:
+    def _handshake_round(self, sel: selectors.BaseSelector, admitted: dict[int, Candidate], deadline: float) -> None:
         if remaining(deadline) == 0:
-            raise HandshakeError(self._missing_message(hellos))
-        for key, _ in sel.select(remaining(deadline)):
+            raise HandshakeError(self._missing_message(admitted))
+        self._expire(sel)
+        wake = min([remaining(deadline)] + [remaining(c.deadline) for c in _candidates(sel)])
+        for key, _ in sel.select(wake):
             if key.fileobj is self._listener:
                 self._accept(sel)
             else:
-                self._read_hello(sel, key.data, hellos)
+                self._advance(sel, key.data, admitted)
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
@@ -169,64 +188,103 @@ class ControlLeader:
         except OSError:
             return
         tune(sock, max(self.timeout, 5.0))
-        sel.register(sock, selectors.EVENT_READ, Link(sock, wire.WORKER_KINDS, self.max_payload))
-
-    def _read_hello(self, sel: selectors.BaseSelector, link: Link, hellos: dict[int, Hello]) -> None:
+        cand = Candidate(Link(sock, wire.WORKER_KINDS, MAX_HELLO_BYTES), time.monotonic() + self.auth_timeout)
+        waiting = _candidates(sel)
+        if len(waiting) >= MAX_CANDIDATES:  # a flood of strangers must not exhaust file descriptors
+            self._drop(sel, min(waiting, key=lambda c: c.deadline), "too many unauthenticated connections")
         try:
-            link.read_available()
-            frame = link.next_frame()
-            if frame is None:
-                return
-            if frame.kind is not Kind.HELLO:
-                raise ProtocolError(f"first frame was {frame.kind.name}, expected HELLO")
-            hello = wire.decode_hello(frame.payload)
-        except (ProtocolError, LinkClosed) as e:
-            # A stray client (port scan, wrong service) must not abort the cluster: drop it, remember why.
-            self._dropped.append(f"{link.peer}: {e}")
-            log.warning("control: dropped connection from %s during handshake: %s", link.peer, e)
-            sel.unregister(link.sock)
-            self._reject(link, str(e))
+            cand.link.send(cand.challenge(), timeout=1.0)
+        except LinkClosed:
+            cand.link.close()
             return
-        sel.unregister(link.sock)
-        if problem := self._hello_problem(hello, hellos):  # a real worker that does not fit: abort loudly
-            self._reject(link, problem)
+        sel.register(sock, selectors.EVENT_READ, cand)
+
+    def _advance(self, sel: selectors.BaseSelector, cand: Candidate, admitted: dict[int, Candidate]) -> None:
+        if cand.link.closed:  # dropped earlier in this round to make room
+            return
+        try:
+            hello = cand.authenticate(self._secret)
+        except VersionMismatch as e:  # a real rank of another build: waiting cannot help
+            problem = (f"{cand.link.peer} speaks control protocol version {e.version}, this leader speaks "
+                       f"{wire.VERSION}: all ranks must run the same meshlm version")
+            sel.unregister(cand.link.sock)
+            self._reject(cand.link, problem, version=e.version)
+            raise HandshakeError(problem) from None
+        except (Refused, ProtocolError, LinkClosed) as e:
+            # A stranger (port scan, wrong service, wrong secret) must not abort the cluster: drop it, remember why.
+            self._drop(sel, cand, str(e))
+            return
+        if hello is None:
+            return
+        sel.unregister(cand.link.sock)
+        if problem := self._hello_problem(hello, admitted):  # a proven worker that does not fit: abort loudly
+            self._reject(cand.link, problem)
             raise HandshakeError(problem)
-        hellos[hello.rank] = hello
-        self._links[hello.rank] = link
+        admitted[hello.rank] = cand
+        cand.link.decoder.max_payload = self.max_payload  # proven: its ACKs may be as large as any frame
+        self._links[hello.rank] = cand.link
         self._pending[hello.rank] = collections.deque()
 
-    def _hello_problem(self, hello: Hello, hellos: dict[int, Hello]) -> str | None:
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        for cand in _candidates(sel):
+            if remaining(cand.deadline) == 0:
+                self._drop(sel, cand, f"no HELLO and PROOF within {self.auth_timeout:.1f} s")
+
+    def _drop(self, sel: selectors.BaseSelector, cand: Candidate, reason: str) -> None:
+        """Refuse one unauthenticated connection; the reason names no secret and no proof."""
+        self._dropped.append(f"{cand.link.peer}: {reason}")
+        self._dropped_count += 1
+        log.warning("control: dropped connection from %s during the handshake: %s", cand.link.peer, reason)
+        sel.unregister(cand.link.sock)
+        self._reject(cand.link, reason)
+
+    def _hello_problem(self, hello: Hello, admitted: dict[int, Candidate]) -> str | None:
         r = hello.rank
         if hello.world_size != self.world_size:
             return f"rank {r} was started with world size {hello.world_size}, the leader with {self.world_size}"
         if not 1 <= r < self.world_size:
             return f"worker claims rank {r}; worker ranks are 1..{self.world_size - 1}"
-        if r in hellos:
+        if r in admitted:
             return f"two workers claim rank {r}"
-        expected = self._expected_fingerprint(hellos)
+        expected = self._expected_fingerprint(admitted)
         if expected is not None and hello.fingerprint != expected:
-            source = "the leader's" if self.fingerprint is not None else f"rank {min(hellos)}'s"
+            source = "the leader's" if self.fingerprint is not None else f"rank {min(admitted)}'s"
             return (
                 f"rank {r} loaded model fingerprint {hello.fingerprint!r} but {source} is {expected!r}: "
                 "every rank must load the same model revision"
             )
         return None
 
-    def _expected_fingerprint(self, hellos: dict[int, Hello]) -> str | None:
+    def _expected_fingerprint(self, admitted: dict[int, Candidate]) -> str | None:
         if self.fingerprint is not None:
             return self.fingerprint
-        return hellos[min(hellos)].fingerprint if hellos else None
+        first = admitted[min(admitted)].hello if admitted else None
+        return first.fingerprint if first is not None else None
 
-    def _missing_message(self, hellos: dict[int, Hello]) -> str:
-        missing = [r for r in range(1, self.world_size) if r not in hellos]
+    def _missing_message(self, admitted: dict[int, Candidate]) -> str:
+        missing = [r for r in range(1, self.world_size) if r not in admitted]
         msg = f"timed out waiting for workers on port {self.port}: missing ranks {missing}"
-        if self._dropped:
-            msg += f"; refused connections: {'; '.join(self._dropped)}"
+        if self._dropped_count:
+            latest = f" (latest {len(self._dropped)})" if self._dropped_count > len(self._dropped) else ""
+            msg += f"; refused {self._dropped_count} connection(s){latest}: {'; '.join(self._dropped)}"
         return msg
 
-    def _reject(self, link: Link, reason: str, seq: int = 0) -> None:
+    def _welcome_all(self, admitted: dict[int, Candidate]) -> None:
+        """WELCOME (seq 1) to every worker, each with the leader's proof for that worker's nonce."""
+        fingerprint = self._expected_fingerprint(admitted) or ""
+        for rank in sorted(admitted):
+            cand = admitted[rank]
+            try:
+                cand.link.send(cand.welcome(self._secret, self.world_size, fingerprint), self.timeout)
+            except LinkClosed as e:
+                self._lose(rank)
+                raise WorkerLost(rank, f"{e} ({cand.link.peer})") from None
+        self._seq = 2  # CHALLENGE and WELCOME went out as 0 and 1 on every link
+        self._last_send = time.monotonic()
+
+    def _reject(self, link: Link, reason: str, version: int = wire.VERSION) -> None:
         try:
-            link.send(wire.encode_frame(Kind.REJECT, seq, wire.encode_reason(reason)), timeout=1.0)
+            link.send(wire.encode_reject(max(self._seq, 1), reason, version), timeout=1.0)
         except LinkClosed:
             pass
         link.close()
@@ -234,15 +292,14 @@ class ControlLeader:
     def _abort(self, reason: str) -> None:
         """Tell admitted workers why the cluster will not start, then close everything."""
         for link in self._links.values():
-            self._reject(link, reason, seq=self._seq)  # seq 1 if WELCOME already went out to some
+            self._reject(link, reason)
         self._links.clear()
         self._pending.clear()
         self._listener.close()
 
     def _close_unadmitted(self, sel: selectors.BaseSelector) -> None:
-        for key in list(sel.get_map().values()):
-            if isinstance(key.data, Link):
-                key.data.close()
+        for cand in _candidates(sel):
+            cand.link.close()
 
     # -- steady state ---------------------------------------------------------------
 
@@ -317,7 +374,7 @@ class ControlLeader:
         if frame.kind is not Kind.ACK:
             raise ProtocolError(f"rank {rank} sent {frame.kind.name} after the handshake")
         try:
-            ack = wire.decode_ack(frame.payload)
+            ack = wire.decode(Kind.ACK, frame.payload)
         except ProtocolError as e:
             raise ProtocolError(f"rank {rank}: {e}") from None
         if not self._pending[rank]:
@@ -437,17 +494,18 @@ class ControlLeader:
 
 
 class ControlWorker:
-    """A worker rank's end: connect and say HELLO, then receive plans in order and ACK them.
+    """A worker rank's end: connect and prove itself, then receive plans in order and ACK them.
 
     Loop:  while (plan := w.next_plan()) is not None: apply(plan); w.ack(plan.step_id, fp)
     """
 
     def __init__(self, leader_host: str, port: int, rank: int, fingerprint: str, timeout: float = DEFAULT_TIMEOUT,
-                 *, world_size: int, connect_timeout: float | None = None,
+                 *, world_size: int, secret: ClusterSecret, connect_timeout: float | None = None,
                  max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
         """`timeout`: longest silence from the leader (heartbeats included) before LeaderLost.
         `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME;
-        make it at least the leader's handshake timeout."""
+        make it at least the leader's handshake timeout. `secret`: proves this rank to the
+        leader, and the leader to this rank (no plan is accepted from a leader that cannot)."""
         if not 1 <= rank < world_size:
             raise ValueError(f"worker rank must be in 1..{world_size - 1}, got {rank}")
         self.leader_host, self.port = leader_host, port
@@ -455,17 +513,18 @@ class ControlWorker:
         self.timeout = timeout
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_payload = max_payload
+        self._secret = secret
         self._link: Link | None = None
         self._seq = 0  # worker -> leader sequence number
         self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
     def connect(self) -> Welcome:
-        """Connect (retrying until the deadline), send HELLO, wait for WELCOME. Raises HandshakeError."""
+        """Connect (retrying until the deadline), prove this rank, check the leader's proof. Raises HandshakeError."""
         deadline = time.monotonic() + self.connect_timeout
         self._link = Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
         try:
-            self._send(Kind.HELLO, wire.encode_hello(Hello(self.rank, self.world_size, self.fingerprint)))
-            welcome = self._await_welcome(deadline)
+            joining = Joining(Hello(self.rank, self.world_size, self.fingerprint, new_nonce()), self._leader)
+            welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
         except LeaderLost as e:
             self.close()
             raise HandshakeError(str(e)) from None
@@ -491,18 +550,9 @@ class ControlWorker:
             time.sleep(min(delay, remaining(deadline)))
             delay = min(delay * 2, 0.5)
 
-    def _await_welcome(self, deadline: float) -> Welcome:
-        try:
-            frame = self._link_or_raise().recv(deadline)
-        except LinkTimeout:
-            raise HandshakeError(f"rank {self.rank}: no WELCOME from the leader before the deadline") from None
-        except LinkClosed as e:
-            raise HandshakeError(f"rank {self.rank}: leader hung up during the handshake ({e})") from None
-        if frame.kind is Kind.REJECT:
-            raise HandshakeError(f"leader rejected rank {self.rank}: {wire.decode_reason(frame.payload)}")
-        if frame.kind is not Kind.WELCOME:
-            raise ProtocolError(f"expected WELCOME or REJECT, got {frame.kind.name}")
-        return wire.decode_welcome(frame.payload)
+    @property
+    def _leader(self) -> str:
+        return f"{self.leader_host}:{self.port}"
 
     def recv(self, timeout: float | None = None) -> Frame:
         """Next PLAN, HEARTBEAT or SHUTDOWN frame. LeaderLost if nothing at all arrives within `timeout`."""
@@ -535,7 +585,7 @@ class ControlWorker:
 
     def ack(self, step_id: int, fingerprint: int, error: str = "") -> None:
         """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit)."""
-        self._send(Kind.ACK, wire.encode_ack(Ack(step_id, fingerprint, error)))
+        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error)))
 
     def _send(self, kind: Kind, payload: bytes) -> None:
         data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
