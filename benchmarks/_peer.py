@@ -21,7 +21,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,11 +42,10 @@ RSS_INTERVAL_S = 0.2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now, outside the ephemeral range (see meshlm.cluster.bootstrap)."""
+    from meshlm.cluster.bootstrap import free_port as pick
+
+    return pick(host)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

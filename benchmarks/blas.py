@@ -18,10 +18,10 @@ import sys
 CHILD = r"""
 import json, sys, time
 import mlx.core as mx
-from meshlm.config import ModelConfig
-from meshlm.engine.plan import Chunk, StepPlan
+from meshlm.config import CacheConfig, ModelConfig
+from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
+from meshlm.executor.rank import build_rank
 from meshlm.model.loader import load_model
-from meshlm.model.runner import Runner
 
 def gemm_gflops(n=1024, reps=10):
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
@@ -31,22 +31,29 @@ def gemm_gflops(n=1024, reps=10):
         mx.eval(a @ b)
     return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
 
-def decode_tps(model, batch, steps):
-    runner = Runner(model)
-    chunks = tuple(Chunk(u, 0, (1, 2, 3, 4, 5, 6, 7, 8), True) for u in range(batch))
-    out = runner.execute(StepPlan(0, chunks=chunks))
-    tokens = mx.argmax(out.logits, axis=-1).tolist()
+def decode_tps(rank, batch, steps, first_uid):
+    # Tokens/s of `steps` batched decode steps after an 8-token prefill per row (blocks of 32 tokens).
+    uids = range(first_uid, first_uid + batch)
+    blocks = lambda u: tuple(range((u - first_uid) * 2, (u - first_uid) * 2 + 2))  # 64 positions each
+    plan = StepPlan(0, new=tuple(NewSequence(u, 0) for u in uids),
+                    chunks=tuple(Chunk(u, 0, (1, 2, 3, 4, 5, 6, 7, 8), LOGITS_LAST) for u in uids),
+                    tables=tuple(TableUpdate(u, blocks(u)) for u in uids), num_blocks=2 * batch)
+    tokens = mx.argmax(rank.step(plan).logits, axis=-1).tolist()
     t = time.perf_counter()
     for s in range(1, steps + 1):
-        plan = StepPlan(s, chunks=tuple(Chunk(u, 7 + s, (tokens[u],), True) for u in range(batch)))
-        tokens = mx.argmax(runner.execute(plan).logits, axis=-1).tolist()
-    return batch * steps / (time.perf_counter() - t)
+        plan = StepPlan(s, chunks=tuple(Chunk(u, 7 + s, (tokens[i],), LOGITS_LAST) for i, u in enumerate(uids)),
+                        num_blocks=2 * batch)
+        tokens = mx.argmax(rank.step(plan).logits, axis=-1).tolist()
+    elapsed = time.perf_counter() - t
+    rank.step(StepPlan(steps + 1, removed=tuple(uids), num_blocks=2 * batch))
+    return batch * steps / elapsed
 
-loaded = load_model(ModelConfig(sys.argv[1], "float32"))
+cfg = ModelConfig(sys.argv[1], "float32")
+rank = build_rank(load_model(cfg), cfg, CacheConfig(enabled=False), 2**28)
 steps = int(sys.argv[2])
 print(json.dumps({"gemm_1024_fp32_gflops": round(gemm_gflops(), 1),
-                  "decode_tokens_per_s_batch1": round(decode_tps(loaded.model, 1, steps), 1),
-                  "decode_tokens_per_s_batch8": round(decode_tps(loaded.model, 8, steps), 1)}))
+                  "decode_tokens_per_s_batch1": round(decode_tps(rank, 1, steps, 0), 1),
+                  "decode_tokens_per_s_batch8": round(decode_tps(rank, 8, steps, 100), 1)}))
 """
 
 

@@ -382,9 +382,11 @@ def bench_mlx_lm_distributed(model: Path, args: argparse.Namespace, workdir: Pat
 # -- the control plane ------------------------------------------------------------------
 
 _WORKER = """
-import sys
-from meshlm.parallel.control import ControlWorker
-w = ControlWorker("127.0.0.1", int(sys.argv[1]), 1, "bench", timeout=30.0, world_size=2)
+import os, sys
+from meshlm.transport.auth import SECRET_ENV, ClusterSecret
+from meshlm.transport.control import ControlWorker
+w = ControlWorker("127.0.0.1", int(sys.argv[1]), 1, "bench", timeout=30.0, world_size=2,
+                  secret=ClusterSecret(os.environ[SECRET_ENV]))
 w.connect()
 while (plan := w.next_plan()) is not None:
     w.ack(plan.step_id, plan.fingerprint)
@@ -394,35 +396,37 @@ while (plan := w.next_plan()) is not None:
 def decode_plan(step: int, streams: int = DECODE_CHUNKS, prefill_tokens: int = 0):
     """A plan like the engine's at steady state: one sampled token per running stream
     (and optionally one new sequence's prefill chunk)."""
-    from meshlm.engine.plan import Chunk, NewSequence, StepPlan
-    from meshlm.engine.request import SamplingParams
+    from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
 
     rng = random.Random(step)
-    chunks = [Chunk(uid, 200 + step, (rng.randrange(512),), True) for uid in range(streams)]
-    new = ()
+    chunks = [Chunk(uid, 200 + step, (rng.randrange(512),), LOGITS_LAST) for uid in range(streams)]
+    new, tables = (), ()
     if prefill_tokens:
         uid = 10_000 + step
-        new = (NewSequence(uid, 0, SamplingParams(max_tokens=64, temperature=0.0)),)
-        chunks.append(Chunk(uid, 0, tuple(rng.randrange(512) for _ in range(prefill_tokens)), True))
-    return StepPlan(step, new, tuple(chunks), (), rng.getrandbits(63) | 1)
+        new = (NewSequence(uid, 0),)
+        chunks.append(Chunk(uid, 0, tuple(rng.randrange(512) for _ in range(prefill_tokens)), LOGITS_LAST))
+        tables = (TableUpdate(uid, tuple(range(prefill_tokens // 32 + 1))),)
+    return StepPlan(step, new, tuple(chunks), tables=tables, num_blocks=1024, fingerprint=rng.getrandbits(63) | 1)
 
 
 def control_benchmark(steps: int, compute_s: float) -> dict[str, Any]:
     """Time the leader's side of the control plane against a worker process on loopback."""
-    from meshlm.parallel import codec
-    from meshlm.parallel.control import ControlLeader
+    from meshlm.transport import codec
+    from meshlm.transport.auth import SECRET_ENV, ClusterSecret
+    from meshlm.transport.control import ControlLeader
 
-    leader = ControlLeader("127.0.0.1", 0, 2, timeout=30.0, fingerprint="bench")
+    secret = ClusterSecret.generate()
+    leader = ControlLeader("127.0.0.1", 0, 2, timeout=30.0, fingerprint="bench", secret=secret)
     worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(leader.port)], stdin=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE)
+                              stderr=subprocess.PIPE, env={**os.environ, SECRET_ENV: secret.reveal()})
     out: dict[str, Any] = {}
     try:
         leader.wait_for_workers(timeout=60)
         step = 0
         plan = decode_plan(0)
-        out["plan_bytes_16_decode_chunks"] = codec.HEADER_SIZE + len(codec.encode_plan(plan))
+        out["plan_bytes_16_decode_chunks"] = codec.HEADER_SIZE + len(codec.encode(plan))
         out["plan_bytes_16_decode_plus_256_token_prefill"] = codec.HEADER_SIZE + len(
-            codec.encode_plan(decode_plan(0, prefill_tokens=256)))
+            codec.encode(decode_plan(0, prefill_tokens=256)))
 
         def timed(mode_prefill: int, pipelined: bool, n: int) -> list[float]:
             nonlocal step

@@ -1,8 +1,9 @@
 // Vectorised CPU kernels for where MLX's Linux CPU backend spends a forward:
 // it evaluates exp/power one scalar at a time (~6-15 ns per element; SwiGLU
 // and the attention softmax), a batched decode's attention is ~100 tiny GEMM
-// calls per layer, and OpenBLAS re-packs every weight matrix on every call
-// (the linear layers; see "packed in 16-column panels" below). Each op here
+// calls per layer (here: one pass over each row's blocks of the KV pool), and
+// OpenBLAS re-packs every weight matrix on every call (the linear layers; see
+// "packed in 16-column panels" below). Each op here
 // is an MLX primitive, so it stays lazy and runs on the stream it was created
 // on.
 //
@@ -88,15 +89,6 @@ void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t ro
   }
 }
 
-// One query position per row against its own keys: q (B, Hk, r, D) already
-// scaled by scale*log2(e); keys/values (B, Hk, S, D) with any strides on the
-// first three axes; mask (B or 1, S) of 0/1 bytes or none. out (B, Hk, r, D).
-struct DecodeShape {
-  int64_t B, Hk, r, S, D;
-  int64_t ks[3], vs[3];  // element strides of keys/values on B, Hk, S
-  int64_t mask_rows;     // 0: no mask; 1: one mask row for all; B: per row
-};
-
 #if MESHLM_AVX2
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -118,12 +110,14 @@ void head_scores(const float* __restrict q, const float* __restrict kh, int64_t 
   }
 }
 
-// out[0:64] = sum_s p[s] * values[s][0:64], eight accumulators kept in registers.
-void weighted_values_64(const float* __restrict p, const float* __restrict vh, int64_t vstride, int64_t S,
-                        float scale, float* __restrict out) {
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+// out[0:64] += sum_s p[s] * values[s][0:64] (no scaling): one block of a paged row at a time.
+void weighted_values_64_acc(const float* __restrict p, const float* __restrict vh, int64_t vstride, int64_t S,
+                            float* __restrict out) {
+  __m256 c0 = _mm256_loadu_ps(out), c1 = _mm256_loadu_ps(out + 8), c2 = _mm256_loadu_ps(out + 16),
+         c3 = _mm256_loadu_ps(out + 24), c4 = _mm256_loadu_ps(out + 32), c5 = _mm256_loadu_ps(out + 40),
+         c6 = _mm256_loadu_ps(out + 48), c7 = _mm256_loadu_ps(out + 56);
   for (int64_t s = 0; s < S; ++s) {
-    if (p[s] == 0.0f) continue;  // masked key
+    if (p[s] == 0.0f) continue;
     const float* vr = vh + s * vstride;
     __m256 w = _mm256_broadcast_ss(p + s);
     c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), c0);
@@ -135,16 +129,16 @@ void weighted_values_64(const float* __restrict p, const float* __restrict vh, i
     c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 48), c6);
     c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 56), c7);
   }
-  __m256 k = _mm256_set1_ps(scale);
-  _mm256_storeu_ps(out, _mm256_mul_ps(c0, k));
-  _mm256_storeu_ps(out + 8, _mm256_mul_ps(c1, k));
-  _mm256_storeu_ps(out + 16, _mm256_mul_ps(c2, k));
-  _mm256_storeu_ps(out + 24, _mm256_mul_ps(c3, k));
-  _mm256_storeu_ps(out + 32, _mm256_mul_ps(c4, k));
-  _mm256_storeu_ps(out + 40, _mm256_mul_ps(c5, k));
-  _mm256_storeu_ps(out + 48, _mm256_mul_ps(c6, k));
-  _mm256_storeu_ps(out + 56, _mm256_mul_ps(c7, k));
+  _mm256_storeu_ps(out, c0);
+  _mm256_storeu_ps(out + 8, c1);
+  _mm256_storeu_ps(out + 16, c2);
+  _mm256_storeu_ps(out + 24, c3);
+  _mm256_storeu_ps(out + 32, c4);
+  _mm256_storeu_ps(out + 40, c5);
+  _mm256_storeu_ps(out + 48, c6);
+  _mm256_storeu_ps(out + 56, c7);
 }
+
 #endif
 
 // Base-2 softmax of one row of scores in place, masked keys (allowed[s] == 0) weighted 0; returns
@@ -162,47 +156,78 @@ float softmax_row(float* __restrict sc, const float* __restrict allowed, int64_t
   return sum > 0.0f ? 1.0f / sum : 0.0f;
 }
 
-void decode_attention_kernel(const DecodeShape& sh, const float* q, const float* k, const float* v,
-                             const uint8_t* mask, float* out) {
-  const int64_t r = sh.r, S = sh.S, D = sh.D;
-  std::vector<float> scores(static_cast<size_t>(S)), allowed(static_cast<size_t>(S), 1.0f);
-  for (int64_t b = 0; b < sh.B; ++b) {
-    if (sh.mask_rows != 0 && (b == 0 || sh.mask_rows != 1)) {
-      const uint8_t* m = mask + (sh.mask_rows == 1 ? 0 : b) * S;
-      for (int64_t s = 0; s < S; ++s) allowed[s] = m[s] ? 1.0f : 0.0f;
+// Paged decode: one query position per row against the row's blocks of a KV pool. q (R, Hk, r, D)
+// pre-scaled by scale*log2(e); pools (slots, Hk, D) with rows of D contiguous; tables (R, max_blocks)
+// of block ids, lengths (R,) of keys per row. A block id outside the pool (which the runner refuses
+// before it builds the op) reads nothing: the row's output is zeros, never a stray read.
+struct PagedShape {
+  int64_t R, Hk, r, D, slots, max_blocks, block_size;
+  int64_t ks[2], vs[2];  // element strides of the pools on Hk, slot
+};
+
+void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, const float* v,
+                         const int32_t* tables, const int32_t* lengths, float* out) {
+  const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
+  std::vector<float> scores, allowed;
+  for (int64_t b = 0; b < sh.R; ++b) {
+    int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
+    const int32_t* table = tables + b * sh.max_blocks;
+    bool valid = len > 0;
+    for (int64_t j = 0; j * bs < len; ++j) valid = valid && table[j] >= 0 && table[j] < pool_blocks;
+    float* orow = out + b * sh.Hk * r * D;
+    if (!valid) {
+      std::fill(orow, orow + sh.Hk * r * D, 0.0f);
+      continue;
+    }
+    if (static_cast<int64_t>(scores.size()) < len) {
+      scores.resize(len);
+      allowed.assign(len, 1.0f);
     }
     for (int64_t h = 0; h < sh.Hk; ++h) {
-      const float* kh = k + b * sh.ks[0] + h * sh.ks[1];
-      const float* vh = v + b * sh.vs[0] + h * sh.vs[1];
-      // One query head at a time: its scores stay in L1, and the head's keys and values, read once
-      // per query head of the group, stay in L2.
+      const float* kh = k + h * sh.ks[0];
+      const float* vh = v + h * sh.vs[0];
       for (int64_t j = 0; j < r; ++j) {
         const float* qj = q + ((b * sh.Hk + h) * r + j) * D;
-        float* o = out + ((b * sh.Hk + h) * r + j) * D;
+        float* o = orow + (h * r + j) * D;
+        for (int64_t blk = 0; blk * bs < len; ++blk) {
+          int64_t n = std::min(bs, len - blk * bs);
+          const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
+          float* sc = scores.data() + blk * bs;
 #if MESHLM_AVX2
-        if (D % 64 == 0) {
-          head_scores(qj, kh, sh.ks[2], S, D, scores.data());
-          float inv = softmax_row(scores.data(), allowed.data(), S);
-          for (int64_t d = 0; d < D; d += 64) weighted_values_64(scores.data(), vh + d, sh.vs[2], S, inv, o + d);
-          continue;
-        }
+          if (D % 64 == 0) {
+            head_scores(qj, kb, sh.ks[1], n, D, sc);
+            continue;
+          }
 #endif
-        for (int64_t s = 0; s < S; ++s) {
-          const float* kr = kh + s * sh.ks[2];
-          float dot = 0.0f;
+          for (int64_t s = 0; s < n; ++s) {
+            const float* kr = kb + s * sh.ks[1];
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
-          scores[s] = dot;
+            for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
+            sc[s] = dot;
+          }
         }
-        float inv = softmax_row(scores.data(), allowed.data(), S);
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        for (int64_t s = 0; s < S; ++s) {
-          float p = scores[s] * inv;
-          if (p == 0.0f) continue;
-          const float* vr = vh + s * sh.vs[2];
+        float inv = softmax_row(scores.data(), allowed.data(), len);
+        std::fill(o, o + D, 0.0f);
+        for (int64_t blk = 0; blk * bs < len; ++blk) {
+          int64_t n = std::min(bs, len - blk * bs);
+          const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+          const float* p = scores.data() + blk * bs;
+#if MESHLM_AVX2
+          if (D % 64 == 0) {
+            for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
+            continue;
+          }
+#endif
+          for (int64_t s = 0; s < n; ++s) {
+            if (p[s] == 0.0f) continue;
+            const float* vr = vb + s * sh.vs[1];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+            for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
+          }
         }
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
   }
@@ -245,34 +270,27 @@ class Softmax2 : public CpuOnly {
   }
 };
 
-class DecodeAttention : public CpuOnly {
+class PagedDecodeAttention : public CpuOnly {
  public:
-  DecodeAttention(mx::Stream s, bool masked) : CpuOnly(s), masked_(masked) {}
-  const char* name() const override { return "MeshlmDecodeAttention"; }
+  PagedDecodeAttention(mx::Stream s, int block_size) : CpuOnly(s), block_size_(block_size) {}
+  const char* name() const override { return "MeshlmPagedDecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return masked_ == static_cast<const DecodeAttention&>(other).masked_;
+    return block_size_ == static_cast<const PagedDecodeAttention&>(other).block_size_;
   }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    const auto &q = in[0], &k = in[1], &v = in[2];
-    DecodeShape sh{q.shape(0), q.shape(1), q.shape(2), k.shape(2), q.shape(3), {}, {}, 0};
-    for (int i = 0; i < 3; ++i) {
-      sh.ks[i] = k.strides()[i];
-      sh.vs[i] = v.strides()[i];
-    }
-    const uint8_t* mask = nullptr;
-    if (masked_) {
-      sh.mask_rows = in[3].shape(0);
-      mask = in[3].data<uint8_t>();
-    }
+    const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3], &lengths = in[4];
+    PagedShape sh{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(0), tables.shape(1), block_size_,
+                  {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]}};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), mask, o = out.data<float>()]() {
-      decode_attention_kernel(sh, qp, kp, vp, mask, o);
+    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                  tp = tables.data<int32_t>(), lp = lengths.data<int32_t>(), o = out.data<float>()]() {
+      paged_decode_kernel(sh, qp, kp, vp, tp, lp, o);
     });
   }
 
  private:
-  bool masked_;
+  int block_size_;
 };
 
 mx::Stream current_stream() { return mx::to_stream(mx::StreamOrDevice{}); }
@@ -300,28 +318,29 @@ mx::array softmax2(const mx::array& scores) {
   return mx::array(sc.shape(), mx::float32, std::make_shared<Softmax2>(s), {sc});
 }
 
-// Keys/values keep their strides (a KV cache's slice is not copied) as long as
-// each row of D values is contiguous.
+// The KV pools are read in place (never copied) as long as each row of D
+// values is contiguous.
 mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
   return require_float32(a).strides().back() == 1 ? a : mx::contiguous(a, false, s);
 }
 
-mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
-                           std::optional<mx::array> mask) {
-  if (q.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || q.shape(0) != keys.shape(0) ||
-      q.shape(1) != keys.shape(1) || q.shape(3) != keys.shape(3)) {
-    throw std::invalid_argument("decode_attention: q (B, Hk, r, D), keys and values (B, Hk, S, D)");
+mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                 const mx::array& tables, const mx::array& lengths, int block_size) {
+  if (q.ndim() != 4 || k_pool.ndim() != 3 || v_pool.shape() != k_pool.shape() || q.shape(1) != k_pool.shape(1) ||
+      q.shape(3) != k_pool.shape(2)) {
+    throw std::invalid_argument("paged_decode_attention: q (R, Hk, r, D), pools (slots, Hk, D)");
+  }
+  if (block_size < 1 || k_pool.shape(0) % block_size != 0) {
+    throw std::invalid_argument("paged_decode_attention: the pools must hold whole blocks");
+  }
+  if (tables.ndim() != 2 || tables.shape(0) != q.shape(0) || lengths.ndim() != 1 || lengths.shape(0) != q.shape(0)) {
+    throw std::invalid_argument("paged_decode_attention: tables (R, max_blocks) and lengths (R,)");
   }
   auto s = current_stream();
-  std::vector<mx::array> inputs{float32_contiguous(q, s), rows_contiguous(keys, s), rows_contiguous(values, s)};
-  if (mask) {
-    auto m = *mask;
-    if (m.ndim() != 2 || m.shape(1) != keys.shape(2) || (m.shape(0) != 1 && m.shape(0) != q.shape(0))) {
-      throw std::invalid_argument("decode_attention: mask must be (B or 1, S)");
-    }
-    inputs.push_back(mx::contiguous(mx::astype(m, mx::uint8, s), false, s));
-  }
-  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(s, mask.has_value()), inputs);
+  std::vector<mx::array> inputs{float32_contiguous(q, s), rows_contiguous(k_pool, s), rows_contiguous(v_pool, s),
+                                mx::contiguous(mx::astype(tables, mx::int32, s), false, s),
+                                mx::contiguous(mx::astype(lengths, mx::int32, s), false, s)};
+  return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(s, block_size), inputs);
 }
 
 
@@ -537,6 +556,7 @@ NB_MODULE(_cpu_ops, m) {
   m.def("packed_linear", &packed_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none(),
         "x @ W (+ bias) with W packed as (N/16, K, 16) panels");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
-  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"),
-        nb::arg("mask") = nb::none(), "one query position per row; q pre-scaled by scale*log2(e)");
+  m.def("paged_decode_attention", &paged_decode_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
+        nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"),
+        "one query position per row against its blocks of a KV pool; q pre-scaled by scale*log2(e)");
 }

@@ -53,22 +53,24 @@ class FatalExit:
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
-                 watchdog=None, on_fatal=None) -> Engine:
+                 watchdog=None, on_fatal=None, kv_blocks: int | None = None) -> Engine:
     """An engine over `executor` (default: this process alone); `rank` is the leader's own share, whose
-    KV budget, block size and SSD tier the block manager plans for (every rank's are the same)."""
+    block size and SSD tier the block manager plans for; `kv_blocks`: how many blocks every rank can
+    hold (default: the leader's budget)."""
     if executor is None:
         rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler))
         executor = LocalExecutor(rank)
-    kv_tokens = rank.max_blocks * rank.block_size
+    kv_blocks = kv_blocks or rank.max_blocks
+    kv_tokens = kv_blocks * rank.block_size
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
     if max_len < 2:
         raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
-    log.info("KV budget: %d blocks of %d tokens (%d bytes each); max model len %d", rank.max_blocks,
+    log.info("KV budget: %d blocks of %d tokens (%d bytes each); max model len %d", kv_blocks,
              rank.block_size, rank.store.shape.block_bytes, max_len)
     stats = CacheStats()  # one set of counters across engine restarts
 
     def new_blocks() -> BlockManager:
-        return BlockManager(rank.max_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
+        return BlockManager(kv_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
 
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
                     watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal)
@@ -88,7 +90,7 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
     leader = start_cluster(config, argv or [], ports or ClusterPorts())  # worker ranks never return
     try:
         engine = build_engine(config, leader.loaded, leader.executor, leader.rank, watchdog=leader.watchdog,
-                              on_fatal=fatal)
+                              on_fatal=fatal, kv_blocks=leader.kv_blocks)
         leader.fail = engine.fail
         run_http(config, leader.loaded, engine, fatal)
     finally:

@@ -19,7 +19,10 @@ class Metrics:
         self.step_time = Histogram("meshlm_step_seconds", "Engine step duration", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("meshlm_queue_depth", "Sequences waiting to be admitted", registry=r)
         self.batch_size = Gauge("meshlm_batch_size", "Sequences running in the last step", registry=r)
-        self.kv_bytes = Gauge("meshlm_kv_cache_bytes", "Bytes held by KV caches", registry=r)
+        self.kv_bytes = Gauge("meshlm_kv_cache_bytes", "KV bytes allocated on the leader (running sequences and cached "
+                              "blocks alike; never above --kv-cache-memory)", registry=r)
+        self.kv_blocks_used = Gauge("meshlm_kv_blocks_used", "KV blocks held by running sequences", registry=r)
+        self.kv_blocks_cached = Gauge("meshlm_kv_blocks_cached", "KV blocks findable by the prefix cache", registry=r)
         self.preemptions = Counter("meshlm_preemptions", "Sequences preempted for recompute", registry=r)
 
     def render(self) -> bytes:
@@ -27,31 +30,36 @@ class Metrics:
 
 
 class PrefixCacheCollector:
-    """Reads prefix-cache counters at scrape time (the cache itself stays free of Prometheus)."""
+    """Reads prefix-cache counters at scrape time (the cache itself stays free of Prometheus).
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
+    `blocks()`: the engine's current block manager (a restart makes a new one, sharing its stats);
+    `rank`: the leader's RankState, for block bytes and its SSD tier."""
+
+    def __init__(self, blocks, rank) -> None:
+        self.blocks = blocks
+        self.rank = rank
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        c = self.cache
+        blocks, ssd = self.blocks(), self.rank.ssd
+        stats = blocks.stats
         hits = CounterMetricFamily("meshlm_prefix_cache_hits", "Blocks found, by tier", labels=["tier"])
-        hits.add_metric(["ram"], c.stats.hits_ram)
-        hits.add_metric(["ssd"], c.stats.hits_ssd)
+        hits.add_metric(["ram"], stats.hits_ram)
+        hits.add_metric(["ssd"], stats.hits_ssd)
         yield hits
         yield CounterMetricFamily(
             "meshlm_prefix_cache_partial_tokens", "Tokens reused from the front of a block (matches ending inside one)",
-            value=c.stats.partial_tokens,
+            value=stats.partial_tokens,
         )
-        yield CounterMetricFamily("meshlm_prefix_cache_misses", "Lookups with no cached block", value=c.stats.misses)
+        yield CounterMetricFamily("meshlm_prefix_cache_misses", "Lookups with no cached block", value=stats.misses)
         ev = CounterMetricFamily("meshlm_prefix_cache_evictions", "Blocks evicted, by tier", labels=["tier"])
-        ev.add_metric(["ram"], c.pool.evictions)
-        ev.add_metric(["ssd"], c.ssd.evictions if c.ssd else 0)
+        ev.add_metric(["ram"], stats.evictions)
+        ev.add_metric(["ssd"], ssd.evictions if ssd else 0)
         yield ev
-        size = GaugeMetricFamily("meshlm_prefix_cache_bytes", "Bytes held, by tier", labels=["tier"])
-        size.add_metric(["ram"], c.pool.nbytes)
-        size.add_metric(["ssd"], c.ssd.nbytes if c.ssd else 0)
+        size = GaugeMetricFamily("meshlm_prefix_cache_bytes", "Bytes of findable blocks, by tier", labels=["tier"])
+        size.add_metric(["ram"], blocks.num_cached * self.rank.store.shape.block_bytes)
+        size.add_metric(["ssd"], ssd.nbytes if ssd else 0)
         yield size
         yield CounterMetricFamily("meshlm_prefix_cache_ssd_dropped", "SSD block files rejected as torn, garbled or foreign",
-                                  value=c.ssd.dropped if c.ssd else 0)
+                                  value=ssd.dropped if ssd else 0)

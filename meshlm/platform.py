@@ -70,3 +70,16 @@ def resolve_dtype(requested: str, model_dtype: str) -> str:
     if requested != "auto":
         return requested
     return model_dtype if default_device_is_gpu() else "float32"
+
+
+DEFAULT_KV_FRACTION = 0.25  # of physical RAM, when --kv-cache-memory is not given
+DEFAULT_KV_CAP = 8 * 2**30
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_budget_bytes(scheduler) -> int:
+    """--kv-cache-memory (SchedulerConfig.kv_cache_memory), else a quarter of RAM up to 8 GiB."""
+    return scheduler.kv_cache_memory or min(int(physical_memory() * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)

@@ -1,9 +1,14 @@
 """StepPlan: the scheduler's decision for one step, the only control message that crosses ranks.
 
-New sequences travel in full (their first chunk, cached-prefix length and
-sampling parameters), running ones as diffs (the next chunk of token ids; for a
-decoding sequence that is the single token the leader sampled last step).
-Every rank applies the plan and checks `fingerprint` against its own batch.
+New sequences travel in full (their cached-prefix length), running ones as
+diffs: the next chunk of token ids (for a decoding sequence, the one token the
+leader sampled last step) and the blocks appended to their tables. Block ops
+(copies for partial prefix hits, SSD loads and saves) say what every rank does
+to its KV pools before and after the forward. Every rank applies the plan and
+checks `fingerprint` against its own batch.
+
+Workers read every field here; what only the leader needs (sampling
+parameters, prompts, stop strings) never travels.
 """
 
 from __future__ import annotations
@@ -12,25 +17,61 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from meshlm.engine.request import SamplingParams
+LOGITS_NONE, LOGITS_LAST, LOGITS_ALL = 0, 1, 2  # which positions of a chunk get logits
 
 
 @dataclass(frozen=True)
 class NewSequence:
     uid: int
-    cached_len: int  # tokens restored from the prefix cache; the first chunk starts here
-    params: SamplingParams
-    prefix_ids: tuple[int, ...] = ()  # the cached tokens themselves, so every rank derives the block keys
+    cached_len: int  # positions whose KV the sequence holds from the prefix cache once the step's ops ran
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens of one sequence to run this step, starting at position `start`."""
+    """Tokens of one sequence to run this step, at positions `start`, `start + 1`, ..."""
 
     uid: int
     start: int
     token_ids: tuple[int, ...]
-    sample: bool  # True when this chunk reaches the end of the sequence's tokens
+    logits: int = LOGITS_NONE  # LOGITS_LAST: this chunk reaches the end of the sequence's tokens
+
+    @property
+    def sample(self) -> bool:
+        return self.logits != LOGITS_NONE
+
+
+@dataclass(frozen=True)
+class TableUpdate:
+    uid: int
+    blocks: tuple[int, ...]  # appended to the sequence's block table
+
+
+@dataclass(frozen=True)
+class Trim:
+    """Keep a sequence's first `length` positions (speculative rollback); its table keeps `blocks` blocks."""
+
+    uid: int
+    length: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    src: int
+    dst: int
+    tokens: int  # the first `tokens` positions of `src` (a partial prefix hit, copy-on-write)
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    key: bytes
+    block: int  # read the block named `key` from this rank's SSD tier into `block`
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    block: int
+    key: bytes  # after the forward, write `block` to this rank's SSD tier as `key`
 
 
 @dataclass(frozen=True)
@@ -39,6 +80,12 @@ class StepPlan:
     new: tuple[NewSequence, ...] = ()
     chunks: tuple[Chunk, ...] = ()
     removed: tuple[int, ...] = ()
+    tables: tuple[TableUpdate, ...] = ()
+    trims: tuple[Trim, ...] = ()
+    copies: tuple[BlockCopy, ...] = ()
+    loads: tuple[BlockLoad, ...] = ()
+    saves: tuple[BlockSave, ...] = ()
+    num_blocks: int = 0  # block ids below this may appear: every rank's pools must hold them
     fingerprint: int = 0
 
     @property
@@ -47,11 +94,11 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.new or self.chunks or self.removed)
+        return not (self.new or self.chunks or self.removed or self.trims or self.saves)
 
 
 def batch_fingerprint(lengths: dict[int, int]) -> int:
-    """64-bit digest of the active batch (uid -> tokens in KV after the step).
+    """64-bit digest of the active batch (uid -> positions in KV after the step).
 
     Ranks compute it independently after applying a plan; any difference means
     they no longer hold the same batch (split brain).

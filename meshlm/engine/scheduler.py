@@ -1,31 +1,30 @@
-"""The scheduler: decides each step by token accounting.
+"""The scheduler: decides each step by token accounting, and budgets KV in blocks.
 
 Every sequence wants `num_tokens - num_computed_tokens` more tokens run. Each
 step the scheduler hands out a token budget: one token to every decoding
 sequence first (so running streams never stall behind a long prompt), then
 prefill chunks to sequences still reading their prompt, then admits waiting
-sequences while batch size and the KV budget allow. When the KV budget is full
-the most recently admitted sequence is preempted and later recomputed.
+sequences while batch size and KV blocks allow. Blocks come from the block
+manager (kv/blocks.py), so `--kv-cache-memory` is exact: a sequence holds
+ceil(positions / block_size) blocks, cached prefixes are shared, and nothing
+is padded. When blocks run out the most recently admitted sequence is
+preempted and later recomputed (its committed blocks stay cached, so the
+recompute is mostly a prefix hit).
 
-It never touches arrays: it sees uids, lengths and token ids only.
+It never touches arrays: it sees uids, lengths, token ids and block ids only.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
 from meshlm.config import SchedulerConfig
-from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
+from meshlm.engine.plan import (LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk, NewSequence,
+                                StepPlan, TableUpdate, batch_fingerprint)
 from meshlm.engine.request import FinishReason, Sequence, SeqStatus
-
-
-class PrefixIndex(Protocol):
-    """What the scheduler needs of the prefix cache: counts, never arrays."""
-
-    def match(self, token_ids: list[int]) -> int: ...
+from meshlm.kv.blocks import BlockManager
 
 
 class QueueFull(Exception):
@@ -38,23 +37,28 @@ class Finished:
     reason: FinishReason
 
 
+@dataclass
+class _Draft:
+    """The plan being built this step."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    new: list[NewSequence] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    copies: list[BlockCopy] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv_budget_tokens: int,
-        max_model_len: int,
-        eos_token_ids: frozenset[int] = frozenset(),
-        prefix: PrefixIndex | None = None,
-    ) -> None:
-        self.prefix = prefix
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
-        self.kv_budget_tokens = kv_budget_tokens
+        self.blocks = blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._to_remove: list[int] = []  # uids whose KV ranks must drop next step
+        self._saves: list[BlockSave] = []  # committed blocks to write through, in the next plan
         self._step_ids = itertools.count()
         self.num_preemptions = 0
 
@@ -72,72 +76,78 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._to_remove)
-
-    @property
-    def kv_tokens_used(self) -> int:
-        return sum(s.num_computed_tokens for s in self.running)
+        return bool(self.running or self.waiting or self._to_remove or self._saves)
 
     # -- the step ---------------------------------------------------------
     def schedule(self) -> tuple[StepPlan, list[Finished]]:
         """Plan one step. Returns the plan and sequences that ended without running (aborts)."""
         ended = self._reap()
+        draft = _Draft()
         budget = self.config.max_tokens_per_step
-        chunks: list[Chunk] = []
-        free_kv = self.kv_budget_tokens - self.kv_tokens_used
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted for an older one
-                continue
-            want = min(seq.remaining, budget)
-            while want > free_kv and self._preempt_newer_than(seq):
-                free_kv = self.kv_budget_tokens - self.kv_tokens_used - _planned(chunks)
-            want = min(want, free_kv)
-            if want <= 0:
-                if seq.remaining == 1 and len(self.running) > 1:
-                    # Every decoding row must advance each step; out of KV it yields.
-                    self._preempt(seq)
-                continue
-            chunks.append(_chunk(seq, want))
-            budget -= want
-            free_kv -= want
-        new = self._admit(chunks, budget, free_kv)
+            if seq in self.running:
+                budget -= self._continue(seq, budget, draft)
+        self._admit(draft, budget)
         plan = StepPlan(
             step_id=next(self._step_ids),
-            new=tuple(new),
-            chunks=tuple(chunks),
+            new=tuple(draft.new),
+            chunks=tuple(draft.chunks),
             removed=tuple(self._to_remove),
-            fingerprint=batch_fingerprint(self._lengths_after(chunks)),
+            tables=tuple(TableUpdate(uid, tuple(b)) for uid, b in draft.tables.items() if b),
+            copies=tuple(draft.copies),
+            loads=tuple(draft.loads),
+            saves=tuple(self._saves),
+            num_blocks=self.blocks.high_water,
+            fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )
-        self._to_remove = []
+        self._to_remove, self._saves = [], []
+        self.blocks.end_step()
         return plan, ended
 
-    def _admit(self, chunks: list[Chunk], budget: int, free_kv: int) -> list[NewSequence]:
-        new: list[NewSequence] = []
+    def _continue(self, seq: Sequence, budget: int, draft: _Draft) -> int:
+        """Plan the next chunk of a running sequence; returns the tokens it takes."""
+        want = min(seq.remaining, budget)
+        while (new := self.blocks.allocate(seq.uid, seq.num_computed_tokens + want)) is None:
+            if not self._preempt_newer_than(seq):
+                break
+        if new is None:  # as much as its blocks and the free ones cover
+            cover = (len(self.blocks.table(seq.uid)) + self.blocks.num_free) * self.blocks.block_size
+            want = min(want, cover - seq.num_computed_tokens)
+            new = self.blocks.allocate(seq.uid, seq.num_computed_tokens + want) if want > 0 else None
+        if new is None:
+            if seq.remaining == 1 and len(self.running) > 1:
+                self._preempt(seq)  # every decoding row must advance each step; out of KV it yields
+            return 0
+        draft.tables.setdefault(seq.uid, []).extend(new)
+        draft.chunks.append(_chunk(seq, want))
+        return want
+
+    def _admit(self, draft: _Draft, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            # Admit only when the whole prompt (+1 generated) fits in KV, so a
-            # fresh sequence never forces an older one out mid-prefill.
-            if seq.num_tokens + 1 > free_kv:
+            # Admit only when the whole prompt (+1 generated) fits, so a fresh sequence never
+            # forces an older one out mid-prefill.
+            if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_free:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            ids = seq.all_ids
-            if self.prefix is not None:
-                # The last token is always computed: its logits give the next token.
-                seq.num_cached_tokens = self.prefix.match(ids[: len(ids) - 1])
-            seq.num_computed_tokens = seq.num_cached_tokens
+            # The last token is always computed: its logits give the next token.
+            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1))
+            seq.num_cached_tokens = seq.num_computed_tokens = m.tokens
             self.running.append(seq)
-            prefix_ids = tuple(ids[: seq.num_cached_tokens])
-            new.append(NewSequence(seq.uid, seq.num_cached_tokens, seq.params, prefix_ids))
+            draft.new.append(NewSequence(seq.uid, m.tokens))
+            draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
+            if m.copy is not None:
+                draft.copies.append(BlockCopy(*m.copy))
             want = min(seq.remaining, budget)
-            chunks.append(_chunk(seq, want))
+            self.blocks.allocate(seq.uid, seq.num_computed_tokens + want)  # fits: checked above
+            draft.tables[seq.uid] = list(self.blocks.table(seq.uid))
+            draft.chunks.append(_chunk(seq, want))
             budget -= want
-            free_kv -= seq.num_tokens + 1
-        return new
 
     def _reap(self) -> list[Finished]:
         """Drop finished and aborted sequences; their KV is freed by this step's plan."""
@@ -147,13 +157,17 @@ class Scheduler:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
                 ended.append(Finished(seq, FinishReason.ABORT))
             if seq.finished:
-                self.running.remove(seq)
-                self._to_remove.append(seq.uid)
+                self._leave(seq)
         for seq in [s for s in self.waiting if s.aborted]:
             self.waiting.remove(seq)
             seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
             ended.append(Finished(seq, FinishReason.ABORT))
         return ended
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._to_remove.append(seq.uid)
+        self.blocks.free(seq.uid)
 
     def _preempt_newer_than(self, seq: Sequence) -> bool:
         """Free KV by sending the most recently admitted sequence back to wait (recompute)."""
@@ -163,8 +177,7 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Sequence) -> None:
-        self.running.remove(victim)
-        self._to_remove.append(victim.uid)
+        self._leave(victim)
         victim.status = SeqStatus.WAITING
         victim.num_computed_tokens = 0
         victim.num_cached_tokens = 0
@@ -180,7 +193,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Finished]:
-        """Apply a step's results: advance computed counts, append sampled tokens, finish."""
+        """Apply a step's results: advance computed counts, commit full blocks, append sampled tokens."""
         by_uid = {s.uid: s for s in self.running}
         finished: list[Finished] = []
         for chunk in plan.chunks:
@@ -188,6 +201,7 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
+            self._commit(seq)
             token = sampled.get(chunk.uid)
             if token is None or seq.finished:
                 continue
@@ -197,6 +211,10 @@ class Scheduler:
                 self.finish(seq, reason)
                 finished.append(Finished(seq, reason))
         return finished
+
+    def _commit(self, seq: Sequence) -> None:
+        saves = self.blocks.commit(seq.uid, seq.token_slice, seq.num_computed_tokens)
+        self._saves.extend(BlockSave(block, key) for block, key in saves)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (EOS, length, stop string); it leaves the batch next step."""
@@ -217,6 +235,8 @@ class Scheduler:
         seqs = [s for s in itertools.chain(self.running, self.waiting) if not s.finished]
         for seq in seqs:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ERROR
+        for seq in self.running:
+            self.blocks.free(seq.uid)
         self.running.clear()
         self.waiting.clear()
         return seqs
@@ -225,8 +245,4 @@ class Scheduler:
 def _chunk(seq: Sequence, n: int) -> Chunk:
     start = seq.num_computed_tokens
     ids = seq.token_slice(start, start + n)  # decode: just the last token, not a copy of all
-    return Chunk(seq.uid, start, tuple(ids), sample=start + n == seq.num_tokens)
-
-
-def _planned(chunks: list[Chunk]) -> int:
-    return sum(len(c.token_ids) for c in chunks)
+    return Chunk(seq.uid, start, tuple(ids), LOGITS_LAST if start + n == seq.num_tokens else LOGITS_NONE)

@@ -501,7 +501,7 @@ class ControlWorker:
 
     def __init__(self, leader_host: str, port: int, rank: int, fingerprint: str, timeout: float = DEFAULT_TIMEOUT,
                  *, world_size: int, secret: ClusterSecret, connect_timeout: float | None = None,
-                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
+                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD, kv_blocks: int = 0) -> None:
         """`timeout`: longest silence from the leader (heartbeats included) before LeaderLost.
         `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME;
         make it at least the leader's handshake timeout. `secret`: proves this rank to the
@@ -510,6 +510,7 @@ class ControlWorker:
             raise ValueError(f"worker rank must be in 1..{world_size - 1}, got {rank}")
         self.leader_host, self.port = leader_host, port
         self.rank, self.world_size, self.fingerprint = rank, world_size, fingerprint
+        self.kv_blocks = kv_blocks
         self.timeout = timeout
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_payload = max_payload
@@ -523,7 +524,8 @@ class ControlWorker:
         deadline = time.monotonic() + self.connect_timeout
         self._link = Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
         try:
-            joining = Joining(Hello(self.rank, self.world_size, self.fingerprint, new_nonce()), self._leader)
+            joining = Joining(Hello(self.rank, self.world_size, self.fingerprint, new_nonce(), self.kv_blocks),
+                              self._leader)
             welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
         except LeaderLost as e:
             self.close()

@@ -433,3 +433,21 @@ def test_bad_cluster_settings_fail_before_loading(model, args, words):
     for w in words:
         assert w in r.stderr
     assert "loaded" not in r.stderr and time.monotonic() - t0 < 30
+
+
+def test_ranks_plan_within_the_smallest_kv_budget(model, tmp_path):
+    """A worker with less KV memory than the leader: the leader hands out only the blocks every rank can
+    hold (it learns each rank's budget in the handshake), so no plan can name a block a rank lacks."""
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0, extra=("--kv-cache-memory", "64MiB")),
+             hc.start(model, 1, extra=("--kv-cache-memory", "256KiB"))]  # 512 positions of this model a rank
+    try:
+        wait_healthy(hc.url, procs)
+        assert "KV blocks limited to 16 by the smallest rank's --kv-cache-memory" in hc.log(0).read_text()
+        r = complete(hc.url, [(7 * i) % 500 + 3 for i in range(300)], n=16)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        too_long = complete(hc.url, [5] * 600)
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.get(hc.url + "/health").status_code == 200
+    finally:
+        finish(procs)

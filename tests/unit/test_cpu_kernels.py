@@ -1,9 +1,10 @@
-"""The CPU attention and SwiGLU agree with mlx's own kernels to fp32 rounding."""
+"""The CPU kernels (attention, paged decode, SwiGLU, packed linears) agree with mlx's own to fp32 rounding."""
 
 import shutil
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
@@ -12,13 +13,12 @@ from meshlm.model import cpu_kernels
 TOL = 5e-6  # outputs are O(1); the kernels differ only in exp vs power(2, .) rounding
 
 
-def reference(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+def reference(queries, keys, values, scale=1.0, mask=None):
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def ours(q, k, v, mask, split_decode=False, native=None):
-    return cpu_kernels.attention(q, k, v, None, 0.125, mask, _fallback=reference, split_decode=split_decode,
-                                 native=native)
+def ours(q, k, v, mask, native=None):
+    return cpu_kernels.attention(q, k, v, 0.125, native, mask)
 
 
 NATIVE, NATIVE_STATUS = cpu_kernels.native_ops()
@@ -67,37 +67,29 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind, native):
     assert mx.abs(got - want).max().item() < TOL
 
 
-@pytest.mark.parametrize("native", KERNELS)
-@pytest.mark.parametrize("rows", [8, 15])
-def test_decode_split_over_two_streams_matches_mlx(rows, native):
-    """With a core to spare, half a decode batch's attention runs on a second CPU stream."""
-    q, k, v = mx.random.normal((rows, 9, 1, 64)), mx.random.normal((rows, 3, 90, 64)), mx.random.normal((rows, 3, 90, 64))
-    mask = mx.random.uniform(shape=(rows, 1, 1, 90)) > 0.2
-    want = reference(q, k, v, scale=0.125, mask=mask)
-    assert mx.abs(ours(q, k, v, mask, split_decode=True, native=native) - want).max().item() < TOL
+@pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the native kernel's 64-wide passes, and its generic loop
+def test_paged_decode_reads_each_rows_blocks_in_place(head_dim):
+    bs, blocks = 8, 12
+    pool_k, pool_v = mx.random.normal((blocks * bs, 2, head_dim)), mx.random.normal((blocks * bs, 2, head_dim))
+    tables = mx.array([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
+    lengths = [19, 3, 32]
+    q = mx.random.normal((3, 2, 4, head_dim))  # two KV heads, four query heads each
+    got = NATIVE.paged_decode_attention(q * (0.125 * cpu_kernels.LOG2E), pool_k, pool_v, tables, mx.array(lengths), bs)
+    for b, n in enumerate(lengths):
+        slots = mx.array([tables[b, p // bs].item() * bs + p % bs for p in range(n)])
+        keys, values = pool_k[slots].transpose(1, 0, 2)[None], pool_v[slots].transpose(1, 0, 2)[None]
+        want = reference(q[b].reshape(1, 8, 1, head_dim), keys, values, scale=0.125)
+        assert mx.abs(got[b].reshape(8, head_dim) - want.reshape(8, head_dim)).max().item() < TOL
 
 
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
-def test_native_decode_reads_a_kv_cache_slice_in_place():
-    """A decode's keys are the first S positions of a longer cache buffer: the kernel walks its strides
-    (no copy), and a mask that differs per head falls back to the MLX path, with the same result."""
-    cache_k, cache_v = mx.random.normal((4, 2, 256, 32)), mx.random.normal((4, 2, 256, 32))
-    k, v = cache_k[:, :, :70], cache_v[:, :, :70]
-    q = mx.random.normal((4, 6, 1, 32))
-    for mask in (mx.arange(70)[None, None, None] >= mx.array([0, 3, 9, 69])[:, None, None, None],
-                 mx.random.uniform(shape=(4, 6, 1, 70)) > 0.5):
-        want = reference(q, mx.contiguous(k), mx.contiguous(v), scale=0.125, mask=mask)
-        assert mx.abs(ours(q, k, v, mask, native=NATIVE) - want).max().item() < TOL
-
-
-@pytest.mark.parametrize("native", KERNELS)
-@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the native decode kernel's 64-wide passes, and its fallback
-def test_decode_head_dims(native, head_dim):
-    q = mx.random.normal((3, 8, 1, head_dim))
-    k, v = mx.random.normal((3, 2, 45, head_dim)), mx.random.normal((3, 2, 45, head_dim))
-    mask = mx.arange(45)[None, None, None] >= mx.array([0, 7, 44])[:, None, None, None]
-    want = reference(q, k, v, scale=0.125, mask=mask)
-    assert mx.abs(ours(q, k, v, mask, native=native) - want).max().item() < TOL
+def test_paged_decode_reads_nothing_outside_the_pool():
+    """A block id past the pool (which the runner refuses first) gives zeros for that row, never a stray read."""
+    pool = mx.random.normal((4 * 8, 1, 16))
+    q = mx.random.normal((2, 1, 1, 16))
+    got = NATIVE.paged_decode_attention(q, pool, pool, mx.array([[0, 99], [1, 2]]), mx.array([12, 10]), 8)
+    assert mx.abs(got[0]).max().item() == 0 and mx.abs(got[1]).max().item() > 0
 
 
 @pytest.mark.parametrize("native", KERNELS)
@@ -113,49 +105,40 @@ def test_fully_masked_rows_stay_finite(native):
 
 
 @pytest.mark.parametrize("native", KERNELS)
-def test_swiglu_matches_mlx(native, monkeypatch):
+def test_swiglu_matches_mlx(native):
     gate = mx.random.normal((4, 300)) * 12  # large |gate| exercises power's overflow to inf
     x = mx.random.normal((4, 300))
-    monkeypatch.setattr(cpu_kernels, "_native", native)
-    ours_swiglu = cpu_kernels.native_swiglu if native is not None else cpu_kernels.swiglu
+    ours_swiglu = cpu_kernels.swiglu_for(native)
     assert mx.abs(ours_swiglu(gate, x) - mlx_swiglu(gate, x)).max().item() < TOL
     assert mx.abs(ours_swiglu(gate[:, :1], x) - mlx_swiglu(gate[:, :1], x)).max().item() < TOL  # broadcast
 
 
-def test_half_precision_uses_the_fallback():
-    calls = []
-
-    def fallback(*args, **kwargs):
-        calls.append(1)
-        return reference(*args, **kwargs)
-
-    q = mx.random.normal((1, 2, 3, 8)).astype(mx.bfloat16)
-    cpu_kernels.attention(q, q, q, None, 0.3, "causal", _fallback=fallback)
-    assert calls == [1]
-
-
-def test_install_patches_the_models_module_and_keeps_its_outputs(monkeypatch):
+def test_adapting_a_model_keeps_stock_mlx_lm_calls_working():
+    """model/adapt.py changes this model's instances only: its module's attention function routes
+    meshlm's caches to meshlm and leaves every other call to mlx-lm (a second, stock model is unaffected)."""
     from mlx_lm.models import llama
 
-    # Restored at teardown, so other tests in this process see stock mlx-lm.
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
-    monkeypatch.setattr(llama, "swiglu", llama.swiglu)
+    from meshlm.model.adapt import GatedMLP, TokenRoPE, adapt
+
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
-    model = llama.Model(args)
+    model, stock = llama.Model(args), llama.Model(args)
+    stock.update(model.parameters())
     tokens = mx.array([[1, 5, 9, 2, 7, 3]])
     want = model(tokens)
-    assert cpu_kernels.install(model)
-    assert llama.swiglu is (cpu_kernels.swiglu if NATIVE is None else cpu_kernels.native_swiglu)
+    adapt(model, cpu_kernels_on=True, native=NATIVE)
+    seam = llama.scaled_dot_product_attention
+    assert seam.meshlm_seam
+    assert isinstance(model.layers[0].self_attn.rope, TokenRoPE) and isinstance(model.layers[1].mlp, GatedMLP)
     linear_type = cpu_kernels.PackedLinear if NATIVE is not None and NATIVE.packed_gemm else cpu_kernels.TransposedLinear
     assert isinstance(model.layers[1].mlp.down_proj, linear_type)
-    assert cpu_kernels.install(model)  # idempotent: does not wrap itself
-    assert mx.abs(model(tokens) - want).max().item() < 1e-4
+    adapt(model, cpu_kernels_on=True, native=NATIVE)  # idempotent: nothing wraps itself
+    assert llama.scaled_dot_product_attention is seam and isinstance(model.layers[0].self_attn.rope.inner, nn.RoPE)
+    assert mx.abs(model(tokens) - want).max().item() < 1e-4  # mlx-lm's own call path still works
+    assert mx.abs(stock(tokens) - want).max().item() < 1e-5
 
 
 def test_transposed_linears_keep_outputs_and_skip_what_they_cannot_hold():
-    import mlx.nn as nn
-
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -182,46 +165,55 @@ def test_transposed_linears_keep_outputs_and_skip_what_they_cannot_hold():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_every_tiny_architecture_keeps_its_logits(tmp_path, monkeypatch, model_type):
-    """Each architecture `meshlm demo-model --tiny` writes: prefill and cached decode logits with the CPU
-    kernels (and a decode batch split over two streams) match stock mlx-lm's."""
-    import sys
-
+@pytest.mark.parametrize("backend", ["native", "mlx-cpu", "portable"])
+def test_every_tiny_architecture_keeps_its_logits(tmp_path, model_type, backend):
+    """Each architecture `meshlm demo-model --tiny` writes, run by meshlm's runner over its KV store with
+    each attention backend: prefill, then batched decode of two rows; logits equal stock mlx-lm's."""
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
+    from meshlm.config import CacheConfig, ModelConfig
+    from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
+    from meshlm.executor.rank import build_rank
     from meshlm.model import demo
+    from meshlm.model.loader import load_model
 
-    model, _ = mlx_lm.load(str(demo.make_tiny(tmp_path, model_type=model_type, seed=3)))
-    prompts = mx.array([[5, 17, 42, 9, 100, 7, 3, 64]] * 3) + mx.arange(3)[:, None]
-
-    def logits() -> list[mx.array]:
-        cache = make_prompt_cache(model)
-        out = [model(prompts, cache=cache)]
+    if backend == "native" and NATIVE is None:
+        pytest.skip(NATIVE_STATUS)
+    path = demo.make_tiny(tmp_path, model_type=model_type, seed=3)
+    stock, _ = mlx_lm.load(str(path))
+    prompts = [[5, 17, 42, 9, 100, 7, 3, 64], [6, 18, 43]]
+    want = []
+    for p in prompts:
+        cache = make_prompt_cache(stock)
+        rows = [stock(mx.array([p]), cache=cache)[0, -1]]
         for _ in range(3):
-            out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
-        return out
-
-    want = logits()
-    module = sys.modules[type(model).__module__]
-    for name in ("scaled_dot_product_attention", "swiglu"):
-        monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(cpu_kernels, "SPLIT_DECODE_ROWS", 2)
-    assert cpu_kernels.install(model, cores=2)
-    got = logits()
-    assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) < 1e-4
+            rows.append(stock(mx.argmax(rows[-1])[None, None], cache=cache)[0, -1])
+        want.append(rows)
+    cfg = ModelConfig(str(path), cpu_kernels=backend != "portable", native_kernels=backend == "native")
+    rank = build_rank(load_model(cfg), cfg, CacheConfig(enabled=False, block_size=4), 2**22)
+    got: list[list[mx.array]] = [[], []]
+    plan = StepPlan(0, new=(NewSequence(0, 0), NewSequence(1, 0)),
+                    chunks=tuple(Chunk(u, 0, tuple(p), LOGITS_LAST) for u, p in enumerate(prompts)),
+                    tables=(TableUpdate(0, (0, 1, 2)), TableUpdate(1, (3, 4))), num_blocks=5)
+    for step in range(4):
+        result = rank.step(plan)
+        for i, uid in enumerate(result.uids):
+            got[uid].append(result.logits[i])
+        nxt = {uid: mx.argmax(result.logits[i]).item() for i, uid in enumerate(result.uids)}
+        plan = StepPlan(step + 1, num_blocks=5, chunks=tuple(
+            Chunk(u, len(prompts[u]) + step, (nxt[u],), LOGITS_LAST) for u in (0, 1)))
+    for uid in (0, 1):
+        assert max(mx.abs(g - w).max().item() for g, w in zip(got[uid], want[uid])) < 1e-4
 
 
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel and its tails
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
-    import mlx.nn as nn
-
-    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
+def test_packed_linear_matches_nn_linear(rows, bias):
     linear = nn.Linear(96, 160, bias=bias)
     x = mx.random.normal((rows, 96))
-    packed = cpu_kernels.PackedLinear(linear)
+    packed = cpu_kernels.PackedLinear(linear, NATIVE)
     assert packed["weight_p"].shape == (10, 96, 16)
     assert mx.array_equal(packed.weight, linear.weight).item()
     assert mx.abs(packed(x) - linear(x)).max().item() < 1e-5
@@ -231,14 +223,11 @@ def test_packed_linear_matches_nn_linear(rows, bias, monkeypatch):
 
 
 @NEEDS_PACKED_GEMM
-def test_packed_gemm_threads_and_streams(monkeypatch):
+def test_packed_gemm_threads_and_streams():
     """Two threads share a GEMM's panels; a GEMM from a second stream meanwhile runs alone. Many calls in
     a row, so the helper thread's sleep/wake hand-off is exercised as well."""
-    import mlx.nn as nn
-
-    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
     NATIVE.set_gemm_threads(2)
-    layers = [cpu_kernels.PackedLinear(nn.Linear(128, 256)) for _ in range(3)]
+    layers = [cpu_kernels.PackedLinear(nn.Linear(128, 256), NATIVE) for _ in range(3)]
     refs = [nn.Linear(128, 256) for _ in range(3)]
     for ref, layer in zip(refs, layers):
         ref.update({"weight": layer.weight, "bias": layer.bias})
@@ -256,14 +245,11 @@ def test_packed_gemm_threads_and_streams(monkeypatch):
 
 
 @NEEDS_PACKED_GEMM
-def test_transpose_linears_packs_where_the_panel_fits(monkeypatch):
-    import mlx.nn as nn
-
-    monkeypatch.setattr(cpu_kernels, "_native", NATIVE)
+def test_transpose_linears_packs_where_the_panel_fits():
     block = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False))  # 40 outputs: not a multiple of 16
     x = mx.random.normal((3, 64))
     want = block(x)
-    assert cpu_kernels.transpose_linears(block, packed=True) == 2
+    assert cpu_kernels.transpose_linears(block, NATIVE) == 2
     assert type(block.layers[0]) is cpu_kernels.PackedLinear
     assert type(block.layers[1]) is cpu_kernels.TransposedLinear
     assert mx.abs(block(x) - want).max().item() < 1e-5
@@ -281,6 +267,10 @@ def test_native_ops_reject_bad_shapes_with_clear_errors():
         NATIVE.softmax2(mx.array(1.0))
     with pytest.raises(ValueError, match="float32"):
         NATIVE.swiglu(mx.zeros((2,), dtype=mx.float16), mx.zeros((2,), dtype=mx.float16))
-    with pytest.raises(ValueError, match="mask must be"):
-        NATIVE.decode_attention(mx.zeros((2, 1, 3, 8)), mx.zeros((2, 1, 5, 8)), mx.zeros((2, 1, 5, 8)),
-                                mx.ones((3, 5), dtype=mx.bool_))
+    pool = mx.zeros((16, 1, 8))
+    with pytest.raises(ValueError, match="tables"):
+        NATIVE.paged_decode_attention(mx.zeros((2, 1, 3, 8)), pool, pool, mx.zeros((3, 2)), mx.zeros((2,)), 8)
+    with pytest.raises(ValueError, match="whole blocks"):
+        NATIVE.paged_decode_attention(mx.zeros((2, 1, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 5)
+    with pytest.raises(ValueError, match="pools"):
+        NATIVE.paged_decode_attention(mx.zeros((2, 2, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 8)

@@ -7,8 +7,7 @@ import itertools
 
 import pytest
 
-from meshlm.engine.plan import Chunk, NewSequence, StepPlan, batch_fingerprint
-from meshlm.engine.request import SamplingParams
+from meshlm.engine.plan import LOGITS_LAST, LOGITS_NONE, BlockSave, Chunk, NewSequence, StepPlan, batch_fingerprint
 
 
 def test_fingerprint_is_independent_of_dict_order():
@@ -42,16 +41,18 @@ def test_plan_token_count_and_emptiness():
     assert StepPlan(step_id=0).empty and StepPlan(step_id=0).num_tokens == 0
     plan = StepPlan(
         step_id=1,
-        new=(NewSequence(uid=2, cached_len=0, params=SamplingParams()),),
-        chunks=(Chunk(1, 7, (42,), sample=True), Chunk(2, 0, (1, 2, 3), sample=False)),
+        new=(NewSequence(uid=2, cached_len=0),),
+        chunks=(Chunk(1, 7, (42,), LOGITS_LAST), Chunk(2, 0, (1, 2, 3), LOGITS_NONE)),
     )
     assert plan.num_tokens == 4 and not plan.empty
+    assert plan.chunks[0].sample and not plan.chunks[1].sample
     assert not StepPlan(step_id=2, removed=(5,)).empty  # a removal alone must still be sent
+    assert not StepPlan(step_id=3, saves=(BlockSave(0, b"k" * 16),)).empty  # so must blocks to save
 
 
 def test_plan_is_immutable_and_compares_by_value():
-    a = StepPlan(step_id=0, chunks=(Chunk(1, 0, (1, 2), sample=True),), fingerprint=9)
-    b = StepPlan(step_id=0, chunks=(Chunk(1, 0, (1, 2), sample=True),), fingerprint=9)
+    a = StepPlan(step_id=0, chunks=(Chunk(1, 0, (1, 2), LOGITS_LAST),), fingerprint=9)
+    b = StepPlan(step_id=0, chunks=(Chunk(1, 0, (1, 2), LOGITS_LAST),), fingerprint=9)
     assert a == b and hash(a) == hash(b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.step_id = 1  # type: ignore[misc]

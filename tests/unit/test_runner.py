@@ -1,8 +1,6 @@
-"""The runner on a tiny random llama: batched, chunked execution equals running each sequence alone.
-
-The reference runs one sequence with mlx-lm's own per-sequence cache, so the
-runner's left-padded batch caches (join by extend, leave by filter) are checked
-against code that shares nothing with them.
+"""The runner on a tiny random llama, over meshlm's KV store: batched, chunked, paged execution equals
+running each sequence alone with stock mlx-lm (its own dense KVCache, its own attention), on every
+attention backend.
 """
 
 from __future__ import annotations
@@ -15,27 +13,42 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from meshlm.config import SchedulerConfig
-from meshlm.engine.plan import Chunk, StepPlan, batch_fingerprint
+from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint
 from meshlm.engine.request import SamplingParams, Sequence
 from meshlm.engine.scheduler import Scheduler
-from meshlm.model import demo
-from meshlm.model.runner import Runner, SplitBrain
-from meshlm.parallel.local import LocalExecutor
+from meshlm.executor.local import LocalExecutor
+from meshlm.executor.rank import RankState, build_rank
+from meshlm.kv.blocks import BlockManager
+from meshlm.model import cpu_kernels, demo
+from meshlm.model.loader import load_model
+from meshlm.model.runner import SplitBrain
 
 VOCAB = 400  # ids the tiny model knows (its tokenizer has ~500)
+BS = 8
+NATIVE, NATIVE_STATUS = cpu_kernels.native_ops()
+BACKENDS = [
+    pytest.param(("native",), id="native", marks=pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))),
+    pytest.param(("mlx-cpu",), id="mlx-cpu"),
+    pytest.param(("portable",), id="portable"),
+]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = demo.make_tiny(tmp_path_factory.mktemp("tiny"), model_type="llama", seed=0)
+def path(tmp_path_factory):
+    return demo.make_tiny(tmp_path_factory.mktemp("tiny"), model_type="llama", seed=0)
+
+
+def make_rank(path, backend: str = "native", budget: int = 2**24, block_size: int = BS,
+              prefix: bool = True) -> RankState:
+    cfg = ModelConfig(str(path), cpu_kernels=backend != "portable", native_kernels=backend == "native")
+    return build_rank(load_model(cfg), cfg, CacheConfig(enabled=prefix, ssd=False, block_size=block_size), budget)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """Greedy tokens and per-token logits of one sequence run alone by stock mlx-lm (memoised)."""
     model, _ = mlx_lm.load(str(path))
-    return model
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    """Greedy tokens and per-token logits of one sequence run alone (memoised)."""
     memo: dict[tuple, tuple[list[int], list[mx.array]]] = {}
 
     def run(prompt: list[int], n: int):
@@ -64,15 +77,17 @@ class Workload:
 
 
 def make_workload(n: int = 16, seed: int = 0) -> Workload:
-    """Four short prompts at step 0 (prefilled together in one padded forward), then
-    long prompts (prefilled in chunks) and short ones arriving while others decode."""
+    """Short prompts at step 0, then long prompts (prefilled in chunks) and short ones arriving while
+    others decode; some share a long prefix (whole-block and mid-block prefix hits)."""
     rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(2 * BS + 3)]
     lengths = [rng.randint(1, 4) if i < 4 or i % 2 else rng.randint(18, 48) for i in range(n)]
-    return Workload(
-        prompts=[[rng.randrange(3, VOCAB) for _ in range(k)] for k in lengths],
-        max_tokens=[rng.randint(3, 10) for _ in range(n)],
-        arrival=[0] * 4 + sorted(rng.randint(1, 8) for _ in range(n - 4)),
-    )
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(k)] for k in lengths]
+    arrival = [0] * 4 + sorted(rng.randint(1, 8) for _ in range(n - 4))
+    for i, cut in ((5, 3), (9, 2), (13, 1)):  # later ones find whole blocks cached, then part of one
+        prompts[i] = shared[: 2 * BS + cut] + prompts[i]
+    arrival[9], arrival[13] = 10, 12
+    return Workload(prompts, [rng.randint(3, 10) for _ in range(n)], arrival)
 
 
 @dataclass
@@ -81,18 +96,18 @@ class Run:
     logits: dict[int, list[mx.array]] = field(default_factory=dict)
     kv_bytes: list[int] = field(default_factory=list)
     plans: list[StepPlan] = field(default_factory=list)
-    decode_batch_sizes: list[int] = field(default_factory=list)
     preemptions: int = 0
-    runner: Runner | None = None
+    rank: RankState | None = None
+    blocks: BlockManager | None = None
 
 
-def drive(model, w: Workload, *, step_tokens=16, batch=16, kv_budget=100_000, aborts=None) -> Run:
+def drive(rank: RankState, w: Workload, *, step_tokens=16, batch=16, aborts=None) -> Run:
     """The engine loop in miniature: schedule, execute, greedy-sample, update."""
     aborts = aborts or {}
-    sched = Scheduler(SchedulerConfig(max_batch_size=batch, max_tokens_per_step=step_tokens), kv_budget,
-                      min(kv_budget, 4096))
-    runner = Runner(model)
-    out = Run(runner=runner)
+    blocks = BlockManager(rank.max_blocks, rank.block_size, rank.salt, rank.ssd)
+    sched = Scheduler(SchedulerConfig(max_batch_size=batch, max_tokens_per_step=step_tokens), blocks,
+                      min(rank.max_blocks * rank.block_size, 4096))
+    out = Run(rank=rank, blocks=blocks)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=m, temperature=0)) for i, (p, m)
             in enumerate(zip(w.prompts, w.max_tokens))]
     t = 0
@@ -103,19 +118,17 @@ def drive(model, w: Workload, *, step_tokens=16, batch=16, kv_budget=100_000, ab
         for uid in aborts.get(t, ()):
             sched.abort(uid)
         plan, _ = sched.schedule()
-        out.decode_batch_sizes.append(len(runner.decode_uids))
-        result = runner.execute(plan)
+        result = rank.step(plan)
         assert sorted(result.uids) == sorted(c.uid for c in plan.chunks if c.sample)
         sampled = {}
         if result.logits is not None:
             mx.eval(result.logits)
-            assert result.logits.shape == (len(result.uids), model.lm_head.weight.shape[0])
             sampled = dict(zip(result.uids, mx.argmax(result.logits, axis=-1).tolist()))
             for i, uid in enumerate(result.uids):
                 out.logits.setdefault(uid, []).append(result.logits[i])
         sched.update(plan, sampled)
         out.plans.append(plan)
-        out.kv_bytes.append(runner.kv_bytes)
+        out.kv_bytes.append(rank.kv_bytes)
         t += 1
         assert t < 500
     out.tokens = {s.uid: s.output_ids for s in seqs}
@@ -128,18 +141,21 @@ def workload():
     return make_workload()
 
 
-@pytest.fixture(scope="module")
-def batched(model, workload):
-    return drive(model, workload)
+@pytest.fixture(scope="module", params=BACKENDS)
+def batched(request, path, workload):
+    return drive(make_rank(path, request.param[0]), workload)
 
 
 def test_workload_exercises_every_runner_path(batched):
     plans = batched.plans
+    decode_and_prefill = [p for p in plans if any(len(c.token_ids) == 1 for c in p.chunks)
+                          and any(len(c.token_ids) > 1 for c in p.chunks)]
+    assert decode_and_prefill  # one forward runs decode rows and prefill rows together
     assert any(not c.sample for p in plans for c in p.chunks)  # chunked prefill
-    assert any(sum(c.start == 0 and c.sample for c in p.chunks) > 1 for p in plans)  # padded batch prefill
-    assert any(p.new and batched.decode_batch_sizes[i] for i, p in enumerate(plans))  # join while decoding
     assert any(p.removed and p.chunks for p in plans)  # leave while others go on
-    assert max(batched.decode_batch_sizes) >= 4
+    assert any(n.cached_len >= 2 * BS for p in plans for n in p.new)  # whole-block prefix hits
+    assert any(p.copies for p in plans)  # a match ending inside a block: copy-on-write
+    assert max(sum(len(c.token_ids) == 1 for c in p.chunks) for p in plans) >= 4
 
 
 def test_batched_chunked_greedy_tokens_equal_each_sequence_alone(batched, workload, reference):
@@ -158,131 +174,175 @@ def test_batched_logits_equal_single_sequence_logits(batched, workload, referenc
     assert worst < 1e-4
 
 
-def test_kv_is_freed_when_every_sequence_has_left(batched):
-    assert max(batched.kv_bytes) > 0
-    assert batched.kv_bytes[-1] == 0
-    runner = batched.runner
-    assert runner.decode_cache is None and not runner.prefill_caches and not runner.lengths
+def test_every_block_is_released_when_every_sequence_has_left(batched):
+    assert batched.blocks.num_used == 0 and not batched.rank.runner.seqs
+    assert batched.blocks.num_cached > 0  # what they computed stays findable
 
 
-def test_abort_mid_run_leaves_other_sequences_unchanged(model, workload, reference):
-    # uids 4 and 8 are long prompts: abort them mid-prefill (their own chunk cache);
-    # uid 1 is a short one: abort it from the middle of the shared decode batch.
-    aborts = {2: [4], 3: [1], 9: [8]}
-    run = drive(model, workload, aborts=aborts)
-    assert [u for p in run.plans for u in p.removed if u in (1, 4, 8)] == [4, 1, 8]
+def test_abort_mid_run_leaves_other_sequences_unchanged(path, workload, reference):
+    aborts = {2: [4], 3: [2], 9: [8]}  # 4 and 8 mid-prefill, 2 mid-decode
+    run = drive(make_rank(path), workload, aborts=aborts)
+    assert [u for p in run.plans for u in p.removed if u in (2, 4, 8)] == [4, 2, 8]
     for uid, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens)):
         full = reference(prompt, n)[0]
-        if uid in (1, 4, 8):
+        if uid in (2, 4, 8):
             assert len(run.tokens[uid]) < n and full[: len(run.tokens[uid])] == run.tokens[uid]
         else:
             assert run.tokens[uid] == full, uid
-    assert run.tokens[4] == run.tokens[8] == []  # aborted before their prompts were done
-    assert run.kv_bytes[-1] == 0
+    assert run.tokens[4] == run.tokens[8] == [] and run.blocks.num_used == 0
 
 
-def test_preemption_and_recompute_give_the_same_tokens(model, reference):
+def test_preemption_and_recompute_give_the_same_tokens(path, reference):
     rng = random.Random(0)
     w = Workload(prompts=[[rng.randrange(3, VOCAB) for _ in range(rng.randint(8, 20))] for _ in range(6)],
                  max_tokens=[20] * 6, arrival=[0, 0, 0, 1, 1, 2])
-    run = drive(model, w, step_tokens=16, batch=6, kv_budget=48)  # six 28-40 token sequences
+    rank = make_rank(path, budget=7 * make_rank(path).store.shape.block_bytes, prefix=False)  # 56 positions
+    run = drive(rank, w, step_tokens=16, batch=6)
     assert run.preemptions >= 3
     # Some recompute re-ran generated tokens, not just the prompt.
     assert any(c.start == 0 and len(c.token_ids) > len(w.prompts[c.uid]) for p in run.plans for c in p.chunks)
     for uid, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
         assert run.tokens[uid] == reference(prompt, n)[0], uid
-    assert run.kv_bytes[-1] == 0
 
 
-def test_sequences_crossing_the_cache_allocation_step(model, reference):
-    # KV caches grow in 256-token steps; rows join, leave and get padded across that boundary.
+def test_long_rows_across_many_blocks(path, reference):
     rng = random.Random(3)
     lengths = [250, 5, 240, 300, 1, 270]
     w = Workload(prompts=[[rng.randrange(3, VOCAB) for _ in range(k)] for k in lengths],
                  max_tokens=[12, 20, 30, 8, 15, 10], arrival=[0, 3, 4, 6, 9, 12])
-    run = drive(model, w, step_tokens=64, batch=8)
+    run = drive(make_rank(path), w, step_tokens=64, batch=8)
     for uid, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
         assert run.tokens[uid] == reference(prompt, n)[0], uid
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the scheduler bounds the sum of per-sequence KV tokens (scheduler.py:69-70), but the "
-    "runner's shared BatchKVCache left-pads every decode row to the longest row (runner.py:118-126), so "
-    "real KV memory is ~rows x longest: 13.7x the budget here, not bounded by kv_cache_memory",
-)
-def test_kv_memory_stays_within_the_token_budget(model):
+def test_kv_memory_stays_within_the_budget_whatever_the_mix_of_lengths(path, reference):
+    """One long conversation and fifteen short ones under a budget of ~1,000 positions: the KV bytes
+    allocated never exceed it (the left-padded batch of the old runner held rows x longest)."""
     rng = random.Random(0)
-    lengths = [600] + [2] * 15  # one long conversation, fifteen short ones
+    lengths = [600] + [2] * 15
     w = Workload(prompts=[[rng.randrange(3, VOCAB) for _ in range(k)] for k in lengths],
                  max_tokens=[20] * 16, arrival=[0] + [1] * 15)
-    budget = 1_000
-    run = drive(model, w, step_tokens=700, batch=16, kv_budget=budget)
-    per_token = Runner(model).kv_bytes_per_token()
-    slack = 256 * 16  # caches allocate in 256-token steps per row
-    assert max(run.kv_bytes) <= per_token * (budget + slack)
+    block_bytes = make_rank(path).store.shape.block_bytes
+    budget = 125 * block_bytes  # 1,000 positions
+    run = drive(make_rank(path, budget=budget), w, step_tokens=700, batch=16)
+    assert max(run.kv_bytes) <= budget
+    assert run.preemptions == 0  # 600 + 15 x 22 positions fit in 125 blocks: nothing padded
+    for uid, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
+        assert run.tokens[uid] == reference(prompt, n)[0], uid
 
 
-def test_fingerprint_mismatch_raises_split_brain(model):
-    step0 = StepPlan(0, chunks=(Chunk(7, 0, (5, 6, 7), sample=True),), fingerprint=batch_fingerprint({7: 3}))
-    assert Runner(model).execute(step0).uids == [7]  # consistent: no error
-    # The leader believes uid 7 holds 5 tokens after this step, or that uid 8 exists too.
-    for lengths in ({7: 5}, {7: 4, 8: 1}):
-        plan = StepPlan(1, chunks=(Chunk(7, 3, (9,), sample=True),), fingerprint=batch_fingerprint(lengths))
+# -- plans that do not fit this rank's state ----------------------------------------------------------
+
+
+def first_plan(uid: int = 7, tokens=(5, 6, 7)) -> StepPlan:
+    return StepPlan(0, new=(NewSequence(uid, 0),), chunks=(Chunk(uid, 0, tokens, LOGITS_LAST),),
+                    tables=(TableUpdate(uid, (0,)),), num_blocks=1, fingerprint=batch_fingerprint({uid: len(tokens)}))
+
+
+def test_fingerprint_mismatch_raises_split_brain(path):
+    rank = make_rank(path)
+    assert rank.step(first_plan()).uids == [7]
+    for lengths in ({7: 5}, {7: 4, 8: 1}):  # the leader believes something else
+        plan = StepPlan(1, chunks=(Chunk(7, 3, (9,), LOGITS_LAST),), num_blocks=1, fingerprint=batch_fingerprint(lengths))
+        fresh = make_rank(path)
+        fresh.step(first_plan())
         with pytest.raises(SplitBrain, match="step 1"):
-            runner_after(model, step0).execute(plan)
+            fresh.step(plan)
 
 
-def runner_after(model, *plans: StepPlan) -> Runner:
-    runner = Runner(model)
-    for plan in plans:
-        runner.execute(plan)
-    return runner
+@pytest.mark.parametrize("plan, words", [
+    (StepPlan(1, removed=(8,), num_blocks=1), "does not hold"),
+    (StepPlan(1, new=(NewSequence(9, 0),), chunks=(Chunk(9, 0, (1, 2), LOGITS_LAST),),
+              tables=(TableUpdate(9, (5,)),), num_blocks=2), "block id"),
+    (StepPlan(1, new=(NewSequence(9, 0),), chunks=(Chunk(9, 0, (1, VOCAB + 200), LOGITS_LAST),),
+              tables=(TableUpdate(9, (1,)),), num_blocks=2), "vocabulary"),
+    (StepPlan(1, new=(NewSequence(9, 0),), chunks=(Chunk(9, 0, tuple(range(1, 12)), LOGITS_LAST),),
+              tables=(TableUpdate(9, (1,)),), num_blocks=2), "covers 1 blocks"),
+    (StepPlan(1, num_blocks=10**9), "budget"),
+])
+def test_plans_that_do_not_fit_are_refused_before_touching_arrays(path, plan, words):
+    rank = make_rank(path)
+    rank.step(first_plan())
+    with pytest.raises(SplitBrain, match=words):
+        rank.step(plan)
 
 
-def test_rank_that_missed_a_step_is_detected(model):
-    step0 = StepPlan(0, chunks=(Chunk(7, 0, (5, 6, 7), sample=True),), fingerprint=batch_fingerprint({7: 3}))
-    step1 = StepPlan(1, chunks=(Chunk(7, 3, (9,), sample=True),), fingerprint=batch_fingerprint({7: 4}))
-    runner_after(model, step0, step1)  # the leader: fine
-    lagging = Runner(model)  # never received step 0: holds no KV for uid 7
-    with pytest.raises(SplitBrain):
-        lagging.execute(step1)  # actual: runs token 9 at position 0 as if it were position 3
+def test_a_rank_that_missed_a_step_is_detected(path):
+    lagging = make_rank(path)  # never received step 0: holds no KV for uid 7
+    with pytest.raises(SplitBrain, match="holds nothing"):
+        lagging.step(StepPlan(1, chunks=(Chunk(7, 3, (9,), LOGITS_LAST),), num_blocks=1))
 
 
-def test_decode_row_without_a_token_raises_split_brain(model):
-    runner = Runner(model)
-    runner.execute(StepPlan(0, chunks=(Chunk(1, 0, (5, 6), sample=True), Chunk(2, 0, (7,), sample=True))))
-    assert runner.decode_uids == [1, 2]
-    with pytest.raises(SplitBrain, match=r"\[2\]"):
-        runner.execute(StepPlan(1, chunks=(Chunk(1, 2, (9,), sample=True),)))
+def test_local_executor_delegates_and_resets(path):
+    ex = LocalExecutor(make_rank(path))
+    assert ex.execute(first_plan()).uids == [7] and ex.kv_bytes() > 0
+    assert ex.reset("boom") is None and ex.rank.runner.lengths == {}
 
 
-def test_local_executor_delegates_and_resets(model):
-    ex = LocalExecutor(model)
-    args = model.args
-    head_dim = args.hidden_size // args.num_attention_heads
-    # keys + values, every layer, float32
-    assert ex.kv_bytes_per_token() == 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * 4
-    result = ex.execute(StepPlan(0, chunks=(Chunk(1, 0, (5, 6, 7), sample=True),)))
-    assert result.uids == [1] and ex.kv_bytes() > 0
-    assert ex.reset("boom") is None and ex.kv_bytes() == 0 and ex.runner.lengths == {}
+# -- the operations the next capabilities need ----------------------------------------------------
 
 
-def test_cpu_kernels_give_the_same_tokens_and_logits(model, workload, reference, monkeypatch):
-    """The whole batched path (padded prefill, chunks, joins, leaves, a decode batch split over two
-    CPU streams) with meshlm's CPU kernels, against stock mlx-lm run one sequence at a time."""
-    import sys
+def positions_logits(rank: RankState, step: int, uid: int, start: int, tokens, blocks_needed: int, logits=LOGITS_ALL,
+                     new=False, trims=()) -> mx.array:
+    table = (TableUpdate(uid, tuple(range(blocks_needed))),) if new else ()
+    plan = StepPlan(step, new=(NewSequence(uid, 0),) if new else (), chunks=(Chunk(uid, start, tuple(tokens), logits),),
+                    tables=table, trims=trims, num_blocks=blocks_needed)
+    result = rank.step(plan)
+    return result.logits
 
-    from meshlm.model import cpu_kernels
 
-    want = {uid: reference(p, n) for uid, (p, n) in enumerate(zip(workload.prompts, workload.max_tokens))}
-    module = sys.modules[type(model).__module__]
-    for name in ("scaled_dot_product_attention", "swiglu"):  # restored at teardown
-        monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(cpu_kernels, "SPLIT_DECODE_ROWS", 2)
-    assert cpu_kernels.install(model, cores=2)
-    run = drive(model, workload)
-    assert max(run.decode_batch_sizes) >= 2
-    for uid, (tokens, rows) in want.items():
-        assert run.tokens[uid] == tokens, uid
-        assert max(mx.abs(got - ref).max().item() for got, ref in zip(run.logits[uid], rows)) < 1e-4
+def test_a_chunk_gives_logits_for_every_position_and_equals_one_at_a_time(path, reference):
+    prompt = [11, 12, 13, 14, 15]
+    tokens, rows = reference(prompt, 6)
+    rank = make_rank(path)
+    positions_logits(rank, 0, 1, 0, prompt, 2, LOGITS_LAST, new=True)
+    many = positions_logits(rank, 1, 1, 5, tokens[:4], 2)  # four tokens at once, a row of logits each
+    assert many.shape[0] == 4
+    for i in range(4):
+        assert mx.abs(many[i] - rows[i + 1]).max().item() < 1e-4
+
+
+def test_trim_rolls_a_row_back_and_the_next_tokens_see_only_what_was_kept(path, reference):
+    prompt = [21, 22, 23, 24, 25, 26, 27]
+    tokens, rows = reference(prompt, 6)
+    rank = make_rank(path)
+    positions_logits(rank, 0, 1, 0, prompt, 2, LOGITS_LAST, new=True)
+    drafts = [tokens[0], tokens[1], 99, 98, 97]  # the last three are wrong guesses
+    positions_logits(rank, 1, 1, 7, drafts, 2)
+    assert rank.runner.seqs[1].length == 12
+    # Keep the prompt and the two right tokens, then carry on from there.
+    got = positions_logits(rank, 2, 1, 9, [tokens[2]], 2, LOGITS_LAST, trims=(Trim(1, 9, 2),))
+    assert mx.abs(got[0] - rows[3]).max().item() < 1e-4
+
+
+def test_a_layer_range_forward_equals_the_whole_models_hidden_state_at_that_layer(path):
+    """A pipeline stage: token ids in, hidden states out after its layers; the next stage's hidden
+    states in, logits out. Each allocates KV for its own layers only."""
+    from meshlm.kv.store import KVShape, KVStore
+    from meshlm.model.adapt import ModelParts
+    from meshlm.model.batch import Batch, RowSpec
+    from meshlm.model.forward import forward
+
+    model, _ = mlx_lm.load(str(path))
+    prompt = mx.array([[31, 32, 33, 34, 35, 36]])
+    inner = model.model
+    h = inner.embed_tokens(prompt)
+    cache = make_prompt_cache(model)
+    for layer, c in zip(inner.layers[:1], cache):
+        h = layer(h, "causal", c)
+    want_hidden = h
+    want_logits = model(prompt)[0]
+
+    rank = make_rank(path, "portable")
+    first = ModelParts(rank.parts.embed, rank.parts.layers[:1], None, None, 0, 2)
+    second = ModelParts(rank.parts.embed, rank.parts.layers[1:], rank.parts.norm, rank.parts.lm_head, 1, 2)
+    for part in (first, second):
+        assert len(part.layers) == 1
+    shape = rank.store.shape
+    stores = [KVStore(KVShape(1, shape.kv_heads, shape.head_dim, BS, shape.dtype), 4) for _ in range(2)]
+    assert 2 * stores[0].shape.block_bytes == shape.block_bytes  # each stage: KV for its one layer
+    batch = Batch.build([RowSpec(1, 0, tuple(prompt[0].tolist()), (0,), LOGITS_ALL)], BS)
+    hidden = forward(first, batch, stores[0], rank.backend)
+    assert mx.abs(hidden - want_hidden).max().item() < 1e-5
+    logits = forward(second, batch, stores[1], rank.backend, hidden=hidden)
+    assert mx.abs(logits - want_logits).max().item() < 1e-4

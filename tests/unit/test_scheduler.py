@@ -15,6 +15,7 @@ from meshlm.config import SchedulerConfig
 from meshlm.engine.plan import StepPlan, batch_fingerprint
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, SeqStatus
 from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+from meshlm.kv.blocks import BlockManager
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise
@@ -31,7 +32,8 @@ def make_scheduler(
     config = SchedulerConfig(
         max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step, max_waiting=max_waiting
     )
-    return Scheduler(config, kv_budget, max_model_len, eos)
+    # One-token blocks: the KV budget counts tokens exactly, as these tests reason in tokens.
+    return Scheduler(config, BlockManager(kv_budget, 1), max_model_len, eos)
 
 
 def make_seq(uid: int, prompt_len: int = 4, **params) -> Sequence:
@@ -67,7 +69,8 @@ def test_new_sequence_is_sent_in_full_once_then_as_diffs():
     seq = make_seq(0, prompt_len=5, max_tokens=3, temperature=0.5)
     sched.add(seq)
     plan, _, _ = step(sched)
-    assert [(n.uid, n.cached_len, n.params) for n in plan.new] == [(0, 0, seq.params)]
+    assert [(n.uid, n.cached_len) for n in plan.new] == [(0, 0)]
+    assert [(t.uid, len(t.blocks)) for t in plan.tables] == [(0, 5)]
     (chunk,) = plan.chunks
     assert (chunk.start, chunk.token_ids, chunk.sample) == (0, tuple(seq.prompt_ids), True)
     assert seq.output_ids == [TOKEN] and seq.status is SeqStatus.RUNNING
@@ -217,7 +220,7 @@ def test_newest_sequence_is_preempted_when_kv_is_full_and_recomputed_later():
     plans = []
     while not b.num_preemptions:
         plans.append(step(sched, token=lambda uid: next(token))[0])
-        assert sched.kv_tokens_used <= 20
+        assert sched.blocks.num_used <= 20
     assert a.num_preemptions == 0 and b.status is SeqStatus.WAITING
     assert b.num_computed_tokens == 0 and sched.waiting[0] is b and sched.num_preemptions == 1
     preempt_plan = plans[-1]
@@ -395,7 +398,7 @@ def test_random_workload_invariants(seed):
                    for c in plan.chunks if c.sample}
         outputs = {s.uid: list(s.output_ids) for s in seqs}
         sched.update(plan, sampled)
-        assert sched.kv_tokens_used <= cfg["kv_budget"]
+        assert sched.blocks.num_used <= cfg["kv_budget"]
         for s in seqs:
             assert len(s.output_ids) <= s.params.max_tokens
             assert s.num_tokens <= max_model_len

@@ -10,23 +10,19 @@ from __future__ import annotations
 import logging
 import time
 
-from meshlm.cache.prefix import PrefixCache
 from meshlm.engine.plan import StepPlan
-from meshlm.model.runner import Runner, StepResult
-from meshlm.parallel.control import ControlError, ControlLeader
+from meshlm.executor.rank import RankState
+from meshlm.model.runner import StepResult
+from meshlm.transport.control import ControlError, ControlLeader
 
 log = logging.getLogger(__name__)
 
 
 class TensorExecutor:
-    def __init__(self, model, control: ControlLeader, prefix: PrefixCache | None, kv_budget_bytes: int,
-                 step_timeout: float) -> None:
-        self.model = model
+    def __init__(self, rank: RankState, control: ControlLeader, step_timeout: float) -> None:
+        self.rank = rank
         self.control = control
-        self.prefix_cache = prefix
-        self.kv_budget_bytes = kv_budget_bytes
         self.step_timeout = step_timeout
-        self.runner = Runner(model, prefix)
         self._unacked: int | None = None
         self.control_seconds = 0.0  # time spent in the control plane (benchmarks report it)
         self.failure: str | None = None
@@ -38,10 +34,7 @@ class TensorExecutor:
         self.control.broadcast(plan)
         self._unacked = plan.step_id
         self.control_seconds += time.perf_counter() - t0
-        result = self.runner.execute(plan)
-        if self.prefix_cache is not None:
-            self.prefix_cache.pool.trim(self.kv_budget_bytes - self.runner.kv_bytes)
-        return result
+        return self.rank.step(plan)
 
     def idle(self) -> None:
         """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""
@@ -49,12 +42,10 @@ class TensorExecutor:
             self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self._unacked = None
         self.control.maybe_heartbeat()
+        self.rank.runner.flush_saves()
 
     def kv_bytes(self) -> int:
-        return self.runner.kv_bytes
-
-    def kv_bytes_per_token(self) -> int:
-        return self.runner.kv_bytes_per_token()
+        return self.rank.kv_bytes
 
     def reset(self, error: str) -> str | None:
         """A failed distributed step cannot be retried. Report the first precise cause: a collective
@@ -81,5 +72,4 @@ class TensorExecutor:
     def close(self) -> None:
         self.control.shutdown(reason="leader shutting down", linger=1.0)
         self.control.close()
-        if self.prefix_cache is not None and self.prefix_cache.ssd is not None:
-            self.prefix_cache.ssd.flush(timeout=2)
+        self.rank.flush(timeout=2)

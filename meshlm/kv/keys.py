@@ -34,14 +34,19 @@ class CacheSalt:
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
+def chain_key(parent: bytes, tokens) -> bytes:
+    """The key of a block of `tokens` (valid token ids) whose predecessor's key is `parent`."""
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
 def block_keys(token_ids: list[int], salt: CacheSalt) -> list[bytes]:
     """Keys of every full block of `token_ids`, in order (a partial tail has none)."""
     bs = salt.block_size
     parent = salt.root()
     keys = []
     for start in range(0, len(token_ids) - bs + 1, bs):
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        h.update(array("q", token_ids[start : start + bs]).tobytes())
-        parent = h.digest()
+        parent = chain_key(parent, token_ids[start : start + bs])
         keys.append(parent)
     return keys

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import mlx.core as mx
 
-from meshlm.cache.prefix import PrefixCache
+from meshlm.cluster.bootstrap import ClusterError
+from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig
 from meshlm.engine.plan import batch_fingerprint
-from meshlm.model.runner import Runner
-from meshlm.parallel.control import ControlWorker, LeaderLost
-from meshlm.parallel.watchdog import Watchdog
+from meshlm.executor.rank import RankState
+from meshlm.transport.auth import ClusterSecret
+from meshlm.transport.control import ControlError, ControlWorker, LeaderLost
 
 log = logging.getLogger(__name__)
 
@@ -32,35 +32,26 @@ def _hard_exit(message: str) -> None:
     os._exit(EXIT_DEADLINE)
 
 
-def run_worker(cfg: ParallelConfig, model, fingerprint: str, prefix: PrefixCache | None, kv_budget: int) -> int:
+def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fingerprint: str) -> int:
     host, port = cfg.control_addr.rsplit(":", 1)
     control = ControlWorker(host, int(port), cfg.rank, fingerprint, timeout=cfg.worker_timeout,
-                            world_size=cfg.tensor_parallel, connect_timeout=max(60.0, cfg.worker_timeout))
-    control.connect()
+                            world_size=cfg.tensor_parallel, secret=secret,
+                            connect_timeout=max(60.0, cfg.worker_timeout), kv_blocks=rank.max_blocks)
+    try:
+        control.connect()
+    except ControlError as exc:  # refused, wrong version, no leader: the message says what to fix
+        raise ClusterError(str(exc)) from None
     log.info("rank %d joined the leader at %s", cfg.rank, cfg.control_addr)
-    runner = Runner(model, prefix)
-    runner.kv_bytes_per_token()  # the leader's engine runs the same warm-up forward after the handshake
     watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")
     try:
-        return _serve_plans(control, runner, watchdog, prefix, kv_budget)
+        return _serve_plans(control, rank, watchdog)
     finally:
         watchdog.close()
         control.close()
-        if prefix is not None and prefix.ssd is not None:
-            prefix.ssd.flush(timeout=2)
+        rank.flush(timeout=2)
 
 
-def _injected_fault() -> tuple[str, int] | None:
-    """Fault injection for the failure tests: MESHLM_FAULT_INJECT=skip_step=N or stall_step=N."""
-    spec = os.environ.get("MESHLM_FAULT_INJECT", "")
-    if "=" not in spec:
-        return None
-    kind, step = spec.split("=", 1)
-    return kind, int(step)
-
-
-def _serve_plans(control: ControlWorker, runner: Runner, watchdog: Watchdog, prefix, kv_budget: int) -> int:
-    fault = _injected_fault()
+def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog) -> int:
     while True:
         try:
             plan = control.next_plan()
@@ -70,18 +61,11 @@ def _serve_plans(control: ControlWorker, runner: Runner, watchdog: Watchdog, pre
         if plan is None:
             log.info("leader asked to stop: %s", control.shutdown_reason)
             return EXIT_SHUTDOWN
-        if fault == ("skip_step", plan.step_id):  # this rank silently misses a step: a split brain
-            control.ack(plan.step_id, batch_fingerprint(runner.lengths))
-            continue
         try:
             with watchdog.step(f"step {plan.step_id}"):
-                if fault == ("stall_step", plan.step_id):
-                    time.sleep(3600)  # a hung rank: only the watchdogs can end this
-                result = runner.execute(plan)
+                result = rank.step(plan)
                 if result.logits is not None:
                     mx.eval(result.logits)  # every rank must take part in the step's collectives
-            if prefix is not None:
-                prefix.pool.trim(kv_budget - runner.kv_bytes)
         except Exception as exc:  # the group is unusable after a failed step: report, then leave
             log.exception("step %d failed", plan.step_id)
             try:
@@ -89,4 +73,5 @@ def _serve_plans(control: ControlWorker, runner: Runner, watchdog: Watchdog, pre
             except LeaderLost:
                 pass
             return EXIT_STEP_FAILED
-        control.ack(plan.step_id, batch_fingerprint(runner.lengths))
+        control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths))
+        rank.runner.flush_saves()  # evaluated with the step: hand its saved blocks to the SSD writer

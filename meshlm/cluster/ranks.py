@@ -1,0 +1,171 @@
+"""Running a tensor-parallel cluster: rank 0 serves HTTP and leads; ranks 1..N-1 follow.
+
+Three ways in, one code path:
+- `meshlm serve --tensor-parallel N` alone: rank 0 writes a loopback ring
+  hostfile, starts ranks 1..N-1 itself (as `meshlm serve ... --rank r`), and leads;
+- `meshlm serve --hostfile H --rank r` on each host (what `meshlm launch` runs);
+- a spawned child, which gets the ring hostfile and control address directly.
+
+Every rank needs the cluster secret before it loads anything: rank 0 generates
+one for the children it spawns (passed in their environment); ranks started
+from a hostfile read MESHLM_CLUSTER_SECRET, else the hostfile's "secret".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
+                                      init_group, load_hostfile, ring_hostfile, spawn_local_workers)
+from meshlm.cluster.watchdog import Watchdog
+from meshlm.config import ParallelConfig, ServeConfig
+from meshlm.executor.rank import RankSpec, RankState, build_rank
+from meshlm.executor.tensor import TensorExecutor
+from meshlm.platform import kv_budget_bytes
+from meshlm.transport.auth import ClusterSecret
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_SECONDS = 180.0  # workers load their shards before saying HELLO
+
+
+@dataclass(frozen=True)
+class ClusterPorts:
+    control_port: int = 52100
+    ring_port: int = 52000
+    ring_hostfile: str | None = None  # given to spawned children
+
+
+@dataclass(frozen=True)
+class Topology:
+    parallel: ParallelConfig  # with control_addr resolved
+    ring_file: Path | None
+    control_bind: str
+    secret: ClusterSecret  # redacted in any repr
+
+
+def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
+    if ports.ring_hostfile is not None or (p.backend != "ring" and p.control_addr):
+        ring = Path(ports.ring_hostfile) if ports.ring_hostfile else None
+        hostfile = load_hostfile(p.hostfile) if p.hostfile else None
+        return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile)), None
+    if p.hostfile is None:
+        if p.rank != 0:
+            raise ClusterError("a rank other than 0 needs --hostfile (or is started by rank 0 itself)")
+        local = LocalCluster.create(p.tensor_parallel)
+        replaced = dataclasses.replace(p, control_addr=local.control_addr)
+        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate()), local
+    hostfile = load_hostfile(p.hostfile)
+    secret = cluster_secret(os.environ, hostfile)
+    hosts = hostfile.hosts
+    if len(hosts) != p.tensor_parallel:
+        raise ClusterError(f"hostfile lists {len(hosts)} ranks but --tensor-parallel is {p.tensor_parallel}")
+    ring = Path(tempfile.mkdtemp(prefix="meshlm-ring-")) / "ring.json"
+    ring.write_text(json.dumps(ring_hostfile(list(hosts), ports.ring_port)))
+    control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
+    return Topology(dataclasses.replace(p, control_addr=control), ring, control.rsplit(":", 1)[0], secret), None
+
+
+@dataclass
+class Leader:
+    """Rank 0 of a formed cluster: its model and share, the executor that drives every rank, and the
+    watchdog whose failures go to `fail` (the engine's, once it exists)."""
+
+    loaded: object  # LoadedModel
+    rank: RankState
+    executor: TensorExecutor
+    watchdog: Watchdog | None = None
+    children: list[subprocess.Popen] = field(default_factory=list)
+    kv_blocks: int = 0  # the smallest rank's KV budget, in blocks: what the block manager may hand out
+    fail: Callable[[str], None] | None = None
+
+    def _on_failure(self, message: str) -> None:
+        if self.fail is not None:
+            self.fail(f"cluster failed: {message}")
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        _reap(self.children)
+
+
+def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> Leader:
+    """Form the cluster. Rank 0 gets its Leader back; every other rank serves plans here until the
+    cluster ends, then exits the process with its worker status."""
+    from meshlm.model.loader import resolve_path
+
+    p = config.parallel
+    check_backend(p)
+    check_shardable(resolve_path(config.model.path), p.tensor_parallel)
+    topo, local = resolve_topology(p, ports)
+    children = spawn_local_workers(argv, local, p.tensor_parallel, topo.secret) if local else []
+    try:
+        if p.rank != 0:
+            sys.exit(_follow(config, topo))
+        return _lead(config, topo, children)
+    except BaseException:
+        _reap(children)
+        raise
+
+
+def _load(config: ServeConfig, topo: Topology):
+    from meshlm.model.loader import load_model
+
+    group = init_group(topo.parallel, topo.ring_file)
+    loaded = load_model(config.model, tensor_group=group)
+    spec = RankSpec(layout=topo.parallel.layout, rank=topo.parallel.rank)
+    return loaded, build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler), spec)
+
+
+def _follow(config: ServeConfig, topo: Topology) -> int:
+    from meshlm.executor.worker import run_worker
+
+    loaded, rank = _load(config, topo)
+    return run_worker(topo.parallel, topo.secret, rank, loaded.fingerprint)
+
+
+def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
+    from meshlm.transport.control import ControlLeader, HandshakeError
+
+    p = topo.parallel
+    port = int(p.control_addr.rsplit(":", 1)[1])
+    control = ControlLeader(topo.control_bind, port, p.tensor_parallel, timeout=p.step_timeout,
+                            heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+    loaded, rank = _load(config, topo)
+    control.fingerprint = loaded.fingerprint
+    log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.tensor_parallel - 1,
+             p.control_addr)
+    try:
+        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
+    except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
+        raise ClusterError(str(exc)) from None
+    log.info("all %d ranks joined; model fingerprint %s", p.tensor_parallel, loaded.fingerprint)
+    # Every rank must hold every block the leader hands out: plan within the smallest budget.
+    kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
+    if kv_blocks < rank.max_blocks:
+        log.info("KV blocks limited to %d by the smallest rank's --kv-cache-memory", kv_blocks)
+    leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout), children=children,
+                    kv_blocks=kv_blocks)
+    # The probe notices a dead worker even while the engine thread is blocked in a collective.
+    leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
+    return leader
+
+
+def _reap(children: list[subprocess.Popen], grace: float = 2.0) -> None:
+    deadline = time.monotonic() + grace
+    for proc in children:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,28 @@
+"""The single-process executor: the whole model on this rank."""
+
+from __future__ import annotations
+
+from meshlm.engine.plan import StepPlan
+from meshlm.executor.rank import RankState
+from meshlm.model.runner import StepResult
+
+
+class LocalExecutor:
+    def __init__(self, rank: RankState) -> None:
+        self.rank = rank
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.rank.step(plan)
+
+    def kv_bytes(self) -> int:
+        return self.rank.kv_bytes
+
+    def idle(self) -> None:
+        self.rank.runner.flush_saves()
+
+    def reset(self, error: str) -> str | None:
+        self.rank.reset()
+        return None
+
+    def close(self) -> None:
+        self.rank.flush(timeout=5)

@@ -1,0 +1,94 @@
+"""One rank's share of the work, written once: its layers, its KV store and SSD tier, and the runner
+that applies plans to them. The single-process executor, the tensor-parallel leader and every worker
+each hold one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from meshlm.kv.keys import CacheSalt
+from meshlm.kv.ssd import SSDConfig, SSDTier
+from meshlm.config import CacheConfig, ModelConfig
+from meshlm.engine.plan import StepPlan
+from meshlm.kv.store import KVStore
+from meshlm.model import cpu_kernels
+from meshlm.model.adapt import ModelParts, adapt, kv_shape
+from meshlm.model.attention import AttentionBackend, attention_backend
+from meshlm.model.runner import Runner, StepResult
+from meshlm.platform import cores_for_this_process
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where this rank sits: the layout names its SSD directory and salts the prefix cache's keys."""
+
+    layout: str = "tp1"
+    rank: int = 0
+
+
+class RankState:
+    def __init__(self, parts: ModelParts, store: KVStore, backend: AttentionBackend, ssd: SSDTier | None = None,
+                 vocab_size: int | None = None, salt: CacheSalt | None = None) -> None:
+        self.parts, self.store, self.backend, self.ssd = parts, store, backend, ssd
+        self.vocab_size = vocab_size
+        self.salt = salt  # None: the prefix cache is off
+        self.runner = Runner(parts, store, backend, ssd, vocab_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.store.block_size
+
+    @property
+    def max_blocks(self) -> int:
+        return self.store.max_blocks
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.store.nbytes
+
+    def step(self, plan: StepPlan, hidden: mx.array | None = None) -> StepResult:
+        return self.runner.execute(plan, hidden)
+
+    def reset(self) -> None:
+        """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""
+        self.runner = Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Blocks saved by the last step reach the SSD tier."""
+        self.runner.flush_saves()
+        if self.ssd is not None:
+            self.ssd.flush(timeout)
+
+
+def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget: int,
+               spec: RankSpec = RankSpec()) -> RankState:
+    """Adapt `loaded.model` (this rank's own instance) and allocate its KV store within `kv_budget` bytes."""
+    native, status = cpu_kernels.native_ops() if model_cfg.native_kernels else (None, "off (--no-native-kernels)")
+    cpu = mx.default_device() == mx.cpu
+    backend = attention_backend(cpu, model_cfg.cpu_kernels, native, cores_for_this_process())
+    parts = adapt(loaded.model, model_cfg.cpu_kernels, native)
+    if cpu and model_cfg.cpu_kernels:
+        log.info("CPU kernels: native: %s", status)
+        if native is not None:
+            # A process-wide setting of the compiled GEMM: this process's share of the cores.
+            native.set_gemm_threads(cores_for_this_process())
+    log.info("attention: %s", backend.name)
+    shape = kv_shape(loaded.model, parts, cache_cfg.block_size, getattr(mx, loaded.dtype))
+    max_blocks = kv_budget // shape.block_bytes
+    if max_blocks < 1:
+        raise ValueError(f"--kv-cache-memory {kv_budget} bytes holds no KV block ({shape.block_bytes} bytes each); "
+                         "raise it or lower --block-size")
+    salt = CacheSalt(loaded.fingerprint, loaded.dtype, spec.layout, cache_cfg.block_size) if cache_cfg.enabled else None
+    ssd = None
+    if salt is not None and cache_cfg.ssd:
+        ssd_config = SSDConfig(Path(cache_cfg.cache_dir).expanduser(), int(cache_cfg.ssd_cache_gb * 2**30),
+                               cache_cfg.ssd_ttl_days)
+        ssd = SSDTier(ssd_config, salt, spec.rank)
+    return RankState(parts, KVStore(shape, max_blocks), backend, ssd, loaded.vocab_size, salt)

@@ -1,0 +1,328 @@
+"""The block manager (leader only): which KV blocks each sequence holds, which are cached, which are free.
+
+Pure bookkeeping over block ids, after vLLM's KVCacheManager: the KV arrays
+live on every rank (kv/store.py) and change only through the ops a StepPlan
+carries (block tables, copies, SSD loads and saves), so every rank holds the
+same blocks at the same ids by construction.
+
+- A block holds `block_size` consecutive positions of one sequence, in every
+  layer. Blocks are ref-counted: a prefix-cache hit maps the cached blocks
+  into the new sequence's table (no copy); a match that ends inside a block
+  copies the shared tokens into a fresh block (copy-on-write: cached blocks
+  are never written again).
+- A full block is *committed* once its tokens are final (after the step that
+  computed them): its key (hash chain of its tokens, kv/keys.py) makes it
+  findable, and it is written through to the SSD tier.
+- Free blocks come from three places, in this order: blocks never cached, ids
+  never used yet (so the pool grows only as far as it is used), and cached
+  blocks nobody holds, least recently used first (the RAM tier of the prefix
+  cache). The budget is exact: `num_blocks` blocks, whatever the mix.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from meshlm.kv.keys import CacheSalt, chain_key
+
+
+class KeyIndex(Protocol):
+    """What the block manager asks of the SSD tier (counts and booleans, never arrays)."""
+
+    def __contains__(self, key: bytes) -> bool:
+        """The block is listed (its file may still turn out bad)."""
+        ...
+
+    def prefetch(self, key: bytes) -> bool:
+        """The block is readable and verified: a plan may load it."""
+        ...
+
+
+@dataclass
+class CacheStats:
+    hits_ram: int = 0  # blocks
+    hits_ssd: int = 0
+    hits_partial: int = 0  # matches that ended inside a block
+    partial_tokens: int = 0  # tokens those partial blocks lent
+    misses: int = 0  # lookups that found no usable block
+    committed: int = 0  # blocks that became findable
+    evictions: int = 0  # cached blocks reused for something else
+
+
+@dataclass
+class Match:
+    """What a prefix lookup gave a new sequence (its blocks are already in the sequence's table)."""
+
+    tokens: int = 0  # positions whose KV the sequence now holds (once the ops below ran)
+    copy: tuple[int, int, int] | None = None  # (lender block, destination block, tokens): partial block
+    loads: list[tuple[bytes, int]] = field(default_factory=list)  # (key, block): read from the SSD tier
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # keys of its committed (full, final) blocks
+
+
+class _Children:
+    """Committed RAM blocks under one parent key, sorted by their tokens: the block sharing the most
+    leading tokens with a query sorts right before or after it."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[int, ...], int]] = []
+
+    def add(self, tokens: tuple[int, ...], block: int) -> None:
+        bisect.insort(self.entries, (tokens, block))
+
+    def remove(self, tokens: tuple[int, ...], block: int) -> None:
+        i = bisect.bisect_left(self.entries, (tokens, block))
+        if i < len(self.entries) and self.entries[i] == (tokens, block):
+            del self.entries[i]
+
+    def longest(self, query: tuple[int, ...]) -> tuple[int | None, int]:
+        """(block, shared leading tokens) of the entry sharing the most leading tokens with `query`."""
+        i = bisect.bisect_left(self.entries, (query,))
+        best: tuple[int | None, int] = (None, 0)
+        for tokens, block in self.entries[max(i - 1, 0) : i + 1]:
+            n = _shared(tokens, query)
+            if n > best[1]:
+                best = (block, n)
+        return best
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, salt: CacheSalt | None = None,
+                 ssd: KeyIndex | None = None, partial: bool = True, stats: CacheStats | None = None) -> None:
+        """`salt`: None turns the prefix cache off (blocks are never committed or shared).
+        `partial`: let a match end inside a block (by copying the shared tokens)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.salt = salt
+        self.ssd = ssd
+        self.partial = partial
+        self.stats = stats or CacheStats()
+        self._refs = [0] * num_blocks
+        self._key_of: list[bytes | None] = [None] * num_blocks
+        self._placed: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # committed block -> (parent, tokens)
+        self._by_key: dict[bytes, int] = {}
+        self._children: dict[bytes, _Children] = collections.defaultdict(_Children)
+        self._uncached: list[int] = []  # heap of free blocks holding nothing findable (lowest id first)
+        self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._fresh = 0  # ids below this have been handed out at least once
+        self._seqs: dict[int, _Seq] = {}
+        self._pinned: list[int] = []  # lenders held until the step's plan is built
+
+    # -- counts ---------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._uncached) + (self.num_blocks - self._fresh) + len(self._cached_free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some sequence holds."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_key)
+
+    @property
+    def high_water(self) -> int:
+        """Block ids in use so far: every rank's pool must hold at least this many blocks."""
+        return self._fresh
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def table(self, uid: int) -> list[int]:
+        return self._seqs[uid].blocks
+
+    def __contains__(self, uid: int) -> bool:
+        return uid in self._seqs
+
+    # -- allocation ---------------------------------------------------------
+    def _take(self) -> int | None:
+        if self._uncached:
+            block = heapq.heappop(self._uncached)
+        elif self._fresh < self.num_blocks:
+            block, self._fresh = self._fresh, self._fresh + 1
+        elif self._cached_free:
+            block, _ = self._cached_free.popitem(last=False)
+            self._forget(block)
+            self.stats.evictions += 1
+        else:
+            return None
+        self._refs[block] = 1
+        return block
+
+    def allocate(self, uid: int, tokens: int) -> list[int] | None:
+        """Grow `uid`'s table to cover `tokens` positions; the new block ids, or None (nothing changed)
+        when too few blocks are free."""
+        seq = self._seqs.setdefault(uid, _Seq())
+        want = self.blocks_for(tokens) - len(seq.blocks)
+        if want <= 0:
+            return []
+        if want > self.num_free:
+            return None
+        new = [self._take() for _ in range(want)]
+        seq.blocks.extend(new)  # type: ignore[arg-type]
+        return new  # type: ignore[return-value]
+
+    def free(self, uid: int) -> None:
+        """Release every block of `uid` (finished, aborted or preempted)."""
+        seq = self._seqs.pop(uid, None)
+        if seq is not None:
+            # Tail first: among blocks freed together the tail is evicted first, so what stays cached
+            # longest is the head of the prefix, which later requests can actually match.
+            for block in reversed(seq.blocks):
+                self._release(block)
+
+    def trim(self, uid: int, tokens: int) -> None:
+        """Keep `uid`'s first `tokens` positions: blocks past them are released. Only positions not yet
+        committed may be trimmed (a speculative rollback never reaches a committed block)."""
+        seq = self._seqs[uid]
+        keep = self.blocks_for(tokens)
+        if tokens < len(seq.keys) * self.block_size:
+            raise ValueError(f"uid {uid}: trimming to {tokens} tokens would cut committed blocks")
+        for block in seq.blocks[keep:]:
+            self._release(block)
+        del seq.blocks[keep:]
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            return
+        if self._key_of[block] is not None:
+            self._cached_free[block] = None  # most recently used last
+        else:
+            heapq.heappush(self._uncached, block)
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._cached_free.pop(block, None)
+        self._refs[block] += 1
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of[block]
+        if key is None:
+            return
+        self._key_of[block] = None
+        del self._by_key[key]
+        parent, tokens = self._placed.pop(block)
+        self._children[parent].remove(tokens, block)
+        if not self._children[parent].entries:
+            del self._children[parent]
+
+    # -- the prefix cache ------------------------------------------------------
+    def match(self, uid: int, token_ids: list[int]) -> Match:
+        """Map the longest cached prefix of `token_ids` into a new sequence's table.
+
+        Whole blocks come from RAM (shared, no copy) or, failing that, from the
+        SSD tier (loaded into a fresh block); then, when the next whole block
+        misses, the committed RAM block under the same parent sharing the most
+        leading tokens lends them (copied into a fresh block). Call `end_step`
+        once the step's plan is built (lenders stay held until then)."""
+        if uid in self._seqs:
+            raise ValueError(f"uid {uid} already holds blocks")
+        seq = self._seqs[uid] = _Seq()
+        m = Match()
+        if self.salt is None:
+            return m
+        bs, parent = self.block_size, self.salt.root()
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            key = chain_key(parent, tokens)
+            block = self._hit(key, parent, tokens, m)
+            if block is None:
+                break
+            seq.blocks.append(block)
+            seq.keys.append(key)
+            m.tokens += bs
+            parent = key
+        self._match_partial(seq, parent, tuple(token_ids[m.tokens : m.tokens + bs]), m)
+        if m.tokens == 0 and len(token_ids) >= bs:
+            self.stats.misses += 1
+        return m
+
+    def _hit(self, key: bytes, parent: bytes, tokens: tuple[int, ...], m: Match) -> int | None:
+        block = self._by_key.get(key)
+        if block is not None:
+            self._hold(block)
+            self.stats.hits_ram += 1
+            return block
+        if self.ssd is None or not self.ssd.prefetch(key):
+            return None
+        block = self._take()
+        if block is None:
+            return None
+        self._commit(block, key, parent, tokens)  # findable at once: the load runs before any reader
+        m.loads.append((key, block))
+        self.stats.hits_ssd += 1
+        return block
+
+    def _match_partial(self, seq: _Seq, parent: bytes, query: tuple[int, ...], m: Match) -> None:
+        if not self.partial or not query or parent not in self._children:
+            return
+        lender, shared = self._children[parent].longest(query)
+        if lender is None or shared >= self.block_size:
+            return
+        self._hold(lender)
+        self._pinned.append(lender)
+        dest = self._take()
+        if dest is None:
+            return
+        seq.blocks.append(dest)
+        m.copy = (lender, dest, shared)
+        m.tokens += shared
+        self.stats.hits_partial += 1
+        self.stats.partial_tokens += shared
+
+    def end_step(self) -> None:
+        """The step's plan is built: lenders of partial matches may be reused from now on."""
+        for block in self._pinned:
+            self._release(block)
+        self._pinned.clear()
+
+    def commit(self, uid: int, tokens: Callable[[int, int], Sequence[int]], computed: int) -> list[tuple[int, bytes]]:
+        """Make `uid`'s full blocks within its first `computed` (final) positions findable; returns the
+        (block, key) pairs to write through to the SSD tier. `tokens(a, b)`: the sequence's ids [a, b)."""
+        seq = self._seqs.get(uid)
+        if seq is None or self.salt is None:
+            return []
+        bs = self.block_size
+        parent = seq.keys[-1] if seq.keys else self.salt.root()
+        saves = []
+        while (len(seq.keys) + 1) * bs <= computed and len(seq.keys) < len(seq.blocks):
+            i = len(seq.keys)
+            ids = tuple(tokens(i * bs, (i + 1) * bs))
+            key = chain_key(parent, ids)
+            block = seq.blocks[i]
+            if key not in self._by_key and self._key_of[block] is None:
+                self._commit(block, key, parent, ids)
+                self.stats.committed += 1
+                if self.ssd is not None and key not in self.ssd:
+                    saves.append((block, key))
+            seq.keys.append(key)
+            parent = key
+        return saves
+
+    def _commit(self, block: int, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+        self._key_of[block] = key
+        self._by_key[key] = block
+        self._placed[block] = (parent, tokens)
+        self._children[parent].add(tokens, block)

@@ -1,0 +1,134 @@
+"""Fitting a loaded mlx-lm model to meshlm's KV store, without forking its modules.
+
+Model code stays mlx-lm's; this module changes instances, never classes:
+- each attention layer's RoPE is wrapped (`TokenRoPE`) so a flattened batch
+  rotates every token by its own position;
+- the model's module gets the attention seam once (model/attention.py): its
+  `scaled_dot_product_attention` sends meshlm's caches to meshlm's backends
+  and everything else to mlx-lm's original, so other users of the module are
+  untouched and the seam holds no settings;
+- on the CPU, MLPs get meshlm's SwiGLU and linear layers keep their weights
+  transposed or packed (model/cpu_kernels.py).
+
+Only the families whose layers meshlm has checked (llama and mistral, which
+mlx-lm runs as llama, qwen2 and qwen3) are accepted; others are refused with
+a clear error at load rather than run wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from meshlm.model import cpu_kernels
+from meshlm.model.attention import TokenPositions, install_seam
+from meshlm.kv.store import KVShape
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModel(ValueError):
+    """A model family the KV store does not run (yet)."""
+
+
+def check_supported(config: dict) -> None:
+    """Refuse, before loading, what meshlm cannot run exactly (config.json's view)."""
+    kind = config.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        raise UnsupportedModel(f"model type {kind!r} is not supported; meshlm runs {', '.join(SUPPORTED_TYPES)}")
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        raise UnsupportedModel(f"{kind} with sliding-window layers is not supported (every layer must attend "
+                               "to the whole sequence)")
+
+
+class TokenRoPE(nn.Module):
+    """A model's RoPE, applied per token when the offset is meshlm's `TokenPositions`.
+
+    (1, H, T, D) is viewed as T rows of one position each, the layout in which
+    `mx.fast.rope` takes one offset per row; any other offset goes to the
+    wrapped RoPE unchanged."""
+
+    def __init__(self, rope: nn.Module) -> None:
+        super().__init__()
+        self.inner = rope
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if isinstance(offset, TokenPositions):
+            return self.inner(x.transpose(2, 1, 0, 3), offset=offset.positions).transpose(2, 1, 0, 3)
+        return self.inner(x, offset=offset)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with meshlm's SwiGLU: the MLP of every supported family."""
+
+    def __init__(self, mlp: nn.Module, act: Callable[[mx.array, mx.array], mx.array]) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self._act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self._act(self.gate_proj(x), self.up_proj(x)))
+
+
+@dataclass
+class ModelParts:
+    """What a forward walks: the embedding (first stage), a contiguous range of layers, and the final norm
+    and head (last stage). A whole model is one stage holding everything."""
+
+    embed: nn.Module | None
+    layers: list[nn.Module]
+    norm: nn.Module | None
+    lm_head: nn.Module | None  # None with tied embeddings: the embedding table projects
+    first_layer: int = 0  # index of layers[0] in the whole model
+    num_layers: int = 0  # of the whole model
+
+    @property
+    def computes_logits(self) -> bool:
+        return self.norm is not None
+
+    def head(self, h: mx.array) -> mx.array:
+        h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else self.embed.as_linear(h)
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    inner = model.model
+    tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
+    layers = list(inner.layers)
+    return ModelParts(inner.embed_tokens, layers, inner.norm, None if tied else model.lm_head, 0, len(layers))
+
+
+def kv_shape(model: nn.Module, parts: ModelParts, block_size: int, dtype: mx.Dtype) -> KVShape:
+    """This rank's KV per block: its layers, its share of the KV heads (after any TP sharding)."""
+    args = model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    kv_heads = parts.layers[0].self_attn.n_kv_heads
+    return KVShape(len(parts.layers), kv_heads, head_dim, block_size, dtype)
+
+
+def adapt(model: nn.Module, cpu_kernels_on: bool, native=None) -> ModelParts:
+    """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts."""
+    module = sys.modules[type(model).__module__]
+    install_seam(module)
+    parts = model_parts(model)
+    for layer in parts.layers:
+        attn = layer.self_attn
+        if not isinstance(attn.rope, TokenRoPE):
+            attn.rope = TokenRoPE(attn.rope)
+    if cpu_kernels_on and mx.default_device() == mx.cpu:
+        act = cpu_kernels.swiglu_for(native)
+        for layer in parts.layers:
+            if not isinstance(layer.mlp, GatedMLP):
+                layer.mlp = GatedMLP(layer.mlp, act)
+        swapped = cpu_kernels.transpose_linears(model, native)
+        if swapped:
+            log.info("CPU kernels: %d linear layers hold their weights %s", swapped,
+                     "in 16-column panels" if native is not None and native.packed_gemm else "transposed")
+    return parts
