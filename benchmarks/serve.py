@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="retries of a request whose connection fails before any response (counted in the JSON)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt variation seed")
+    p.add_argument("--long-every", type=int, default=0, help="every Nth prompt is a long one (mixed lengths)")
+    p.add_argument("--long-words", type=int, default=1000, help="~words of the long prompts")
     p.add_argument(
         "--sequential", action="store_true",
         help="run one server at a time (default: all up together, levels interleaved)",
@@ -89,10 +91,13 @@ def stored_dtype(model_dir: Path) -> str | None:
         return None
 
 
-def level_prompts(level_index: int, n: int, words: int, seed: int) -> list[str]:
-    # Distinct across levels and requests; identical across servers.
+def level_prompts(level_index: int, n: int, words: int, seed: int, long_every: int = 0,
+                  long_words: int = 0) -> list[str]:
+    # Distinct across levels and requests; identical across servers. With `long_every`, every
+    # long_every-th prompt has `long_words` words instead (a mix of lengths, for memory).
     base = (level_index + 1) * 100_000
-    return [_peer.make_prompt(base + i, words, seed) for i in range(n)]
+    return [_peer.make_prompt(base + i, long_words if long_every and i % long_every == 0 else words, seed)
+            for i in range(n)]
 
 
 class Target:
@@ -174,7 +179,8 @@ class Target:
             self.info["error"] = f"{self.name} died (exit code {self.server.proc.returncode})"
             self.failed = True
             return
-        prompts = level_prompts(li, streams * args.requests_per_stream, args.prompt_tokens, args.seed)
+        prompts = level_prompts(li, streams * args.requests_per_stream, args.prompt_tokens, args.seed,
+                                args.long_every, args.long_words)
         self.sampler.reset()
         with _peer.CpuMeter(self.pid) as cpu:
             results, wall = asyncio.run(
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_stream": args.requests_per_stream,
             "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_tokens,
+            "long_every": args.long_every,
+            "long_words": args.long_words,
             "temperature": 0,
             "stream_options": {"include_usage": True},
             "retries": args.retries,

@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import itertools
-import json
 import logging
 import os
 import queue
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -51,6 +48,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from meshlm.kv.blockfile import checksum, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block
 
@@ -72,31 +70,6 @@ class SSDConfig:
     cache_dir: Path
     capacity_bytes: int
     ttl_days: float
-
-
-def checksum(arrays: dict[str, mx.array]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(arrays):
-        a = arrays[name]
-        h.update(name.encode())
-        h.update(memoryview(a.view(mx.uint8) if a.dtype.size != 1 else a))
-    return h.hexdigest()
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header; return (header, expected file size). Raises ValueError."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("truncated before header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 16 * 2**20:
-            raise ValueError("implausible header length")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    return header, 8 + n + end
 
 
 def _mtime(path: Path) -> float | None:
@@ -199,7 +172,7 @@ class SSDTier:
         try:
             if path.stat().st_mtime < expiry:
                 return None
-            header, size = _read_header(path)
+            header, size = read_header(path)
             meta = header.get("__metadata__") or {}
             key = key_of(path.name)
             # Keys are the same on every rank, so the rank is checked too: another rank's shard is foreign.
@@ -266,15 +239,11 @@ class SSDTier:
         try:
             if path.stat().st_mtime < time.time() - self.config.ttl_days * 86400:
                 raise ValueError("older than the TTL")
-            arrays, meta = mx.load(str(path), return_metadata=True)
-            if (meta.get("checksum") != checksum(arrays) or meta.get("key") != key.hex()
-                    or meta.get("rank") != str(self.rank)):
-                raise ValueError("checksum mismatch")
-            n = len(arrays) // 2
-            block = Block([arrays[f"k.{i}"] for i in range(n)], [arrays[f"v.{i}"] for i in range(n)])
+            block, meta = read_block(path)
+            if meta.get("key") != key.hex() or meta.get("rank") != str(self.rank):
+                raise ValueError("a block of another key or rank")
         except Exception as exc:  # any unreadable file is a miss, never a crash
             self._forget(key)
-            # mx.load reports a missing file as RuntimeError, hence the second check.
             if isinstance(exc, FileNotFoundError) or not path.exists():
                 return None
             log.warning("dropping KV block %s: %s", path.name, exc)

@@ -115,12 +115,19 @@ class KVStore:
         for layer, (k, v) in enumerate(parts):
             self.write(layer, dst_slots, k, v)
 
-    def load(self, block: int, data: BlockData) -> None:
-        """Put a block read from the SSD tier into `block` (shapes were checked by the reader)."""
-        slots = self.block_slots(block)
+    def load(self, blocks: list[int], data: list[BlockData]) -> None:
+        """Put blocks read from the SSD tier into `blocks` (shapes were checked by the reader): one write
+        per layer for all of them (a write per block and layer cost ~0.1 ms each on CPU)."""
+        if not blocks:
+            return
+        slots = mx.concatenate([self.block_slots(b) for b in blocks])
         dtype = self.shape.dtype
-        for layer, (k, v) in enumerate(zip(data.keys, data.values)):
-            self.write(layer, slots, k.transpose(1, 0, 2).astype(dtype), v.transpose(1, 0, 2).astype(dtype))
+
+        def rows(arrays: list[mx.array]) -> mx.array:  # (heads, bs, dim) per block -> (blocks * bs, heads, dim)
+            return mx.concatenate([a.transpose(1, 0, 2) for a in arrays]).astype(dtype)
+
+        for layer in range(self.shape.num_layers):
+            self.write(layer, slots, rows([d.keys[layer] for d in data]), rows([d.values[layer] for d in data]))
 
     def check_block(self, data: BlockData) -> str | None:
         """Why `data` cannot be a block of this store (None when it can)."""

@@ -83,8 +83,7 @@ class Runner:
         self.store.ensure(plan.num_blocks)
         for c in plan.copies:
             self.store.copy(c.src, c.dst, c.tokens)
-        for load in plan.loads:
-            self._load(load.key, load.block)
+        self.store.load([x.block for x in plan.loads], [self._read(x.key) for x in plan.loads])
         rows = [self._row(c) for c in plan.chunks]
         out = None
         batch = None
@@ -172,11 +171,11 @@ class Runner:
             raise SplitBrain(f"uid {c.uid}: {end} positions, its table covers {len(seq.blocks)} blocks")
         return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits)
 
-    def _load(self, key: bytes, block: int) -> None:
+    def _read(self, key: bytes) -> BlockData:
         data = self.ssd.load(key) if self.ssd is not None else None
         if data is None:
             raise BlockMissing(f"prefix block {key.hex()} is not cached on this rank")
         problem = self.store.check_block(data)
         if problem is not None:
             raise BlockMissing(f"prefix block {key.hex()} on this rank's disk holds {problem}")
-        self.store.load(block, data)
+        return data

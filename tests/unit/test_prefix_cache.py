@@ -24,7 +24,8 @@ from meshlm.engine.scheduler import Scheduler
 from meshlm.executor.rank import RankState, build_rank
 from meshlm.kv.blocks import BlockManager
 from meshlm.kv.keys import KEY_BYTES, CacheSalt, block_keys
-from meshlm.kv.ssd import FORMAT, SUFFIX, TMP_DIR, SSDConfig, SSDTier, checksum
+from meshlm.kv.blockfile import checksum
+from meshlm.kv.ssd import FORMAT, SUFFIX, TMP_DIR, SSDConfig, SSDTier
 from meshlm.kv.store import BlockData as Block
 from meshlm.model import demo
 from meshlm.model.loader import load_model

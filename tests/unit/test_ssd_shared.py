@@ -279,14 +279,14 @@ def test_a_file_deleted_during_startup_validation_is_not_counted(tmp_path, monke
     a = tier(tmp_path)
     ks = keys(2, seed=80)
     write(a, ks, seed=80)
-    read_header = ssd._read_header
+    read_header = ssd.read_header
 
     def evicted_meanwhile(path: Path):
         if path.name.startswith(ks[0].hex()):
             path.unlink()
         return read_header(path)
 
-    monkeypatch.setattr(ssd, "_read_header", evicted_meanwhile)
+    monkeypatch.setattr(ssd, "read_header", evicted_meanwhile)
     b = tier(tmp_path)
     assert b.enabled and b.dropped == 0
     assert ks[0] not in b and ks[1] in b

@@ -1,0 +1,128 @@
+"""The SSD block reader trusts nothing in a file: every malformed file is a ValueError, never a crash."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from meshlm.kv.blockfile import checksum, read_block
+
+
+def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
+    arrays = {}
+    for i in range(layers):
+        arrays[f"k.{i}"] = mx.random.normal((2, 4, 8)).astype(dtype)
+        arrays[f"v.{i}"] = mx.random.normal((2, 4, 8)).astype(dtype)
+    path = tmp_path / "block.safetensors"
+    mx.save_safetensors(str(path), arrays, metadata=meta if meta is not None else
+                        {"format": "x", "checksum": checksum(arrays)})
+    return path, arrays
+
+
+def _split(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _join(path: Path, header: dict, body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_round_trip(tmp_path, dtype):
+    path, arrays = _write(tmp_path, dtype=dtype)
+    block, meta = read_block(path)
+    assert meta["format"] == "x"
+    assert len(block.keys) == len(block.values) == 2
+    for i in range(2):
+        assert block.keys[i].dtype == dtype and block.keys[i].shape == (2, 4, 8)
+        assert mx.array_equal(block.keys[i], arrays[f"k.{i}"])
+        assert mx.array_equal(block.values[i], arrays[f"v.{i}"])
+
+
+def test_checksum_mismatch(tmp_path):
+    path, _ = _write(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        read_block(path)
+
+
+def test_missing_checksum(tmp_path):
+    path, _ = _write(tmp_path, meta={"format": "x"})
+    with pytest.raises(ValueError, match="checksum"):
+        read_block(path)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x01\x02", struct.pack("<Q", 2**40), struct.pack("<Q", 100) + b"{}"])
+def test_truncated_or_implausible_header(tmp_path, raw):
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError):
+        read_block(path)
+
+
+@pytest.mark.parametrize("header", [b"not json", b"\xff\xfe", b"[1, 2]", b'{"__metadata__": {"a": 1}}'])
+def test_bad_header(tmp_path, header):
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(ValueError):
+        read_block(path)
+
+
+def _mutate(tmp_path, change):
+    path, _ = _write(tmp_path)
+    header, body = _split(path)
+    change(header)
+    _join(path, header, body)
+    with pytest.raises(ValueError):
+        read_block(path)
+
+
+def test_wrong_tensor_names(tmp_path):
+    _mutate(tmp_path, lambda h: h.update({"x.0": h.pop("k.0")}))
+
+
+def test_missing_tensor(tmp_path):
+    _mutate(tmp_path, lambda h: h.pop("v.1"))
+
+
+def test_offsets_outside_the_file(tmp_path):
+    _mutate(tmp_path, lambda h: h["k.0"].update(data_offsets=[0, 10**9]))
+
+
+def test_negative_offsets(tmp_path):
+    _mutate(tmp_path, lambda h: h["k.0"].update(data_offsets=[-8, 0]))
+
+
+def test_size_does_not_match_shape(tmp_path):
+    _mutate(tmp_path, lambda h: h["k.0"].update(shape=[2, 4, 9]))
+
+
+@pytest.mark.parametrize("shape", [[2, 4], [0, 4, 8], [2, -4, 8], "x", [2, 4, True]])
+def test_bad_shape(tmp_path, shape):
+    _mutate(tmp_path, lambda h: h["k.0"].update(shape=shape))
+
+
+@pytest.mark.parametrize("dtype", ["I64", "F64", None, 3])
+def test_unsupported_dtype(tmp_path, dtype):
+    _mutate(tmp_path, lambda h: h["k.0"].update(dtype=dtype))
+
+
+def test_entry_not_a_dict(tmp_path):
+    _mutate(tmp_path, lambda h: h.update({"k.0": [1, 2]}))
+
+
+def test_copies_do_not_alias_the_file_buffer(tmp_path):
+    path, arrays = _write(tmp_path)
+    block, _ = read_block(path)
+    path.write_bytes(b"")
+    assert np.array_equal(np.array(block.keys[0]), np.array(arrays["k.0"]))
