@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="warm requests per tier (median reported)")
     p.add_argument("--warmup-tokens", type=int, default=500, help="length of each server's warm-up prompt")
-    p.add_argument("--block-size", type=int, default=16, help="meshlm --block-size")
+    p.add_argument("--block-size", type=int, default=32, help="meshlm --block-size (default: the server's)")
     p.add_argument("--kv-cache-dir", help="SSD tier root (default: a temp dir, removed afterwards)")
     p.add_argument("--keep-page-cache", action="store_true",
                    help="don't evict the block files from the page cache before the SSD run")
