@@ -60,6 +60,8 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if executor is None:
         rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler))
         executor = LocalExecutor(rank)
+    if config.speculative.method == "draft":
+        raise ValueError("--speculative draft is not built yet; use --speculative ngram (docs/SPECULATIVE.md)")
     kv_blocks = kv_blocks or rank.max_blocks
     kv_tokens = kv_blocks * rank.block_size
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
@@ -73,7 +75,8 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
         return BlockManager(kv_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
 
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
-                    watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal)
+                    watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal,
+                    speculative=config.speculative)
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     return engine

@@ -9,7 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import DTYPES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig
+from meshlm.config import (DTYPES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig,
+                           ServerConfig, SpeculativeConfig)
 
 log = logging.getLogger("meshlm")
 
@@ -69,6 +70,17 @@ def _serve_parser(sub) -> None:
     g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
     g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
     g.add_argument("--jaccl-coordinator", default=None, help="jaccl: host:port (MLX_JACCL_COORDINATOR)")
+    g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
+    g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
+                   help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
+    g.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per verify step (K)")
+    g.add_argument("--draft-model", default=None, help="--speculative draft: model directory with the same tokenizer")
+    g.add_argument("--speculative-max-batch-size", type=int, default=8,
+                   help="with more decoding sequences than this, a step decodes plainly")
+    g.add_argument("--ngram-min", type=int, default=2, help="n-gram proposer: shortest suffix matched")
+    g.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched (tried first)")
+    g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
+                   help="speculate even for sequences whose drafts are not paying off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -137,6 +149,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 jaccl_coordinator=args.jaccl_coordinator),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
+        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
+                                      args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
+                                      args.adaptive_speculation),
     )
 
 

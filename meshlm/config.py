@@ -62,6 +62,38 @@ class CacheConfig:
             raise ValueError("ssd_cache_gb and ssd_ttl_days must be positive")
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/SPECULATIVE.md): who proposes, how far ahead, and when it is worth it."""
+
+    method: str = "off"
+    num_tokens: int = 5  # drafts per verify step (K); K + 1 = 6 rows fit one tile of the CPU GEMM kernel
+    draft_model: str | None = None  # method "draft": an mlx-lm model directory with the target's tokenizer
+    max_batch_size: int = 8  # decoding sequences above this: plain decoding for the step
+    ngram_min: int = 2  # n-gram proposer: shortest suffix looked up
+    ngram_max: int = 4  # ... longest (tried first)
+    adaptive: bool = True  # stop speculating a sequence whose measured gain is below 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative must be one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_tokens <= 32:
+            raise ValueError("--num-speculative-tokens must be in 1..32")
+        if self.max_batch_size < 1:
+            raise ValueError("--speculative-max-batch-size must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError("n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max <= 16")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model PATH")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 BACKENDS = ("ring", "jaccl", "mpi")
 
 
@@ -130,3 +162,4 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -24,6 +24,16 @@ class Metrics:
         self.kv_blocks_used = Gauge("meshlm_kv_blocks_used", "KV blocks held by running sequences", registry=r)
         self.kv_blocks_cached = Gauge("meshlm_kv_blocks_cached", "KV blocks findable by the prefix cache", registry=r)
         self.preemptions = Counter("meshlm_preemptions", "Sequences preempted for recompute", registry=r)
+        self.spec_verifies = Counter("meshlm_spec_verify_steps", "Speculating rows verified (one per row per step)",
+                                     registry=r)
+        self.spec_drafted = Counter("meshlm_spec_draft_tokens", "Draft tokens verified by the target", registry=r)
+        self.spec_accepted = Counter("meshlm_spec_accepted_tokens", "Draft tokens the target accepted", registry=r)
+        self.spec_emitted = Counter("meshlm_spec_emitted_tokens", "Tokens emitted by verify steps (accepted drafts "
+                                    "plus the target's own token); / verify steps = mean accepted length", registry=r)
+        self.spec_accepted_at = Counter("meshlm_spec_accepted_per_position", "Drafts accepted, by draft position "
+                                        "(0: the first draft)", ["position"], registry=r)
+        self.spec_verify_step_time = Histogram("meshlm_spec_verify_step_seconds", "Duration of steps that verified "
+                                               "drafts", buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -49,6 +49,7 @@ class _Request(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it
+    speculative: StrictBool = True  # meshlm's: false keeps this request out of speculative decoding
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None

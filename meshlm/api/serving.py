@@ -107,6 +107,7 @@ class Serving:
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 logit_bias=bias, logprobs=req.logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
+                speculative=req.speculative,
             )
         except ValueError as exc:
             raise bad_request(str(exc))

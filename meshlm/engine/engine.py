@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from meshlm.config import SchedulerConfig
+import mlx.core as mx
+
+from meshlm.config import SchedulerConfig, SpeculativeConfig
 from meshlm.engine.detokenizer import IncrementalDetokenizer
 from meshlm.engine.plan import StepPlan
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
@@ -25,6 +27,8 @@ from meshlm.engine.stop import StopMatcher
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
 from meshlm.engine.sampler import SeqSampling, sample
+from meshlm.spec.rejection import Proposal, verify
+from meshlm.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,8 @@ class PromptTooLong(ValueError):
 class _Pending:
     """A step's results waiting to be streamed while the next step computes."""
 
-    sampled: dict[int, int]
-    logprobs: dict[int, object]
+    sampled: dict[int, list[int]]  # the tokens each sequence took this step (several after a verify)
+    logprobs: dict[int, list]
     finished: list[Finished]
 
 
@@ -89,6 +93,7 @@ class Engine:
         watchdog=None,
         vocab_size: int | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -114,6 +119,9 @@ class Engine:
         self._failures: list[float] = []  # monotonic times of recent failures (crash-loop detection)
         self._restart_at: float | None = None
         self._on_fatal = on_fatal or (lambda reason: None)
+        self.speculator = (Speculator(speculative, self.metrics, max_model_len)
+                           if speculative is not None and speculative.enabled else None)
+        self._last_collect: float | None = None  # when the previous step's results were in (step cost model)
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback) -> int:
@@ -205,7 +213,7 @@ class Engine:
                     self._wake.wait(IDLE_POLL_SECONDS)
                     return None, []
                 if self.scheduler.has_work:
-                    return self.scheduler.schedule()
+                    return self.scheduler.schedule(self._drafts())
                 if not block:
                     return None, []
                 self._wake.wait(IDLE_POLL_SECONDS)
@@ -221,32 +229,72 @@ class Engine:
         with self._deadline(f"step {plan.step_id}"):
             return self._collect(plan, result)
 
+    def _drafts(self) -> dict[int, tuple[int, ...]]:
+        if self.speculator is None:
+            return {}
+        return self.speculator.propose(self.scheduler.running, self.scheduler.decode_tokens)
+
     def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()
-        sampled, logprobs = self._sample(result)
+        sampled, logprobs, verified = self._sample(plan, result)
         with self._lock:
-            finished = self.scheduler.update(plan, sampled)
+            finished, taken = self.scheduler.update(plan, sampled)
             self._update_gauges()
-        self.metrics.step_time.observe(time.perf_counter() - t0 + result.launch_seconds)
-        return _Pending(sampled, logprobs, finished)
+        now = time.perf_counter()
+        self.metrics.step_time.observe(now - t0 + result.launch_seconds)
+        if self.speculator is not None:
+            for uid, (drafted, accepted) in verified.items():
+                self.speculator.verified(uid, drafted, accepted, len(taken.get(uid, ())))
+            for uid, tokens in taken.items():
+                self.speculator.generated(uid, tokens)
+            if self._last_collect is not None:  # back-to-back steps: the gap is one step's time
+                self.speculator.step_done(plan.num_tokens, now - self._last_collect, bool(verified))
+            self._last_collect = now
+        return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
 
     def _emit(self, pending: "_Pending") -> None:
-        for uid, token in pending.sampled.items():
-            self._emit_token(uid, token, pending.logprobs.get(uid))
+        for uid, tokens in pending.sampled.items():
+            self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
         self._finish_all(pending.finished)
 
-    def _sample(self, result: StepResult):
+    def _sample(self, plan: StepPlan, result: StepResult):
+        """Tokens (and logprobs) per sequence: one sampled token per plain row; for a verified chunk, its
+        accepted drafts plus the target's token. Also returns (drafted, accepted) per verified uid."""
         if result.logits is None:
-            return {}, {}
-        tracked = [self._tracked.get(u) for u in result.uids]
-        if any(t is None for t in tracked):  # failed from another thread (watchdog) meanwhile
-            return {}, {}
-        states = [t.sampling for t in tracked]
-        tokens, lps = sample(result.logits, states)
-        sampled = dict(zip(result.uids, tokens))
-        return sampled, {u: lp for u, lp in zip(result.uids, lps) if lp is not None}
+            return {}, {}, {}
+        # A sequence ended meanwhile (a stop string found while this step ran, or a failure from the
+        # watchdog's thread) has no sampling state any more: its rows are dropped.
+        tracked = {u: t for u in result.uids if (t := self._tracked.get(u)) is not None}
+        rows: dict[int, list[int]] = {}
+        for i, uid in enumerate(result.uids):
+            if uid in tracked:
+                rows.setdefault(uid, []).append(i)
+        drafts = {c.uid: c.token_ids[1:] for c in plan.chunks if c.uid in rows and len(rows[c.uid]) > 1}
+        plain = [u for u in rows if u not in drafts]
+        sampled: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        if plain:
+            index = mx.array([rows[u][0] for u in plain]) if len(plain) < len(result.uids) else None
+            tokens, lps = sample(result.logits if index is None else result.logits[index],
+                                 [tracked[u].sampling for u in plain])
+            for u, tok, lp in zip(plain, tokens, lps):
+                sampled[u] = [tok]
+                if lp is not None:
+                    logprobs[u] = [lp]
+        verified: dict[int, tuple[int, int]] = {}
+        if drafts:
+            outcomes = verify([Proposal(result.logits[rows[u][0]:rows[u][-1] + 1], d, tracked[u].sampling)
+                               for u, d in drafts.items()])
+            for (u, d), v in zip(drafts.items(), outcomes):
+                sampled[u] = v.tokens
+                verified[u] = (len(d), v.accepted)
+                if v.logprobs is not None:
+                    logprobs[u] = v.logprobs
+        return sampled, logprobs, verified
 
-    def _emit_token(self, uid: int, token: int, logprob) -> None:
+    def _emit_tokens(self, uid: int, tokens: list[int], logprobs: list) -> None:
+        """Stream a sequence's new tokens (an accepted run arrives as one chunk); a stop string found
+        inside the run ends the sequence there, and what follows it is neither shown nor counted."""
         t = self._tracked.get(uid)
         if t is None or t.seq.aborted:
             return
@@ -256,13 +304,21 @@ class Engine:
         else:
             self.metrics.itl.observe(now - t.last_token_time)
         t.last_token_time = now
-        self.metrics.generation_tokens.inc()
-        is_eos = t.seq.finished and t.seq.finish_reason is FinishReason.STOP
-        text = "" if is_eos else t.stop.feed(t.detok.add(token))
-        if text or logprob is not None or not t.seq.finished:
-            t.emit(StepOutput(uid, text, (token,), (logprob,) if logprob else ()))
+        text, shown = "", 0
+        for i, token in enumerate(tokens):
+            is_eos = i == len(tokens) - 1 and t.seq.finished and t.seq.finish_reason is FinishReason.STOP
+            text += "" if is_eos else t.stop.feed(t.detok.add(token))
+            shown = i + 1
+            if t.stop.stopped:
+                break
+        self.metrics.generation_tokens.inc(shown)
+        lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
+        if text or lps or not t.seq.finished:
+            t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps))
         if t.stop.stopped and not t.seq.finished:
             with self._lock:
+                if shown < len(tokens):  # the rest of the run was never shown: it was not generated
+                    del t.seq.output_ids[len(t.seq.output_ids) - (len(tokens) - shown):]
                 self.scheduler.finish(t.seq, FinishReason.STOP)
             self._finish(uid, FinishReason.STOP)
 
@@ -272,6 +328,8 @@ class Engine:
 
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> None:
         t = self._tracked.pop(uid, None)
+        if self.speculator is not None:
+            self.speculator.drop(uid)
         if t is None:
             return
         # A dangling partial character or held-back stop prefix is released unless

@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     ignore_eos: bool = False
+    speculative: bool = True  # False: this request never speculates, whatever the server does
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -102,12 +103,30 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
+    def tokens(self) -> "TokenView":
+        return TokenView(self)
+
+    @property
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class TokenView:
+    """A sequence's prompt + output ids, sliced without concatenating them (proposers read these)."""
+
+    seq: Sequence
+
+    def __len__(self) -> int:
+        return self.seq.num_tokens
+
+    def __getitem__(self, s: slice) -> list[int]:
+        start, stop, _ = s.indices(self.seq.num_tokens)
+        return self.seq.token_slice(start, stop)
 
 
 @dataclass(frozen=True)

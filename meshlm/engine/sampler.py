@@ -48,23 +48,27 @@ class SeqSampling:
         return sum(self.counts.values())
 
 
-def _process(row: mx.array, state: SeqSampling) -> mx.array:
-    """Logit bias, the min_tokens ban and the penalties, for one row."""
+def _process(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = ()) -> mx.array:
+    """Logit bias, the min_tokens ban and the penalties, for one row. `ahead`: tokens taken after the
+    state's (accepted drafts before this position), counted as if already generated."""
     p = state.params
+    counts = state.counts
+    if ahead and (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0):
+        counts = counts + Counter(ahead)
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
-    if state.banned and state.generated < p.min_tokens:
+    if state.banned and state.generated + len(ahead) < p.min_tokens:
         row = row.at[mx.array(state.banned)].add(-float("inf"))
-    if p.repetition_penalty != 1 and (state.counts or state.prompt_ids):
-        ids = mx.array(sorted(state.prompt_ids | state.counts.keys()))
+    if p.repetition_penalty != 1 and (counts or state.prompt_ids):
+        ids = mx.array(sorted(state.prompt_ids | counts.keys()))
         picked = row[ids]
         scaled = mx.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         row = row.at[ids].add(scaled - picked)
-    if state.counts and (p.presence_penalty != 0 or p.frequency_penalty != 0):
-        ids = mx.array(list(state.counts.keys()))
-        counts = mx.array(list(state.counts.values()), dtype=mx.float32)
-        row = row.at[ids].add(-(p.presence_penalty + p.frequency_penalty * counts))
+    if counts and (p.presence_penalty != 0 or p.frequency_penalty != 0):
+        ids = mx.array(list(counts.keys()))
+        values = mx.array(list(counts.values()), dtype=mx.float32)
+        row = row.at[ids].add(-(p.presence_penalty + p.frequency_penalty * values))
     return row
 
 

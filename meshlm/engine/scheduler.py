@@ -21,8 +21,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from meshlm.config import SchedulerConfig
-from meshlm.engine.plan import (LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk, NewSequence,
-                                StepPlan, TableUpdate, batch_fingerprint)
+from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk,
+                                NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint)
 from meshlm.engine.request import FinishReason, Sequence, SeqStatus
 from meshlm.kv.blocks import BlockManager
 
@@ -59,6 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._to_remove: list[int] = []  # uids whose KV ranks must drop next step
         self._saves: list[BlockSave] = []  # committed blocks to write through, in the next plan
+        self._trims: dict[int, Trim] = {}  # rejected drafts' positions every rank drops, in the next plan
         self._step_ids = itertools.count()
         self.num_preemptions = 0
 
@@ -76,12 +77,20 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._to_remove or self._saves)
+        return bool(self.running or self.waiting or self._to_remove or self._saves or self._trims)
 
     # -- the step ---------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[Finished]]:
-        """Plan one step. Returns the plan and sequences that ended without running (aborts)."""
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens a step would run for decoding sequences alone (what drafts are weighed against)."""
+        return sum(1 for s in self.running if s.remaining == 1)
+
+    def schedule(self, drafts: dict[int, tuple[int, ...]] | None = None) -> tuple[StepPlan, list[Finished]]:
+        """Plan one step. `drafts`: speculative tokens per decoding uid, verified in this step's forward
+        when budget and KV allow (else the sequence decodes plainly). Returns the plan and sequences that
+        ended without running (aborts)."""
         ended = self._reap()
+        drafts = drafts or {}
         draft = _Draft()
         budget = self.config.max_tokens_per_step
         # Decode and continuing prefill for running sequences, oldest first;
@@ -90,7 +99,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq in self.running:
-                budget -= self._continue(seq, budget, draft)
+                budget -= self._continue(seq, budget, draft, drafts.get(seq.uid, ()))
         self._admit(draft, budget)
         plan = StepPlan(
             step_id=next(self._step_ids),
@@ -98,18 +107,27 @@ class Scheduler:
             chunks=tuple(draft.chunks),
             removed=tuple(self._to_remove),
             tables=tuple(TableUpdate(uid, tuple(b)) for uid, b in draft.tables.items() if b),
+            trims=tuple(self._trims.values()),
             copies=tuple(draft.copies),
             loads=tuple(draft.loads),
             saves=tuple(self._saves),
             num_blocks=self.blocks.high_water,
             fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )
-        self._to_remove, self._saves = [], []
+        self._to_remove, self._saves, self._trims = [], [], {}
         self.blocks.end_step()
         return plan, ended
 
-    def _continue(self, seq: Sequence, budget: int, draft: _Draft) -> int:
+    def _continue(self, seq: Sequence, budget: int, draft: _Draft, drafts: tuple[int, ...] = ()) -> int:
         """Plan the next chunk of a running sequence; returns the tokens it takes."""
+        drafts = drafts[: budget - 1] if seq.remaining == 1 else ()
+        if drafts:
+            new = self.blocks.allocate(seq.uid, seq.num_computed_tokens + 1 + len(drafts))
+            if new is not None:  # else: no room for the drafts, decode plainly
+                draft.tables.setdefault(seq.uid, []).extend(new)
+                start = seq.num_computed_tokens
+                draft.chunks.append(Chunk(seq.uid, start, (*seq.token_slice(start, start + 1), *drafts), LOGITS_ALL))
+                return 1 + len(drafts)
         want = min(seq.remaining, budget)
         while (new := self.blocks.allocate(seq.uid, seq.num_computed_tokens + want)) is None:
             if not self._preempt_newer_than(seq):
@@ -166,6 +184,7 @@ class Scheduler:
 
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._trims.pop(seq.uid, None)  # its KV goes entirely
         self._to_remove.append(seq.uid)
         self.blocks.free(seq.uid)
 
@@ -192,25 +211,49 @@ class Scheduler:
         return lengths
 
     # -- results ----------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Finished]:
-        """Apply a step's results: advance computed counts, commit full blocks, append sampled tokens."""
+    def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> tuple[list[Finished], dict[int, list[int]]]:
+        """Apply a step's results: advance computed counts, append the tokens each sequence got (one, or for
+        a verified chunk its accepted drafts plus one), commit full blocks, roll rejected drafts back.
+        Returns the sequences that finished and the tokens each sequence actually took (a run stops at
+        EOS, a stop token or max_tokens: nothing after them is kept)."""
         by_uid = {s.uid: s for s in self.running}
         finished: list[Finished] = []
+        taken: dict[int, list[int]] = {}
         for chunk in plan.chunks:
             seq = by_uid.get(chunk.uid)
             if seq is None:
                 continue
-            seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
-            self._commit(seq)
-            token = sampled.get(chunk.uid)
-            if token is None or seq.finished:
+            end = chunk.start + len(chunk.token_ids)
+            tokens = sampled.get(chunk.uid)
+            verify = chunk.logits == LOGITS_ALL and len(chunk.token_ids) > 1
+            if verify:
+                if seq.finished:  # ended meanwhile: it leaves, and its unverified KV is never committed
+                    continue
+                if tokens is None or not 1 <= len(tokens) <= len(chunk.token_ids):
+                    raise ValueError(f"uid {chunk.uid}: {tokens!r} is not a verify outcome for {chunk}")
+                end = chunk.start + len(tokens)  # the current token and the accepted drafts hold KV
+            if seq.finished or not tokens:
+                seq.num_computed_tokens = end
+                self._commit(seq)
                 continue
-            seq.output_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            kept: list[int] = []
+            reason = None
+            for token in tokens:
+                seq.output_ids.append(token)
+                kept.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            taken[chunk.uid] = kept
+            seq.num_computed_tokens = min(end, seq.num_tokens)
+            self._commit(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(Finished(seq, reason))
-        return finished
+            elif verify and seq.num_computed_tokens < chunk.start + len(chunk.token_ids):
+                self.blocks.trim(seq.uid, seq.num_computed_tokens)
+                self._trims[seq.uid] = Trim(seq.uid, seq.num_computed_tokens, len(self.blocks.table(seq.uid)))
+        return finished, taken
 
     def _commit(self, seq: Sequence) -> None:
         saves = self.blocks.commit(seq.uid, seq.token_slice, seq.num_computed_tokens)

@@ -422,7 +422,7 @@ def run(rank: RankState, prompts: list[list[int]], n: int = 6, blocks: BlockMana
             result = rank.step(plan)
             sampled = {}
             if result.logits is not None:
-                sampled = dict(zip(result.uids, mx.argmax(result.logits, axis=-1).tolist()))
+                sampled = {u: [t] for u, t in zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())}
                 for i, u in enumerate(result.uids):
                     logits.setdefault(u, []).append(result.logits[i])
             sched.update(plan, sampled)
@@ -492,7 +492,7 @@ def test_preempted_sequences_resume_from_the_cache_with_the_same_tokens(path):
         plan, _ = sched.schedule()
         resumed += [n.cached_len for n in plan.new if any(s.uid == n.uid and s.num_preemptions for s in seqs)]
         result = rank.step(plan)
-        sampled = dict(zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())) if result.uids else {}
+        sampled = {u: [t] for u, t in zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())} if result.uids else {}
         sched.update(plan, sampled)
     assert sched.num_preemptions >= 1 and max(resumed) > 0  # the recompute started from cached blocks
     for s in seqs:

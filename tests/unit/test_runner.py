@@ -123,7 +123,7 @@ def drive(rank: RankState, w: Workload, *, step_tokens=16, batch=16, aborts=None
         sampled = {}
         if result.logits is not None:
             mx.eval(result.logits)
-            sampled = dict(zip(result.uids, mx.argmax(result.logits, axis=-1).tolist()))
+            sampled = {u: [t] for u, t in zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())}
             for i, uid in enumerate(result.uids):
                 out.logits.setdefault(uid, []).append(result.logits[i])
         sched.update(plan, sampled)

@@ -45,8 +45,8 @@ def step(sched: Scheduler, token=TOKEN) -> tuple[StepPlan, list[Finished], list[
     """One schedule/update round; `token` is an int or a callable uid -> int."""
     plan, ended = sched.schedule()
     pick = token if callable(token) else (lambda uid: token)
-    sampled = {c.uid: pick(c.uid) for c in plan.chunks if c.sample}
-    return plan, ended, sched.update(plan, sampled)
+    sampled = {c.uid: [pick(c.uid)] for c in plan.chunks if c.sample}
+    return plan, ended, sched.update(plan, sampled)[0]
 
 
 def chunk_sizes(plan: StepPlan) -> dict[int, int]:
@@ -394,7 +394,7 @@ def test_random_workload_invariants(seed):
         # A partial prefill chunk takes what is left, so nothing is scheduled after it.
         partial = [i for i, c in enumerate(plan.chunks) if not c.sample]
         assert partial in ([], [len(plan.chunks) - 1])
-        sampled = {c.uid: rng.choice([1, EOS]) if rng.random() < 0.04 else rng.randint(3, 99)
+        sampled = {c.uid: [rng.choice([1, EOS]) if rng.random() < 0.04 else rng.randint(3, 99)]
                    for c in plan.chunks if c.sample}
         outputs = {s.uid: list(s.output_ids) for s in seqs}
         sched.update(plan, sampled)
@@ -403,7 +403,7 @@ def test_random_workload_invariants(seed):
             assert len(s.output_ids) <= s.params.max_tokens
             assert s.num_tokens <= max_model_len
             # Output only grows, by the sampled token: preemption never loses generated text.
-            assert s.output_ids == outputs[s.uid] + ([sampled[s.uid]] if s.uid in sampled else [])
+            assert s.output_ids == outputs[s.uid] + (sampled[s.uid] if s.uid in sampled else [])
         t += 1
         assert t < 3_000, "no progress"
     assert not mirror.kv  # every rank freed everything
@@ -415,3 +415,92 @@ def test_random_workload_invariants(seed):
             assert len(s.output_ids) == s.params.max_tokens or s.num_tokens == max_model_len
         else:
             assert s.finish_reason is FinishReason.ABORT and s.aborted
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+
+def _spec_sched(kv_budget: int = 64, block_size: int = 4) -> Scheduler:
+    config = SchedulerConfig(max_batch_size=4, max_tokens_per_step=64, max_waiting=8)
+    return Scheduler(config, BlockManager(kv_budget // block_size, block_size), 256, frozenset({EOS}))
+
+
+def _prefill(sched: Scheduler, seq: Sequence) -> None:
+    sched.add(seq)
+    plan, _ = sched.schedule()
+    sched.update(plan, {seq.uid: [TOKEN]})
+
+
+def test_drafts_become_one_chunk_with_logits_for_every_position():
+    from meshlm.engine.plan import LOGITS_ALL
+
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8, 9)})
+    [c] = plan.chunks
+    assert c.token_ids == (TOKEN, 7, 8, 9) and c.start == 5 and c.logits == LOGITS_ALL
+    assert len(sched.blocks.table(0)) == 3  # 9 positions in blocks of 4
+
+
+def test_partial_acceptance_rolls_back_in_the_next_plan():
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8, 9)})
+    finished, taken = sched.update(plan, {0: [7, 11]})  # draft 7 accepted, 8 rejected, the target said 11
+    assert not finished and taken == {0: [7, 11]}
+    assert seq.output_ids == [TOKEN, 7, 11] and seq.num_computed_tokens == 7
+    assert len(sched.blocks.table(0)) == 2
+    plan, _ = sched.schedule()
+    assert [(t.uid, t.length, t.blocks) for t in plan.trims] == [(0, 7, 2)]
+    assert plan.chunks[0].start == 7 and plan.chunks[0].token_ids == (11,)
+    assert plan.fingerprint == batch_fingerprint({0: 8})
+
+
+def test_all_accepted_needs_no_trim():
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8)})
+    sched.update(plan, {0: [7, 8, 12]})
+    assert seq.num_computed_tokens == 8
+    assert sched.schedule()[0].trims == ()
+
+
+def test_eos_inside_an_accepted_run_ends_it_there():
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, EOS, 9)})
+    finished, taken = sched.update(plan, {0: [7, EOS, 9, 10]})
+    assert taken == {0: [7, EOS]} and seq.output_ids == [TOKEN, 7, EOS]
+    assert [f.reason for f in finished] == [FinishReason.STOP]
+    plan, _ = sched.schedule()
+    assert plan.removed == (0,) and plan.trims == ()
+
+
+def test_max_tokens_inside_an_accepted_run():
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=3)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8, 9)})
+    finished, taken = sched.update(plan, {0: [7, 8, 9, 10]})
+    assert taken == {0: [7, 8]} and len(seq.output_ids) == 3
+    assert [f.reason for f in finished] == [FinishReason.LENGTH]
+
+
+def test_drafts_give_way_when_blocks_run_out():
+    sched = _spec_sched(kv_budget=8, block_size=4)  # two blocks
+    seq = make_seq(0, prompt_len=6, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8, 9)})  # 10 positions do not fit in 8: plain decoding
+    assert [c.token_ids for c in plan.chunks] == [(TOKEN,)]
+
+
+def test_a_bad_verify_outcome_is_refused():
+    sched = _spec_sched()
+    seq = make_seq(0, prompt_len=5, max_tokens=20)
+    _prefill(sched, seq)
+    plan, _ = sched.schedule({0: (7, 8)})
+    with pytest.raises(ValueError):
+        sched.update(plan, {0: [1, 2, 3, 4]})

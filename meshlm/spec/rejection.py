@@ -1,0 +1,142 @@
+"""Verification of drafted tokens against the target's logits (leader only).
+
+A speculating row ran its current token plus K drafts in one forward, so it
+has K + 1 rows of logits: row j is the target's distribution for the token
+after draft j (row 0: after the current token). Each row is processed exactly
+as plain decoding would process it at that position: logit bias, the
+min_tokens ban and the penalties see the drafts before it as generated
+(they are, if row j is reached at all), then temperature, top-k, min-p and
+top-p (engine/sampler.py's own functions).
+
+- Greedy: accept drafts while each equals the argmax of its row; the argmax of
+  the first row that disagrees (or of the last row, when all agree) is the
+  target's own next token. The text is exactly plain greedy decoding's.
+- Sampling: standard speculative sampling (Leviathan et al. 2023, Chen et al.
+  2023): accept draft j with probability min(1, p_j(d_j) / q_j(d_j)); at the
+  first rejection sample from normalize(max(0, p_j - q_j)); when every draft
+  is accepted, sample a bonus token from p_K. The emitted tokens are then
+  distributed exactly as plain sampling's. An n-gram draft is a point mass
+  (q_j(d_j) = 1), so acceptance is p_j(d_j) and the residual is p_j without d_j.
+
+Everything for a batch of rows is built lazily and evaluated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from meshlm.engine.request import TokenLogprob
+from meshlm.engine.sampler import SeqSampling, _filter, _process
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One speculating row: its target logits (K + 1, vocab), its K drafts, and the draft's
+    distributions (K, vocab) when they came from a model (None: an n-gram point mass)."""
+
+    logits: mx.array
+    drafts: tuple[int, ...]
+    state: SeqSampling
+    draft_probs: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class Verified:
+    tokens: list[int]  # accepted drafts, then the target's own token: 1..K+1 tokens
+    accepted: int  # drafts accepted
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, when the request asked for them
+
+
+def verify(proposals: list[Proposal]) -> list[Verified]:
+    """Accept or reject every row's drafts; updates each row's sampling state (counts, PRNG key)."""
+    graphs = [_graph(p) for p in proposals]
+    mx.eval([a for g in graphs for a in g.arrays])
+    out = []
+    for p, g in zip(proposals, graphs):
+        tokens, accepted = g.decide(p.drafts)
+        for t in tokens:
+            p.state.counts[t] += 1
+        out.append(Verified(tokens, accepted, _logprobs(g.rows, tokens, p.state) if p.state.params.logprobs
+                            is not None else None))
+    return out
+
+
+@dataclass
+class _Greedy:
+    targets: mx.array  # (K + 1,) argmax per row
+    rows: list[mx.array]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.targets]
+
+    def decide(self, drafts: tuple[int, ...]) -> tuple[list[int], int]:
+        targets = self.targets.tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == targets[a]:
+            a += 1
+        return list(drafts[:a]) + [targets[a]], a
+
+
+@dataclass
+class _Stochastic:
+    accept: mx.array  # (K,) bool: u_j < min(1, p_j(d_j) / q_j(d_j))
+    residual: mx.array  # (K,) a token drawn from normalize(max(0, p_j - q_j)) per position
+    bonus: mx.array  # () a token drawn from p_K
+    rows: list[mx.array]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.accept, self.residual, self.bonus]
+
+    def decide(self, drafts: tuple[int, ...]) -> tuple[list[int], int]:
+        accept = self.accept.tolist() if drafts else []
+        a = 0
+        while a < len(drafts) and accept[a]:
+            a += 1
+        last = self.bonus.item() if a == len(drafts) else self.residual.tolist()[a]
+        return list(drafts[:a]) + [last], a
+
+
+def _graph(p: Proposal) -> _Greedy | _Stochastic:
+    k = len(p.drafts)
+    if p.logits.shape[0] != k + 1:
+        raise ValueError(f"{p.logits.shape[0]} rows of logits for {k} drafts")
+    rows = [_process(p.logits[j], p.state, p.drafts[:j]) for j in range(k + 1)]
+    params = p.state.params
+    if params.greedy:
+        return _Greedy(mx.argmax(mx.stack(rows), axis=-1), rows)
+    filtered = mx.stack([_filter(r, params) for r in rows])  # (K + 1, vocab), -inf outside the kept set
+    probs = mx.softmax(filtered, axis=-1)
+    bonus = mx.random.categorical(filtered[k], key=p.state.next_key())
+    if k == 0:
+        return _Stochastic(mx.zeros((0,), dtype=mx.bool_), mx.zeros((0,), dtype=mx.uint32), bonus, rows)
+    d = mx.array(p.drafts, dtype=mx.int32)
+    p_d = mx.take_along_axis(probs[:k], d[:, None], axis=-1)[:, 0]
+    if p.draft_probs is None:
+        ratio = p_d
+        residual = mx.where(mx.arange(probs.shape[-1])[None] == d[:, None], 0.0, probs[:k])
+    else:
+        q = p.draft_probs
+        q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        ratio = mx.minimum(1.0, p_d / mx.maximum(q_d, 1e-30))
+        residual = mx.maximum(probs[:k] - q, 0.0)
+    u = mx.random.uniform(shape=(k,), key=p.state.next_key())
+    # log(0) = -inf excludes a token; a residual with no mass left only arises where acceptance was certain
+    res_tokens = mx.random.categorical(mx.log(residual), axis=-1, key=p.state.next_key())
+    return _Stochastic(u < ratio, res_tokens, bonus, rows)
+
+
+def _logprobs(rows: list[mx.array], tokens: list[int], state: SeqSampling) -> list[TokenLogprob]:
+    """Logprobs of the emitted tokens under the processed target rows (as plain decoding reports them)."""
+    k = state.params.logprobs or 0
+    parts = []
+    for row, tok in zip(rows, tokens):
+        lp = row - mx.logsumexp(row)
+        top = mx.argsort(-lp)[:k] if k else mx.array([], dtype=mx.uint32)
+        parts.append((lp[tok], top, lp[top] if k else mx.array([])))
+    mx.eval(parts)
+    return [TokenLogprob(tok, chosen.item(), tuple(zip(top.tolist(), vals.tolist())))
+            for tok, (chosen, top, vals) in zip(tokens, parts)]

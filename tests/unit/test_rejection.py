@@ -1,0 +1,161 @@
+"""Verification of drafts: greedy is plain greedy decoding; sampling is exactly plain sampling's
+distribution (a chi-square test on the first two tokens of a small-vocabulary "model")."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from meshlm.engine.request import SamplingParams
+from meshlm.engine.sampler import SeqSampling, _filter, _process, sample
+from meshlm.spec.rejection import Proposal, verify
+
+V = 8
+
+
+def rows_with_argmax(targets: list[int], vocab: int = 16) -> mx.array:
+    """Logits rows whose argmax is `targets[j]` (margin 5)."""
+    out = np.zeros((len(targets), vocab), dtype=np.float32)
+    for j, t in enumerate(targets):
+        out[j, t] = 5.0
+    return mx.array(out)
+
+
+def greedy_state(**kw) -> SeqSampling:
+    return SeqSampling.create(SamplingParams(temperature=0, **kw))
+
+
+def test_greedy_all_accepted_gives_the_bonus_token():
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 4, 5), greedy_state())])
+    assert v.tokens == [3, 4, 5, 6] and v.accepted == 3
+
+
+def test_greedy_none_accepted_gives_the_targets_token():
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (9, 4, 5), greedy_state())])
+    assert v.tokens == [3] and v.accepted == 0
+
+
+def test_greedy_stops_at_the_first_mismatch():
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 9, 5), greedy_state())])
+    assert v.tokens == [3, 4] and v.accepted == 1
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_small_k(k):
+    targets = [7, 8]
+    [v] = verify([Proposal(rows_with_argmax(targets[: k + 1]), tuple(targets[:k]), greedy_state())])
+    assert v.tokens == targets[: k + 1] and v.accepted == k
+
+
+def test_rows_and_drafts_must_agree():
+    with pytest.raises(ValueError):
+        verify([Proposal(rows_with_argmax([1, 2]), (1, 2), greedy_state())])
+
+
+def test_counts_and_logprobs_of_emitted_tokens():
+    state = greedy_state(logprobs=2)
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5]), (3, 4), state)])
+    assert state.counts == Counter({3: 1, 4: 1, 5: 1})
+    assert [lp.token_id for lp in v.logprobs] == [3, 4, 5]
+    for lp in v.logprobs:
+        assert lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1])
+        assert lp.logprob == pytest.approx(5 - math.log(math.exp(5) + 15), abs=1e-5)
+
+
+def test_penalties_see_the_drafts_before_each_position():
+    """Row j is processed as plain decoding would process it after the drafts before j were generated."""
+    logits = mx.array(np.tile(np.eye(16, dtype=np.float32)[5] * 1.0, (3, 1)))  # token 5 leads by 1 everywhere
+    params = dict(frequency_penalty=2.0)
+    [v] = verify([Proposal(logits, (5, 5), greedy_state(**params))])
+    plain, state = [], greedy_state(**params)
+    for j in range(2):
+        tokens, _ = sample(logits[j : j + 1], [state])
+        plain += tokens
+    assert v.tokens == plain and plain[0] == 5 and plain[1] != 5
+
+
+def test_min_tokens_ban_moves_with_the_position():
+    eos = 2
+    logits = rows_with_argmax([eos, eos, eos])
+    state = SeqSampling.create(SamplingParams(temperature=0, min_tokens=2), eos_token_ids=frozenset({eos}))
+    [v] = verify([Proposal(logits, (7, 7), state)])
+    assert v.tokens[0] != eos  # banned at position 0: the draft (7) is not the argmax either, so it is rejected
+    state = SeqSampling.create(SamplingParams(temperature=0, min_tokens=1), eos_token_ids=frozenset({eos}))
+    row0 = _process(logits[0], state)
+    [v] = verify([Proposal(logits, (int(mx.argmax(row0).item()), eos), state)])
+    assert v.tokens[:2] == [int(mx.argmax(row0).item()), eos]  # position 1 is past min_tokens: EOS allowed
+
+
+# -- stochastic exactness -------------------------------------------------------------------------
+
+def target_logits(prefix: tuple[int, ...]) -> np.ndarray:
+    """A deterministic 'model' over V tokens: logits depend on the whole prefix."""
+    rng = np.random.default_rng(abs(hash(("target", prefix))) % 2**32)
+    return (rng.normal(size=V) * 1.5).astype(np.float32)
+
+
+def draft_probs(prefix: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng(abs(hash(("draft", prefix))) % 2**32)
+    p = np.exp(rng.normal(size=V))
+    return (p / p.sum()).astype(np.float32)
+
+
+def exact_probs(prefix: tuple[int, ...], params: SamplingParams) -> np.ndarray:
+    row = _filter(mx.array(target_logits(prefix)), params)
+    return np.array(mx.softmax(row))
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty: the upper 1e-3 quantile of chi-square with df degrees of freedom."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def two_tokens(state: SeqSampling, k: int, ngram: bool, rng: np.random.Generator) -> tuple[int, int]:
+    """Generate two tokens by speculative steps from an empty prefix."""
+    out: list[int] = []
+    while len(out) < 2:
+        prefix = tuple(out)
+        if ngram:  # a fixed proposal, point mass: the likeliest tokens under the target, then a poor one
+            drafts = tuple((int(np.argmax(target_logits(prefix))) + i) % V for i in range(k))
+            q = None
+        else:
+            drafts, qs = [], []
+            for _ in range(k):
+                p = draft_probs(prefix + tuple(drafts))
+                qs.append(p)
+                drafts.append(int(rng.choice(V, p=p / p.sum())))
+            drafts, q = tuple(drafts), mx.array(np.stack(qs))
+        logits = mx.array(np.stack([target_logits(prefix + drafts[:j]) for j in range(k + 1)]))
+        [v] = verify([Proposal(logits, drafts, state, q)])
+        out += v.tokens
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("ngram", [True, False], ids=["ngram", "draft-model"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=2),
+], ids=["plain", "top-k-top-p"])
+def test_speculative_sampling_matches_the_target_distribution(ngram, params):
+    """Joint distribution of the first two tokens against the exact p(t1) p(t2 | t1); chi-square at a
+    1e-3 false-failure rate (the seed is fixed, so the run is deterministic)."""
+    n = 2500
+    state = SeqSampling.create(params)
+    rng = np.random.default_rng(0)
+    seen = Counter(two_tokens(state, 3, ngram, rng) for _ in range(n))
+    p1 = exact_probs((), params)
+    expected = {(a, b): n * p1[a] * exact_probs((a,), params)[b] for a in range(V) for b in range(V)}
+    assert sum(c for cell, c in seen.items() if expected[cell] == 0) == 0  # never outside the kept set
+    big = [cell for cell, e in expected.items() if e >= 5]
+    rest_e = sum(e for cell, e in expected.items() if e < 5)
+    rest_o = sum(seen[cell] for cell, e in expected.items() if e < 5)
+    chi2 = sum((seen[c] - expected[c]) ** 2 / expected[c] for c in big)
+    df = len(big) - 1
+    if rest_e >= 5:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+        df += 1
+    assert chi2 < chi2_critical(df), (chi2, df)

@@ -1,0 +1,48 @@
+"""When drafts pay: the acceptance model, the shadow measurement and the step-cost fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlm.spec.policy import Acceptance, StepCost, expected_accepted, worth_it
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.0, 5) == 0
+    assert expected_accepted(1.0, 5) == 5
+    assert expected_accepted(0.5, 2) == pytest.approx(0.75)
+
+
+def test_worth_it_depends_on_batch_and_acceptance():
+    assert worth_it(0.5, 5, rows=1, tokens=1, b_over_a=0.1)
+    assert not worth_it(0.05, 5, rows=1, tokens=1, b_over_a=0.1)
+    assert not worth_it(0.5, 5, rows=16, tokens=16, b_over_a=0.1)  # a big batch already uses the weights well
+    assert worth_it(0.95, 5, rows=16, tokens=16, b_over_a=0.1)
+    assert not worth_it(0.9, 0, rows=1, tokens=1, b_over_a=0.1)
+
+
+def test_acceptance_follows_outcomes_and_the_shadow():
+    a = Acceptance()
+    for _ in range(10):
+        a.observe(0, True)
+    assert a.alpha < 0.05
+    a.shadow = (4, 5, 6)
+    a.follow([4, 5])
+    a.follow([6, 7])
+    assert not a.shadow and a.alpha > 0.4  # a fully matched shadow proposal: three accepted, none rejected
+    a.shadow = (4, 5)
+    a.follow([9])
+    assert not a.shadow and a.matched == 0
+
+
+def test_step_cost_fit():
+    c = StepCost()
+    assert c.coefficients() is None
+    for t in [1, 6, 1, 6, 16, 1, 11] * 5:
+        c.record(t, 0.040 + 0.004 * t)
+    a, b = c.coefficients()
+    assert a == pytest.approx(0.040, rel=1e-3) and b == pytest.approx(0.004, rel=1e-3)
+    flat = StepCost()
+    for _ in range(20):
+        flat.record(4, 0.05)  # no spread in tokens: the prior ratio splits the time
+    assert flat.slope_ratio() == pytest.approx(0.1)
