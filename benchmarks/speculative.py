@@ -358,6 +358,9 @@ def spec_stats(before: dict[str, float] | None, after: dict[str, float] | None) 
         "mean_accepted_length": _peer.ratio(emitted, steps),
         "acceptance_rate": _peer.ratio(accepted, draft),
     }  # fmt: skip
+    seconds, count = get("verify_step_seconds_sum"), get("verify_step_seconds_count")
+    if count:
+        out["verify_step_s_mean"] = round(seconds / count, 5) if seconds is not None else None
     per_position = _per_position(delta)
     if per_position:
         out["accepted_per_position"] = per_position
@@ -442,6 +445,8 @@ def measure(side: Side, server: _peer.ServerProcess, model: str | None, workload
         )
     summary = _peer.summarize(results, wall)
     summary["cpu"] = cpu.result
+    if cpu.result.get("server_cpu_s"):  # robust to other load on the machine
+        summary["tokens_per_cpu_s"] = round(summary["completion_tokens"] / cpu.result["server_cpu_s"], 2)
     summary["spec"] = spec_stats(before, spec_metrics(server.url))
     side.results[(workload, streams)] = summary
     side.texts[(workload, streams)] = [r.text if r.ok else None for r in results]
@@ -449,7 +454,7 @@ def measure(side: Side, server: _peer.ServerProcess, model: str | None, workload
     print(
         f"[{side.name}] {workload} streams={streams}: {summary['tokens_per_s']} tok/s, "
         f"ttft p50 {summary['ttft_p50']}s, ok {summary['requests_ok']}/{len(results)}"
-        + (f", accepted len {spec.get('mean_accepted_length')}" if spec else "")
+        + (f", accepted len {spec['mean_accepted_length']}" if spec.get("verify_steps") else "")
         + (" (contended)" if cpu.result.get("contended") else ""),
         file=sys.stderr,
         flush=True,
@@ -469,6 +474,8 @@ def compare(off: Side, on: Side, key: tuple[str, int], prompts: list[str]) -> di
         "tokens_per_s_ratio": _peer.ratio(b["tokens_per_s"], a["tokens_per_s"]),
         "ttft_p50_ratio": _peer.ratio(b["ttft_p50"], a["ttft_p50"]),
         "tpot_p50_ratio": _peer.ratio(b["tpot_p50"], a["tpot_p50"]),
+        "tokens_per_cpu_s_ratio": _peer.ratio(b.get("tokens_per_cpu_s"), a.get("tokens_per_cpu_s")),
+        "contended": bool(a["cpu"].get("contended") or b["cpu"].get("contended")),
     }
     spec = b.get("spec") or {}
     out["mean_accepted_length"] = spec.get("mean_accepted_length")
