@@ -5,7 +5,7 @@ several concurrency levels. Prints one JSON object to stdout.
     python benchmarks/speculative.py                                   # ngram, K=5, streams 1,8
     python benchmarks/speculative.py --spec-flags "--speculative ngram --num-speculative-tokens 3"
     python benchmarks/speculative.py --spec-flags "--speculative draft --num-speculative-tokens 3 --draft-model {draft}"
-    python benchmarks/speculative.py --peer mlx-lm --draft-layers 8     # also mlx_lm.server --draft-model
+    python benchmarks/speculative.py --peer mlx-lm --streams 1          # also mlx_lm.server --draft-model
     python benchmarks/speculative.py --spec-flags "" --streams 1 --requests-per-stream 1 --max-tokens 32
 
 Workloads (greedy chat completions, streamed with usage):
@@ -22,9 +22,13 @@ workload and level: output tok/s (usage completion tokens / wall time), TTFT
 p50, the `meshlm_spec_*` metric deltas (mean accepted length =
 emitted/verify_steps, acceptance rate = accepted/draft) when /metrics has
 them, and `same_output_frac` between off and on (greedy: must be 1.0), with
-the first differing pair. `{draft}` in --spec-flags is replaced by the early-
-exit draft built by `make_layer_draft` (the first --draft-layers decoder
+the first differing pair. `{draft}` in --spec-flags is replaced by the
+early-exit draft built by `make_layer_draft` (the first --draft-layers decoder
 layers of the model, same embedding, norm and head).
+
+A default run takes ~2-3 minutes on 2 cores. With --peer mlx-lm add
+--streams 1: its draft mode serves one request at a time, so 8 streams take
+~8x as long there.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ DEFAULT_SPEC_FLAGS = "--speculative ngram --num-speculative-tokens 5"
 TARGETS = (("input_grounded", 1, 2.0), ("free_form", None, 0.95))
 SPEC_PREFIX = "meshlm_spec_"
 PARAGRAPH_SENTENCES = 10
+PEER_NOTES = (
+    "mlx_lm.server with --draft-model is not batchable: one generation thread serves requests one at a "
+    "time (_serve_single), so with N streams the others queue (TTFT grows, tok/s is that of 1 stream)",
+    "mlx_lm.server --draft-model: once its prompt cache hits (e.g. the system prompt cached by the "
+    "warm-up), greedy text can differ from its plain decoding; see same_output_frac of the mlx-lm pair",
+)
 OPENBLAS_THREAD_TIMEOUT = "4"  # as meshlm.platform sets for its own re-exec
 
 # -- prompt material (embedded, so nothing is downloaded) -----------------------
@@ -370,10 +380,10 @@ def spec_stats(before: dict[str, float] | None, after: dict[str, float] | None) 
 
 
 def _per_position(delta: dict[str, float]) -> dict[str, float]:
-    """`meshlm_spec_accepted_per_position_total{position="i"}` (or a histogram's buckets) -> {i: count}."""
+    """`meshlm_spec_accepted_per_position_total{position="i"}` deltas -> {i: count}."""
     out: dict[str, float] = {}
     for key, value in delta.items():
-        if not key.startswith(SPEC_PREFIX + "accepted_per_position") or 'position="' not in key:
+        if not key.startswith(SPEC_PREFIX + "accepted_per_position_total{") or 'position="' not in key:
             continue
         position = key.split('position="', 1)[1].split('"', 1)[0]
         out[position] = out.get(position, 0.0) + value
@@ -448,6 +458,10 @@ def measure(side: Side, server: _peer.ServerProcess, model: str | None, workload
     if cpu.result.get("server_cpu_s"):  # robust to other load on the machine
         summary["tokens_per_cpu_s"] = round(summary["completion_tokens"] / cpu.result["server_cpu_s"], 2)
     summary["spec"] = spec_stats(before, spec_metrics(server.url))
+    if summary["spec"] and summary["spec"]["emitted_tokens"] and summary["completion_tokens"]:
+        # the rest were decoded plainly (no draft proposed, speculation off for the row or the step)
+        summary["spec"]["output_frac_from_verify"] = round(
+            summary["spec"]["emitted_tokens"] / summary["completion_tokens"], 3)
     side.results[(workload, streams)] = summary
     side.texts[(workload, streams)] = [r.text if r.ok else None for r in results]
     spec = summary["spec"] or {}
@@ -677,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         if draft_dir is not None and not args.draft_dir:
             shutil.rmtree(draft_dir.parent, ignore_errors=True)
     report["servers"] = {s.name: s.info for s in sides}
+    if args.peer == "mlx-lm":
+        report["peer_notes"] = list(PEER_NOTES)
     report.update(build_report(args, sides, prompts))
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(report, indent=2)

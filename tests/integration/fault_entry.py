@@ -28,10 +28,10 @@ def _plant(kind: str, arg: int) -> None:
             raise RuntimeError(f"injected forward failure (token {arg})")
         return execute(self, plan, *rest)
 
-    def raising_schedule(self):
+    def raising_schedule(self, *args, **kwargs):
         if any(arg in s.prompt_ids for s in self.waiting):
             raise OverflowError(f"injected scheduler failure (token {arg})")
-        return schedule(self)
+        return schedule(self, *args, **kwargs)
 
     def skipping_execute(self, plan, *rest):
         if plan.step_id == arg:  # acknowledged with this rank's old batch: the leader sees a split brain
