@@ -75,7 +75,7 @@ def _serve_parser(sub) -> None:
                    help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per verify step (K)")
     g.add_argument("--draft-model", default=None, help="--speculative draft: model directory with the same tokenizer")
-    g.add_argument("--speculative-max-batch-size", type=int, default=8,
+    g.add_argument("--speculative-max-batch-size", type=int, default=4,
                    help="with more decoding sequences than this, a step decodes plainly")
     g.add_argument("--ngram-min", type=int, default=2, help="n-gram proposer: shortest suffix matched")
     g.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched (tried first)")

@@ -72,7 +72,7 @@ class SpeculativeConfig:
     method: str = "off"
     num_tokens: int = 5  # drafts per verify step (K); K + 1 = 6 rows fit one tile of the CPU GEMM kernel
     draft_model: str | None = None  # method "draft": an mlx-lm model directory with the target's tokenizer
-    max_batch_size: int = 8  # decoding sequences above this: plain decoding for the step
+    max_batch_size: int = 4  # decoding sequences above this: plain decoding (docs/BENCHMARKS.md)
     ngram_min: int = 2  # n-gram proposer: shortest suffix looked up
     ngram_max: int = 4  # ... longest (tried first)
     adaptive: bool = True  # stop speculating a sequence whose measured gain is below 1

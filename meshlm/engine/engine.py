@@ -247,7 +247,10 @@ class Engine:
                 self.speculator.verified(uid, drafted, accepted, len(taken.get(uid, ())))
             for uid, tokens in taken.items():
                 self.speculator.generated(uid, tokens)
-            if self._last_collect is not None:  # back-to-back steps: the gap is one step's time
+            # Back-to-back steps: the gap is one step's time. Only decode and verify steps are fitted: a
+            # prefill chunk's tokens cost another rate, and drafts are weighed against decoding.
+            decoding = all(len(c.token_ids) == 1 or c.uid in verified for c in plan.chunks)
+            if self._last_collect is not None and decoding:
                 self.speculator.step_done(plan.num_tokens, now - self._last_collect, bool(verified))
             self._last_collect = now
         return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)

@@ -26,6 +26,7 @@ DECAY = 0.8  # weight of a sequence's past per verify (or shadow) outcome
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # alpha starts at 0.5
 PRIOR_SLOPE = 0.1  # b / a before the steps have shown otherwise (demo model, CPU, measured 2026-11-23)
 COST_DECAY = 0.99
+MARGIN = 1.2  # the gain must clear the model's error: a verify row's attention costs more than a decode row's
 
 
 @dataclass
@@ -99,4 +100,4 @@ def worth_it(alpha: float, k: int, rows: int, tokens: int, b_over_a: float) -> b
     tokens? (Both sides of the inequality in the module docstring divided by a.)"""
     if k <= 0:
         return False
-    return expected_accepted(alpha, k) * (1 + b_over_a * tokens) > b_over_a * k * rows
+    return expected_accepted(alpha, k) * (1 + b_over_a * tokens) > MARGIN * b_over_a * k * rows
