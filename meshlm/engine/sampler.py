@@ -48,7 +48,7 @@ class SeqSampling:
         return sum(self.counts.values())
 
 
-def _process(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = ()) -> mx.array:
+def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = ()) -> mx.array:
     """Logit bias, the min_tokens ban and the penalties, for one row. `ahead`: tokens taken after the
     state's (accepted drafts before this position), counted as if already generated."""
     p = state.params
@@ -72,7 +72,7 @@ def _process(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = ()) -> 
     return row
 
 
-def _filter(row: mx.array, p: SamplingParams) -> mx.array:
+def filter_logits(row: mx.array, p: SamplingParams) -> mx.array:
     """Apply temperature, top-k, top-p and min-p to one row of logits."""
     row = row / p.temperature
     neg_inf = mx.array(-float("inf"), dtype=row.dtype)
@@ -94,13 +94,13 @@ def _filter(row: mx.array, p: SamplingParams) -> mx.array:
 
 def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
-    rows = [_process(logits[i], s) for i, s in enumerate(states)]
+    rows = [process_logits(logits[i], s) for i, s in enumerate(states)]
     tokens = []
     for row, s in zip(rows, states):
         if s.params.greedy:
             tokens.append(mx.argmax(row))
         else:
-            tokens.append(mx.random.categorical(_filter(row, s.params), key=s.next_key()))
+            tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.next_key()))
     tokens_arr = mx.stack(tokens)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     lp_parts = _logprob_graph(rows, tokens_arr, states, want_lp)

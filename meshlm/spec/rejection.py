@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from meshlm.engine.request import TokenLogprob
-from meshlm.engine.sampler import SeqSampling, _filter, _process
+from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,11 @@ def _graph(p: Proposal) -> _Greedy | _Stochastic:
     k = len(p.drafts)
     if p.logits.shape[0] != k + 1:
         raise ValueError(f"{p.logits.shape[0]} rows of logits for {k} drafts")
-    rows = [_process(p.logits[j], p.state, p.drafts[:j]) for j in range(k + 1)]
+    rows = [process_logits(p.logits[j], p.state, p.drafts[:j]) for j in range(k + 1)]
     params = p.state.params
     if params.greedy:
         return _Greedy(mx.argmax(mx.stack(rows), axis=-1), rows)
-    filtered = mx.stack([_filter(r, params) for r in rows])  # (K + 1, vocab), -inf outside the kept set
+    filtered = mx.stack([filter_logits(r, params) for r in rows])  # (K + 1, vocab), -inf outside the kept set
     probs = mx.softmax(filtered, axis=-1)
     bonus = mx.random.categorical(filtered[k], key=p.state.next_key())
     if k == 0:

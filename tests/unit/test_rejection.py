@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from meshlm.engine.request import SamplingParams
-from meshlm.engine.sampler import SeqSampling, _filter, _process, sample
+from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits, sample
 from meshlm.spec.rejection import Proposal, verify
 
 V = 8
@@ -85,7 +85,7 @@ def test_min_tokens_ban_moves_with_the_position():
     [v] = verify([Proposal(logits, (7, 7), state)])
     assert v.tokens[0] != eos  # banned at position 0: the draft (7) is not the argmax either, so it is rejected
     state = SeqSampling.create(SamplingParams(temperature=0, min_tokens=1), eos_token_ids=frozenset({eos}))
-    row0 = _process(logits[0], state)
+    row0 = process_logits(logits[0], state)
     [v] = verify([Proposal(logits, (int(mx.argmax(row0).item()), eos), state)])
     assert v.tokens[:2] == [int(mx.argmax(row0).item()), eos]  # position 1 is past min_tokens: EOS allowed
 
@@ -105,7 +105,7 @@ def draft_probs(prefix: tuple[int, ...]) -> np.ndarray:
 
 
 def exact_probs(prefix: tuple[int, ...], params: SamplingParams) -> np.ndarray:
-    row = _filter(mx.array(target_logits(prefix)), params)
+    row = filter_logits(mx.array(target_logits(prefix)), params)
     return np.array(mx.softmax(row))
 
 
