@@ -232,7 +232,7 @@ class Engine:
     def _drafts(self) -> dict[int, tuple[int, ...]]:
         if self.speculator is None:
             return {}
-        return self.speculator.propose(self.scheduler.running, self.scheduler.decode_tokens)
+        return self.speculator.propose(self.scheduler.running)
 
     def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()

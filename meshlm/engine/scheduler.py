@@ -80,11 +80,6 @@ class Scheduler:
         return bool(self.running or self.waiting or self._to_remove or self._saves or self._trims)
 
     # -- the step ---------------------------------------------------------
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens a step would run for decoding sequences alone (what drafts are weighed against)."""
-        return sum(1 for s in self.running if s.remaining == 1)
-
     def schedule(self, drafts: dict[int, tuple[int, ...]] | None = None) -> tuple[StepPlan, list[Finished]]:
         """Plan one step. `drafts`: speculative tokens per decoding uid, verified in this step's forward
         when budget and KV allow (else the sequence decodes plainly). Returns the plan and sequences that

@@ -28,8 +28,9 @@ class Speculator:
         self.cost = StepCost()
         self._seqs: dict[int, Acceptance] = {}
 
-    def propose(self, running: list[Sequence], step_tokens: int) -> dict[int, tuple[int, ...]]:
-        """Drafts per uid for this step. `step_tokens`: tokens the step would run without drafts."""
+    def propose(self, running: list[Sequence]) -> dict[int, tuple[int, ...]]:
+        """Drafts per uid for this step. Each decoding row runs one token without drafts: the step's
+        R rows and T tokens of the cost model are both len(decoding)."""
         decoding = [s for s in running if s.remaining == 1 and not s.finished and not s.aborted]
         if not decoding or len(decoding) > self.config.max_batch_size:
             return {}
@@ -44,7 +45,7 @@ class Speculator:
             if not proposal:
                 continue
             acc = self._seqs.setdefault(seq.uid, Acceptance())
-            if self.config.adaptive and not worth_it(acc.alpha, len(proposal), len(decoding), step_tokens, ratio):
+            if self.config.adaptive and not worth_it(acc.alpha, len(proposal), len(decoding), len(decoding), ratio):
                 if not acc.shadow:
                     acc.shadow, acc.matched = proposal, 0
                 continue
