@@ -43,18 +43,30 @@ def checksum(arrays: dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
+def _header_length(prefix: bytes) -> int:
+    if len(prefix) < 8:
+        raise ValueError("truncated before header")
+    (n,) = struct.unpack_from("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise ValueError("implausible header length")
+    return n
+
+
+def _parse_header(raw: bytes) -> dict:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header; return (header, expected file size). Raises ValueError."""
     with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("truncated before header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise ValueError("implausible header length")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+        n = _header_length(f.read(8))
+        header = _parse_header(f.read(n))
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     return header, 8 + n + end
 
@@ -64,17 +76,10 @@ def read_block(path: Path) -> tuple[BlockData, dict[str, str]]:
     is not a whole, consistent block file (and OSError, e.g. FileNotFoundError, from reading it)."""
     with path.open("rb") as f:
         data = f.read()
-    if len(data) < 8:
-        raise ValueError("truncated before header")
-    (n,) = struct.unpack_from("<Q", data)
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+    n = _header_length(data)
+    if 8 + n > len(data):
         raise ValueError("implausible header length")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+    header = _parse_header(data[8 : 8 + n])
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("metadata is not a string map")
