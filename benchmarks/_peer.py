@@ -572,6 +572,19 @@ _WORDS = (
 ).split()
 
 
+def resolve_model_dir(model: str, dtype: str) -> Path:
+    """'demo' -> the exported SmolLM2 dir for `dtype` (float32 unless a stored dtype is asked); else a
+    model directory, which must hold a config.json."""
+    if model == "demo":
+        from meshlm.model.demo import demo_model_dir
+
+        return demo_model_dir(dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
+    path = Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{path} is not a model directory (no config.json)")
+    return path
+
+
 def parse_levels(parser, text: str) -> list[int]:
     """`--streams 1,8,16` -> [1, 8, 16]; a parser error for anything else."""
     try:

@@ -66,17 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_model_dir(model: str, dtype: str) -> Path:
-    if model == "demo":
-        from meshlm.model.demo import demo_model_dir
-
-        return demo_model_dir(dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
-    path = Path(model).expanduser().resolve()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"{path} is not a model directory (no config.json)")
-    return path
-
-
 # -- prompts --------------------------------------------------------------------
 
 
@@ -291,7 +280,7 @@ def bench_mlx_lm(args: argparse.Namespace, model_dir: Path, prompt: str, warm_pr
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _peer.install_signal_handlers()
-    model_dir = resolve_model_dir(args.model, args.dtype)
+    model_dir = _peer.resolve_model_dir(args.model, args.dtype)
     prompt, n = sized_prompt(model_dir, 0, args.prompt_tokens, args.seed)
     warm_prompts = [sized_prompt(model_dir, i, args.warmup_tokens, args.seed)[0] for i in (1, 2)]
     own_dir = args.kv_cache_dir is None

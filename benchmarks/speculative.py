@@ -533,18 +533,6 @@ def targets(comparisons: dict[str, Any], spec_flags: str) -> list[dict[str, Any]
 # -- setup ----------------------------------------------------------------------------
 
 
-def resolve_model_dir(model: str, dtype: str) -> Path:
-    """'demo' -> the exported SmolLM2 dir (as serve.py / prefix_cache.py resolve it)."""
-    if model == "demo":
-        from meshlm.model.demo import demo_model_dir
-
-        return demo_model_dir(dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
-    path = Path(model).expanduser().resolve()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"{path} is not a model directory (no config.json)")
-    return path
-
-
 def needs_draft(args: argparse.Namespace) -> bool:
     return args.peer == "mlx-lm" or "{draft}" in args.spec_flags or _draft_without_path(args.spec_flags)
 
@@ -657,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     # meshlm sets the same itself when it re-execs with OpenBLAS.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     t0 = time.perf_counter()
-    model_dir = resolve_model_dir(args.model, args.dtype)
+    model_dir = _peer.resolve_model_dir(args.model, args.dtype)
     prompts = {(w, li): workload_prompts(w, li, streams * args.requests_per_stream, args.seed)
                for li, streams in enumerate(args.levels) for w in WORKLOADS}
     report: dict[str, Any] = {
