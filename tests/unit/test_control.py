@@ -179,7 +179,8 @@ def test_heartbeats_keep_an_idle_worker_alive_past_its_timeout():
         while time.monotonic() < end:
             sent += leader.maybe_heartbeat()
             time.sleep(0.01)
-        assert 10 <= sent <= 25
+        # At most one per interval (rate-limited); at least one per worker timeout even on a loaded machine.
+        assert 4 <= sent <= 21
         leader.broadcast(plan(0))
         assert set(leader.collect_acks(0)) == {1}
     assert workers[0].error is None and len(workers[0].plans) == 1
