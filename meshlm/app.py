@@ -21,6 +21,7 @@ from meshlm.kv.blocks import BlockManager, CacheStats
 from meshlm.metrics import PrefixCacheCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
+from meshlm.spec.draft import load_draft
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if executor is None:
         rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler))
         executor = LocalExecutor(rank)
-    if config.speculative.method == "draft":
-        raise ValueError("--speculative draft is not built yet; use --speculative ngram (docs/SPECULATIVE.md)")
     kv_blocks = kv_blocks or rank.max_blocks
     kv_tokens = kv_blocks * rank.block_size
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
@@ -74,9 +73,13 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     def new_blocks() -> BlockManager:
         return BlockManager(kv_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
 
+    draft = None
+    if config.speculative.method == "draft":  # on this process alone, whatever the target's layout
+        draft = load_draft(config.speculative, config.model, loaded, kv_budget_bytes(config.scheduler),
+                           rank.block_size)
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
                     watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal,
-                    speculative=config.speculative)
+                    speculative=config.speculative, draft=draft)
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     return engine

@@ -27,6 +27,7 @@ from meshlm.engine.stop import StopMatcher
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
 from meshlm.engine.sampler import SeqSampling, sample
+from meshlm.spec.draft import DraftModel
 from meshlm.spec.rejection import Proposal, verify
 from meshlm.spec.speculator import Speculator
 
@@ -94,6 +95,7 @@ class Engine:
         vocab_size: int | None = None,
         on_fatal: Callable[[str], None] | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -119,7 +121,7 @@ class Engine:
         self._failures: list[float] = []  # monotonic times of recent failures (crash-loop detection)
         self._restart_at: float | None = None
         self._on_fatal = on_fatal or (lambda reason: None)
-        self.speculator = (Speculator(speculative, self.metrics, max_model_len)
+        self.speculator = (Speculator(speculative, self.metrics, max_model_len, draft)
                            if speculative is not None and speculative.enabled else None)
         self._last_collect: float | None = None  # when the previous step's results were in (step cost model)
 
@@ -213,13 +215,18 @@ class Engine:
                     self._wake.wait(IDLE_POLL_SECONDS)
                     return None, []
                 if self.scheduler.has_work:
-                    return self.scheduler.schedule(self._drafts())
+                    break
                 if not block:
                     return None, []
                 self._wake.wait(IDLE_POLL_SECONDS)
                 if self.scheduler.has_work or self._stopping or self.error:
                     continue
             self.executor.idle()
+        # Outside the lock: a draft model's forwards take a while, and only this thread changes the
+        # running sequences (an abort meanwhile only marks one; the scheduler then ignores its drafts).
+        drafts = self._drafts()
+        with self._wake:
+            return self.scheduler.schedule(drafts)
 
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
@@ -232,7 +239,11 @@ class Engine:
     def _drafts(self) -> dict[int, tuple[int, ...]]:
         if self.speculator is None:
             return {}
-        return self.speculator.propose(self.scheduler.running)
+        return self.speculator.propose(self.scheduler.running, self._sampling_state)
+
+    def _sampling_state(self, uid: int) -> SeqSampling | None:
+        t = self._tracked.get(uid)
+        return None if t is None else t.sampling
 
     def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()
@@ -286,8 +297,9 @@ class Engine:
                     logprobs[u] = [lp]
         verified: dict[int, tuple[int, int]] = {}
         if drafts:
-            outcomes = verify([Proposal(result.logits[rows[u][0]:rows[u][-1] + 1], d, tracked[u].sampling)
-                               for u, d in drafts.items()])
+            q = self.speculator.draft_probs if self.speculator is not None else (lambda uid, k: None)
+            outcomes = verify([Proposal(result.logits[rows[u][0]:rows[u][-1] + 1], d, tracked[u].sampling,
+                                        q(u, len(d))) for u, d in drafts.items()])
             for (u, d), v in zip(drafts.items(), outcomes):
                 sampled[u] = v.tokens
                 verified[u] = (len(d), v.accepted)
@@ -400,6 +412,8 @@ class Engine:
             return
         with self._wake:
             self.scheduler = self._new_scheduler()
+            if self.speculator is not None:
+                self.speculator.reset()
             self._preemptions_seen = 0
             self._restart_at = None
             self.error = None

@@ -15,7 +15,8 @@ sixteen streams, far more. alpha is tracked per sequence as accepted /
 not speculating keeps being measured in the shadow: its proposals are
 compared with the tokens it then generates, which is exactly what greedy
 verification would have accepted, so it resumes when the text becomes
-predictable again.
+predictable again. A draft model's forwards cost D seconds more per step,
+which joins b * k on the left (`extra` = D / a).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ DECAY = 0.8  # weight of a sequence's past per verify (or shadow) outcome
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # alpha starts at 0.5
 PRIOR_SLOPE = 0.1  # b / a before the steps have shown otherwise (demo model, CPU, measured 2026-11-23)
 COST_DECAY = 0.99
+PROBE_STEPS = 16  # a sequence stopped with a model draft speculates again after this many steps,
+MAX_PROBE_STEPS = 256  # ... doubling after each try that did not pay, up to this
 MARGIN = 1.2  # the gain must clear the model's error: a verify row's attention costs more than a decode row's
 
 
@@ -35,6 +38,8 @@ class Acceptance:
     rejected: float = PRIOR_REJECTED
     shadow: tuple[int, ...] = ()  # a proposal being checked against the tokens that follow
     matched: int = 0
+    idle: int = 0  # steps since a model draft last ran for this sequence
+    probe_after: int = PROBE_STEPS  # ... and how many to wait before trying it again
 
     @property
     def alpha(self) -> float:
@@ -95,9 +100,10 @@ class StepCost:
         return PRIOR_SLOPE if c is None else c[1] / c[0]
 
 
-def worth_it(alpha: float, k: int, rows: int, tokens: int, b_over_a: float) -> bool:
+def worth_it(alpha: float, k: int, rows: int, tokens: int, b_over_a: float, extra: float = 0.0) -> bool:
     """Do k drafts at acceptance alpha beat plain decoding in a step of `rows` decoding rows and `tokens`
-    tokens? (Both sides of the inequality in the module docstring divided by a.)"""
+    tokens? (Both sides of the inequality in the module docstring divided by a.) `extra`: what
+    proposing costs besides the verify tokens (a draft model's forwards), in units of a."""
     if k <= 0:
         return False
-    return expected_accepted(alpha, k) * (1 + b_over_a * tokens) > MARGIN * b_over_a * k * rows
+    return expected_accepted(alpha, k) * (1 + b_over_a * tokens) > MARGIN * (b_over_a * k + extra) * rows

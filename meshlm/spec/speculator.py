@@ -8,50 +8,112 @@ context); the scheduler runs each as one chunk of current token + drafts with
 logits for every position; `verified` records the outcome (metrics, the
 sequence's acceptance); `generated` feeds every sequence's new tokens to its
 shadow proposal.
+
+With a draft model, the drafts come from one batched call for all speculating
+rows (spec/draft.py), whose time counts against the gain; a sequence the
+policy has stopped is tried again after PROBE_STEPS steps (then twice as
+long after each probe that did not pay), since measuring a model draft in
+the shadow would cost the forwards speculation is saving.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import mlx.core as mx
+
 from meshlm.config import SpeculativeConfig
 from meshlm.engine.request import Sequence
+from meshlm.engine.sampler import SeqSampling
 from meshlm.metrics import Metrics
+from meshlm.spec.draft import DraftModel, DraftRow
 from meshlm.spec.ngram import NgramProposer
-from meshlm.spec.policy import Acceptance, StepCost, worth_it
+from meshlm.spec.policy import MAX_PROBE_STEPS, PROBE_STEPS, Acceptance, StepCost, worth_it
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, metrics: Metrics, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, metrics: Metrics, max_model_len: int,
+                 draft: DraftModel | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.draft = draft
         self.cost = StepCost()
         self._seqs: dict[int, Acceptance] = {}
+        self._probs: dict[int, mx.array] = {}  # this step's draft distributions (sampled rows of a model draft)
+        self._drafting = 0.0  # seconds the draft model took before this step
 
-    def propose(self, running: list[Sequence]) -> dict[int, tuple[int, ...]]:
+    def propose(self, running: list[Sequence],
+                sampling: Callable[[int], SeqSampling | None]) -> dict[int, tuple[int, ...]]:
         """Drafts per uid for this step. Each decoding row runs one token without drafts: the step's
-        R rows and T tokens of the cost model are both len(decoding)."""
+        R rows and T tokens of the cost model are both len(decoding). `sampling(uid)`: the sequence's
+        sampling state (None once it ended), which a draft model samples with."""
+        self._probs, self._drafting = {}, 0.0
         decoding = [s for s in running if s.remaining == 1 and not s.finished and not s.aborted]
         if not decoding or len(decoding) > self.config.max_batch_size:
             return {}
-        ratio = self.cost.slope_ratio()
-        drafts: dict[int, tuple[int, ...]] = {}
+        candidates = []
         for seq in decoding:
             if not seq.params.speculative:
                 continue
             k = min(self.config.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            proposal = tuple(self.proposer.propose(seq.uid, seq.tokens, max(k, 0)))
+            if self.draft is not None:
+                k = min(k, self.draft.room(seq))
+            if k > 0:
+                candidates.append((seq, k))
+        if self.draft is not None:
+            return self._propose_draft(candidates, len(decoding), sampling)
+        return self._propose_ngram(candidates, len(decoding))
+
+    def _propose_ngram(self, candidates: list[tuple[Sequence, int]], rows: int) -> dict[int, tuple[int, ...]]:
+        ratio = self.cost.slope_ratio()
+        drafts: dict[int, tuple[int, ...]] = {}
+        for seq, k in candidates:
+            proposal = tuple(self.proposer.propose(seq.uid, seq.tokens, k))
             if not proposal:
                 continue
             acc = self._seqs.setdefault(seq.uid, Acceptance())
-            if self.config.adaptive and not worth_it(acc.alpha, len(proposal), len(decoding), len(decoding), ratio):
+            if self.config.adaptive and not worth_it(acc.alpha, len(proposal), rows, rows, ratio):
                 if not acc.shadow:
                     acc.shadow, acc.matched = proposal, 0
                 continue
             acc.shadow, acc.matched = (), 0  # the verify step measures it now
             drafts[seq.uid] = proposal
         return drafts
+
+    def _propose_draft(self, candidates: list[tuple[Sequence, int]], rows: int,
+                       sampling: Callable[[int], SeqSampling | None]) -> dict[int, tuple[int, ...]]:
+        coefficients = self.cost.coefficients()
+        ratio = self.cost.slope_ratio()
+        extra = self.draft.seconds / coefficients[0] if coefficients else 0.0
+        batch = []
+        for seq, k in candidates:
+            state = sampling(seq.uid)
+            if state is None:
+                continue
+            acc = self._seqs.setdefault(seq.uid, Acceptance())
+            if self.config.adaptive and not worth_it(acc.alpha, k, rows, rows, ratio, extra):
+                acc.idle += 1
+                if acc.idle < acc.probe_after:
+                    continue
+                acc.probe_after = min(2 * acc.probe_after, MAX_PROBE_STEPS)  # probes that keep failing: rarer
+            else:
+                acc.probe_after = PROBE_STEPS
+            acc.idle = 0
+            batch.append(DraftRow(seq, state, k))
+        if not batch:
+            return {}
+        drafted = self.draft.propose(batch)
+        self._drafting = self.draft.last_seconds
+        self._probs = {uid: d.probs for uid, d in drafted.items() if d.probs is not None}
+        return {uid: d.tokens for uid, d in drafted.items() if d.tokens}
+
+    def draft_probs(self, uid: int, k: int) -> mx.array | None:
+        """q for the first `k` drafts of `uid` this step (None: greedy or an n-gram point mass)."""
+        q = self._probs.get(uid)
+        return None if q is None else q[:k]
 
     def verified(self, uid: int, drafted: int, accepted: int, emitted: int) -> None:
         acc = self._seqs.setdefault(uid, Acceptance())
@@ -70,6 +132,8 @@ class Speculator:
             acc.follow(tokens)
 
     def step_done(self, tokens: int, seconds: float, verified: bool) -> None:
+        """One step's time, from the end of the previous step: the draft model's part is not the target's."""
+        seconds = max(seconds - self._drafting, 1e-6)
         self.cost.record(tokens, seconds)
         if verified:
             self.metrics.spec_verify_step_time.observe(seconds)
@@ -77,3 +141,12 @@ class Speculator:
     def drop(self, uid: int) -> None:
         self._seqs.pop(uid, None)
         self.proposer.drop(uid)
+        if self.draft is not None:
+            self.draft.drop(uid)
+
+    def reset(self) -> None:
+        """After an engine failure every sequence is gone, on the draft too."""
+        for uid in list(self._seqs):
+            self.drop(uid)
+        if self.draft is not None:
+            self.draft.reset()

@@ -1,6 +1,7 @@
 """Speculative decoding in real servers: the same greedy text as plain decoding (single process, under
-preemption, with tensor parallelism, on the demo model), streaming, stop strings, logprobs, n > 1,
-per-request opt-out, abort mid-verify, and a worker killed while speculating.
+preemption, with tensor parallelism, on the demo model; n-gram and draft-model proposers), streaming,
+stop strings, logprobs, n > 1, per-request opt-out, abort mid-verify, and a worker killed while
+speculating.
 
 `--no-adaptive-speculation` makes every proposal reach verification, so drafts are accepted and
 rejected many times in these runs (the metrics are checked to prove it)."""
@@ -12,6 +13,9 @@ import os
 import random
 import signal
 import time
+
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -156,6 +160,50 @@ def test_abort_mid_verify_and_serve_on(spec, reference):
     assert _texts(got) == _texts(reference[:4])
 
 
+def draft_flags(path) -> tuple[str, ...]:
+    return ("--speculative", "draft", "--draft-model", str(path), "--no-adaptive-speculation",
+            "--num-speculative-tokens", "3", "--speculative-max-batch-size", "16")
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft(tmp_path_factory):
+    """Other random weights, smaller, with the tiny models' tokenizer: its drafts are rarely right."""
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("draft") / "other", "llama", layers=1, hidden=32, heads=2,
+                     kv_heads=1, seed=7)
+
+
+@pytest.mark.parametrize("which", ["self", "unrelated"])
+def test_draft_model_greedy_text_equals_plain_decoding(tiny_model, unrelated_draft, tmp_path, reference, which):
+    """The target as its own draft accepts everything; an unrelated draft little: the text is the same."""
+    draft = tiny_model if which == "self" else unrelated_draft
+    srv = ServerProcess(tiny_model, "--max-model-len", "512", *draft_flags(draft), log_dir=tmp_path)
+    try:
+        got = asyncio.run(_complete_all(srv.url, _prompts()))
+        drafted, accepted = srv.metric("meshlm_spec_draft_tokens_total"), srv.metric("meshlm_spec_accepted_tokens_total")
+        streamed = "".join(c.choices[0].text for c in openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+                           .completions.create(model="tiny-llama", prompt=_prompts()[1], max_tokens=24, temperature=0,
+                                               stream=True))
+    finally:
+        srv.stop()
+    _assert_same(got, reference)
+    assert streamed == _texts(reference)[1]
+    assert drafted > 100
+    assert accepted == drafted if which == "self" else accepted < drafted / 2
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_model, tmp_path):
+    from meshlm.model.demo import make_tiny
+
+    wrong = make_tiny(tmp_path / "v600", "llama", vocab=600)
+    r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(tiny_model), "--port", "0",
+                        "--speculative", "draft", "--draft-model", str(wrong)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "must use the target's tokenizer" in r.stderr and "600" in r.stderr
+
+
 def test_preemption_during_speculation(tiny_model, tmp_path, reference):
     """A KV budget so small that sequences are preempted mid-speculation (and recomputed)."""
     srv = ServerProcess(tiny_model, "--max-model-len", "512", "--no-prefix-cache", "--kv-cache-memory", "48KB",
@@ -190,6 +238,27 @@ def test_tensor_parallel_speculation_matches_single_process(tp_model, tmp_path):
     finally:
         tp.stop()
     assert _texts(got) == _texts(want)
+
+
+@pytest.mark.parametrize("which", ["self", "unrelated"])
+def test_tensor_parallel_draft_model_matches_single_process(tp_model, unrelated_draft, tmp_path, which):
+    """The draft runs on the leader alone (TP=1) while the target verifies on both ranks."""
+    single = ServerProcess(tp_model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path)
+    try:
+        want = asyncio.run(_complete_all(single.url, _prompts()))
+    finally:
+        single.stop()
+    draft = tp_model if which == "self" else unrelated_draft
+    tp = ServerProcess(tp_model, "--max-model-len", "512", "--tensor-parallel", "2", *draft_flags(draft),
+                       log_dir=tmp_path)
+    try:
+        got = asyncio.run(_complete_all(tp.url, _prompts()))
+        drafted, accepted = tp.metric("meshlm_spec_draft_tokens_total"), tp.metric("meshlm_spec_accepted_tokens_total")
+    finally:
+        tp.stop()
+    assert _texts(got) == _texts(want)
+    assert drafted > 100
+    assert accepted == drafted if which == "self" else accepted < drafted / 2
 
 
 def test_worker_killed_while_speculating_fails_within_10s(tp_model, tmp_path):

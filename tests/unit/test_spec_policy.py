@@ -21,6 +21,14 @@ def test_worth_it_depends_on_batch_and_acceptance():
     assert not worth_it(0.9, 0, rows=1, tokens=1, b_over_a=0.1)
 
 
+def test_a_draft_models_forwards_count_against_the_gain():
+    # Three draft forwards of a model a third of the target's size cost about one target step (extra = 1).
+    assert worth_it(0.9, 3, rows=1, tokens=1, b_over_a=0.1, extra=1.0)
+    assert not worth_it(0.4, 3, rows=1, tokens=1, b_over_a=0.1, extra=1.0)
+    assert worth_it(0.4, 3, rows=1, tokens=1, b_over_a=0.1, extra=0.0)  # the same acceptance pays with n-grams
+    assert not worth_it(1.0, 3, rows=1, tokens=1, b_over_a=0.1, extra=3.0)  # the target as its own draft
+
+
 def test_acceptance_follows_outcomes_and_the_shadow():
     a = Acceptance()
     for _ in range(10):

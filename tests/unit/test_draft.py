@@ -1,0 +1,205 @@
+"""The draft-model proposer (spec/draft.py) on tiny random models: its drafts are the draft model's own
+greedy continuation, its KV follows the sequence through rollbacks and evictions, a draft with another
+tokenizer is refused, and an engine speculating with a model draft samples exactly the target's
+distribution (chi-square) and gives plain greedy decoding's text.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from meshlm.app import build_engine
+from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServeConfig, SpeculativeConfig
+from meshlm.engine.request import SamplingParams, Sequence, StepOutput
+from meshlm.engine.sampler import SeqSampling, filter_logits
+from meshlm.executor.rank import build_rank
+from meshlm.model import demo
+from meshlm.model.loader import load_model
+from meshlm.spec.draft import DraftModel, DraftRow, tokenizer_mismatch
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return demo.make_tiny(tmp_path_factory.mktemp("target"), "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """Unrelated weights, the same tokenizer: a draft that is rarely right."""
+    return demo.make_tiny(tmp_path_factory.mktemp("other"), "llama", layers=1, hidden=32, heads=2, kv_heads=1,
+                          seed=7)
+
+
+def draft_model(path, budget: int = 2**22) -> DraftModel:
+    cfg = ModelConfig(str(path))
+    rank = build_rank(load_model(cfg), cfg, CacheConfig(enabled=False, ssd=False, block_size=BS), budget)
+    return DraftModel(rank, rank.max_blocks, 512)
+
+
+def greedy(path, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation, by stock mlx-lm without a cache."""
+    model, _ = mlx_lm.load(str(path))
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
+    return tokens[len(prompt):]
+
+
+def seq(uid: int, prompt: list[int], out: list[int] = ()) -> Sequence:
+    s = Sequence(uid, list(prompt), SamplingParams(max_tokens=64, temperature=0))
+    s.output_ids = list(out)
+    return s
+
+
+def row(s: Sequence, k: int) -> DraftRow:
+    return DraftRow(s, SeqSampling.create(s.params), k)
+
+
+PROMPTS = [[5, 17, 33, 9, 100, 7] * 2, [40, 41, 42], [300 + i for i in range(21)]]
+
+
+def test_drafts_are_the_draft_models_greedy_continuation(other):
+    draft = draft_model(other)
+    seqs = [seq(i, p) for i, p in enumerate(PROMPTS)]
+    out = draft.propose([row(s, 1 + i) for i, s in enumerate(seqs)])  # K differs per row
+    for i, (s, p) in enumerate(zip(seqs, PROMPTS)):
+        assert list(out[s.uid].tokens) == greedy(other, p, 1 + i)
+        assert out[s.uid].probs is None  # greedy rows carry no q
+
+
+def test_rollback_keeps_the_draft_kv_in_step_with_the_sequence(other):
+    """Step after step with some drafts 'accepted' and others not, the incremental draft proposes what a
+    fresh draft given the whole sequence proposes (its KV was trimmed to exactly what still agrees)."""
+    draft = draft_model(other)
+    s = seq(0, PROMPTS[0])
+    for step, accepted in enumerate([0, 3, 1, 4, 2, 0]):
+        drafts = list(draft.propose([row(s, 4)])[0].tokens)
+        fresh = draft_model(other).propose([row(seq(9, s.all_ids), 4)])[9].tokens
+        assert drafts == list(fresh), step
+        # Verification took `accepted` drafts, then a token of its own that differs from the next draft.
+        nxt = drafts[accepted] + 1 if accepted < len(drafts) else 11
+        s.output_ids += drafts[:accepted] + [nxt % 400]
+
+
+def test_eviction_when_the_draft_kv_is_full(other):
+    budget = 2 * 1 * 1 * BS * 16 * 4 * 6  # six blocks: K and V, 1 layer, 1 kv head, head_dim 16, fp32
+    draft = draft_model(other, budget)
+    assert draft.blocks.num_blocks == 6
+    a, b = seq(0, list(range(10, 34))), seq(1, list(range(50, 74)))  # 4 blocks each once drafted
+    assert draft.propose([row(a, 4)])[0].tokens
+    assert draft.propose([row(b, 4)])[1].tokens  # a is dropped to make room
+    assert list(draft.propose([row(a, 4)])[0].tokens) == greedy(other, a.all_ids, 4)  # recomputed, still right
+    c = seq(2, list(range(100, 160)))  # more than the whole budget: drafts nothing, breaks nothing
+    assert draft.propose([row(c, 4)]) == {}
+    assert list(draft.propose([row(b, 2)])[1].tokens) == greedy(other, b.all_ids, 2)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(target, tmp_path):
+    bigger = load_model(ModelConfig(str(demo.make_tiny(tmp_path / "v600", "llama", vocab=600))))
+    problem = tokenizer_mismatch(bigger, load_model(ModelConfig(str(target))))
+    assert problem and "600" in problem
+    assert tokenizer_mismatch(load_model(ModelConfig(str(target))), load_model(ModelConfig(str(target)))) is None
+
+
+# -- an engine with a model draft -----------------------------------------------------------------
+
+def engine_for(target, draft_path, adaptive: bool = False):
+    spec = SpeculativeConfig("draft", 3, str(draft_path), max_batch_size=64, adaptive=adaptive)
+    cfg = ServeConfig(model=ModelConfig(str(target), max_model_len=256), cache=CacheConfig(enabled=False),
+                      scheduler=SchedulerConfig(max_batch_size=64, max_waiting=4096, kv_cache_memory=2**26), speculative=spec)
+    engine = build_engine(cfg, load_model(cfg.model))
+    engine.start()
+    return engine
+
+
+def run_all(engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    outs: list[list[int]] = [[] for _ in requests]
+    left = [len(requests)]
+    done = threading.Event()
+
+    def collect(i):
+        def emit(o: StepOutput) -> None:
+            outs[i].extend(o.token_ids)
+            assert o.error is None, o.error
+            if o.finish_reason is not None:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        return emit
+
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, collect(i))
+    assert done.wait(120)
+    return outs
+
+
+@pytest.mark.parametrize("which", ["self", "other"])
+def test_engine_greedy_text_equals_plain_decoding(target, other, which):
+    draft_path = target if which == "self" else other
+    engine = engine_for(target, draft_path)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        got = run_all(engine, [(p, params) for p in PROMPTS])
+        m = engine.metrics
+        drafted, accepted = m.spec_drafted._value.get(), m.spec_accepted._value.get()
+    finally:
+        engine.stop()
+    assert got == [greedy(target, p, 12) for p in PROMPTS]
+    assert drafted > 0
+    assert accepted == drafted if which == "self" else accepted < drafted / 2
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty: the upper 1e-3 quantile of chi-square with df degrees of freedom."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("which", ["self", "other"])
+def test_engine_sampling_with_a_model_draft_matches_the_target_distribution(target, other, which):
+    """Tokens 2 and 3 of each request come from one verify step (token 1 is the prefill's); their joint
+    distribution given token 1 must be the target's, p(t2 | t1) p(t3 | t1 t2), under top-k and
+    temperature. The target as its own draft (q = p) is always accepted, so the bonus token is drawn;
+    the unrelated draft's top-k mostly misses the target's, so drafts are rejected and the residual
+    is drawn. Chi-square at a 1e-3 false-failure rate; the seeds are fixed, so the run is deterministic."""
+    prompt = [5, 17, 33, 9]
+    base = dict(max_tokens=3, temperature=0.8, top_k=3, ignore_eos=True)
+    model, _ = mlx_lm.load(str(target))
+    probs = {}
+
+    def p(prefix: tuple[int, ...]):
+        if prefix not in probs:
+            row = filter_logits(model(mx.array([prompt + list(prefix)]))[0, -1], SamplingParams(**base))
+            probs[prefix] = mx.softmax(row).tolist()
+        return probs[prefix]
+
+    n = 1500
+    engine = engine_for(target, target if which == "self" else other)
+    try:
+        outs = run_all(engine, [(prompt, SamplingParams(seed=s, **base)) for s in range(n)])
+        drafted, accepted = engine.metrics.spec_drafted._value.get(), engine.metrics.spec_accepted._value.get()
+    finally:
+        engine.stop()
+    assert drafted > n / 2
+    assert accepted == drafted if which == "self" else accepted < drafted / 4
+    seen = Counter(tuple(o) for o in outs)
+    firsts = Counter(o[0] for o in outs)
+    expected = {}
+    for t1, count in firsts.items():
+        for t2, p2 in enumerate(p((t1,))):
+            if p2 > 0:
+                for t3, p3 in enumerate(p((t1, t2))):
+                    if p3 > 0:
+                        expected[(t1, t2, t3)] = count * p2 * p3
+    assert set(seen) <= set(expected)  # never outside top-k
+    big = [c for c, e in expected.items() if e >= 5]
+    chi2 = sum((seen[c] - expected[c]) ** 2 / expected[c] for c in big)
+    df = len(big) - len(firsts)
+    assert chi2 < chi2_critical(df), (chi2, df)
