@@ -90,6 +90,7 @@ class Batch:
 
     @classmethod
     def build(cls, rows: list[RowSpec], block_size: int) -> "Batch":
+        rows = _split_short_rows(rows)
         groups = _group_extend_rows([r for r in rows if len(r.token_ids) != 1])
         rows = [r for r in rows if len(r.token_ids) == 1] + [r for g in groups for r in g]
         tokens, positions, slots, logit_index, logit_rows = [], [], [], [], []
@@ -107,6 +108,27 @@ class Batch:
         return cls(rows, mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
                    mx.array(slots, dtype=mx.int32), _decode_rows(rows[:n_decode], block_size),
                    _extend(groups, n_decode, block_size), logit_rows, mx.array(logit_index, dtype=mx.int32))
+
+
+SPLIT_MAX_TOKENS = 8  # a row continuing its KV with this few tokens attends as that many decode rows
+
+
+def _split_short_rows(rows: list[RowSpec]) -> list[RowSpec]:
+    """A few tokens after a cached prefix (a speculative verify chunk, the tail of a chunked prefill) as
+    one decode row per token: token i attends to the first start + i + 1 positions, which is exactly
+    the causal mask, and the paged decode kernel reads them in place where the extend path would
+    gather the whole prefix into a copy first (measured: a 2-token verify of the demo model cost 13 ms
+    more than a 1-token decode, 30 % of a step). The matrices still see the tokens together."""
+    out = []
+    for r in rows:
+        n = len(r.token_ids)
+        if not 1 < n <= SPLIT_MAX_TOKENS or r.start == 0 or r.positions is not None or r.kv_positions is not None:
+            out.append(r)
+            continue
+        for i, token in enumerate(r.token_ids):
+            wanted = r.logits == LOGITS_ALL or (r.logits == LOGITS_LAST and i == n - 1)
+            out.append(RowSpec(r.uid, r.start + i, (token,), r.blocks, LOGITS_LAST if wanted else LOGITS_NONE))
+    return out
 
 
 def _slot(blocks: tuple[int, ...], position: int, block_size: int) -> int:

@@ -22,6 +22,8 @@ from meshlm.executor.rank import RankState, build_rank
 from meshlm.kv.blocks import BlockManager
 from meshlm.model import cpu_kernels, demo
 from meshlm.model.loader import load_model
+from meshlm.model import batch as batch_module
+from meshlm.model.batch import Batch, RowSpec
 from meshlm.model.runner import SplitBrain
 
 VOCAB = 400  # ids the tiny model knows (its tokenizer has ~500)
@@ -291,15 +293,32 @@ def positions_logits(rank: RankState, step: int, uid: int, start: int, tokens, b
     return result.logits
 
 
-def test_a_chunk_gives_logits_for_every_position_and_equals_one_at_a_time(path, reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [4, 9])
+@pytest.mark.parametrize("split", [True, False], ids=["as-decode-rows", "extend"])
+def test_a_chunk_gives_logits_for_every_position_and_equals_one_at_a_time(path, reference, monkeypatch,
+                                                                           backend, n, split):
+    """A few tokens after cached ones (a verify chunk) run as decode rows (batch.SPLIT_MAX_TOKENS) or,
+    longer or with the split off, as one extend row: either way each row of logits is the model's."""
+    monkeypatch.setattr(batch_module, "SPLIT_MAX_TOKENS", batch_module.SPLIT_MAX_TOKENS if split else 1)
     prompt = [11, 12, 13, 14, 15]
-    tokens, rows = reference(prompt, 6)
-    rank = make_rank(path)
-    positions_logits(rank, 0, 1, 0, prompt, 2, LOGITS_LAST, new=True)
-    many = positions_logits(rank, 1, 1, 5, tokens[:4], 2)  # four tokens at once, a row of logits each
-    assert many.shape[0] == 4
-    for i in range(4):
+    tokens, rows = reference(prompt, n + 2)
+    rank = make_rank(path, backend[0])
+    positions_logits(rank, 0, 1, 0, prompt, 3, LOGITS_LAST, new=True)
+    many = positions_logits(rank, 1, 1, 5, tokens[:n], 3)  # n tokens at once (across a block edge), a row each
+    assert many.shape[0] == n
+    for i in range(n):
         assert mx.abs(many[i] - rows[i + 1]).max().item() < 1e-4
+
+
+def test_short_continuing_rows_split_into_decode_rows_and_others_do_not():
+    rows = [RowSpec(1, 10, (5, 6, 7), tuple(range(4)), LOGITS_ALL), RowSpec(2, 0, (5, 6), (4,), LOGITS_LAST),
+            RowSpec(3, 20, tuple(range(9)), tuple(range(5, 9)), LOGITS_ALL), RowSpec(4, 3, (8,), (9,), LOGITS_LAST),
+            RowSpec(5, 6, (1, 2), (10,), LOGITS_LAST)]
+    b = Batch.build(rows, BS)
+    assert b.decode.count == 3 + 1 + 2  # uid 1's three tokens, uid 4, uid 5's two
+    assert b.decode.lengths.tolist() == [11, 12, 13, 4, 7, 8]
+    assert b.logit_rows == [1, 1, 1, 4, 5, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3]  # LOGITS_LAST of uid 5: its last token
 
 
 def test_trim_rolls_a_row_back_and_the_next_tokens_see_only_what_was_kept(path, reference):
