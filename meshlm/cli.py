@@ -70,6 +70,12 @@ def _serve_parser(sub) -> None:
     g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
     g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
     g.add_argument("--jaccl-coordinator", default=None, help="jaccl: host:port (MLX_JACCL_COORDINATOR)")
+    g = p.add_argument_group("pipeline parallelism (docs/DISTRIBUTED.md)")
+    g.add_argument("--pipeline-parallel", type=int, default=1,
+                   help="stages, each a rank holding a range of layers; alone on one machine it starts them itself")
+    g.add_argument("--pp-split", default=None, help="layers per stage in pipeline order, e.g. 10,20 (default: even)")
+    g.add_argument("--stage-port", type=int, default=52200, help="with --hostfile: rank r's stage link port is this + r")
+    g.add_argument("--stage-addrs", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
                    help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
@@ -116,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _world_size(args: argparse.Namespace) -> int:
     """--tensor-parallel, or with only --hostfile, one rank per hostfile entry."""
-    if args.hostfile and args.tensor_parallel == 1:
+    if args.hostfile and args.tensor_parallel == 1 and args.pipeline_parallel == 1:
         from meshlm.cluster.bootstrap import read_hostfile
 
         return len(read_hostfile(args.hostfile))
@@ -146,13 +152,25 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                           args.ssd_cache_gb, args.ssd_ttl_days),
         parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,
                                 args.step_timeout, args.worker_timeout, ibv_devices=args.ibv_devices,
-                                jaccl_coordinator=args.jaccl_coordinator),
+                                jaccl_coordinator=args.jaccl_coordinator, pipeline_parallel=args.pipeline_parallel,
+                                pp_split=_ints(args.pp_split, "--pp-split"),
+                                stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,
+                                stage_port=args.stage_port),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation),
     )
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _demo_model(args: argparse.Namespace) -> None:
@@ -177,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             config = serve_config(args)
             if config.parallel.distributed and config.parallel.hostfile is None:
                 # All local ranks share this machine's cores, rank 0 included (set before the re-exec).
-                os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.tensor_parallel)))
+                os.environ.setdefault("OPENBLAS_NUM_THREADS",
+                                      str(max(1, (os.cpu_count() or 1) // config.parallel.world_size)))
             from meshlm.platform import maybe_reexec_with_openblas
 
             maybe_reexec_with_openblas(argv)

@@ -99,7 +99,7 @@ BACKENDS = ("ring", "jaccl", "mpi")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: how many ranks, how they find each other, and every deadline."""
+    """Tensor or pipeline parallelism: how many ranks, how they find each other, and every deadline."""
 
     tensor_parallel: int = 1
     backend: str = "ring"
@@ -111,14 +111,23 @@ class ParallelConfig:
     heartbeat_interval: float = 0.5
     ibv_devices: str | None = None  # jaccl: MLX_IBV_DEVICES
     jaccl_coordinator: str | None = None  # jaccl: MLX_JACCL_COORDINATOR host:port
+    pipeline_parallel: int = 1  # stages, each a rank holding a range of layers (cluster/stages.py)
+    pp_split: tuple[int, ...] | None = None  # layers per stage in pipeline order; None: even (or by memory)
+    stage_addrs: tuple[str, ...] | None = None  # host:port each rank's stage link listens on; None: derived
+    stage_port: int = 52200  # with a hostfile: rank r's stage link listens on stage_port + r
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel < 1:
-            raise ValueError("--tensor-parallel must be >= 1")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError("--tensor-parallel and --pipeline-parallel must be >= 1")
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError("--tensor-parallel and --pipeline-parallel cannot be combined yet: choose one")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}")
-        if not 0 <= self.rank < self.tensor_parallel:
-            raise ValueError(f"rank {self.rank} outside 0..{self.tensor_parallel - 1}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
+        if self.pp_split is not None and len(self.pp_split) != self.pipeline_parallel:
+            raise ValueError(f"--pp-split names {len(self.pp_split)} stages, --pipeline-parallel is "
+                             f"{self.pipeline_parallel}")
         if self.backend == "jaccl" and self.tensor_parallel > 1 and not (self.ibv_devices and self.jaccl_coordinator):
             raise ValueError("the jaccl backend needs --ibv-devices (MLX_IBV_DEVICES) and --jaccl-coordinator "
                              "(MLX_JACCL_COORDINATOR host:port); see docs/DISTRIBUTED.md")
@@ -126,11 +135,20 @@ class ParallelConfig:
             raise ValueError("heartbeat interval must be shorter than the worker timeout")
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
     def distributed(self) -> bool:
-        return self.tensor_parallel > 1
+        return self.world_size > 1
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_parallel > 1
 
     @property
     def layout(self) -> str:
+        """TP layouts; a pipeline's name also carries its split, known once the model is (StageLayout.name)."""
         return f"tp{self.tensor_parallel}"
 
 

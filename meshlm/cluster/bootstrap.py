@@ -75,6 +75,7 @@ def free_port(host: str = "127.0.0.1", avoid: range | set = range(0)) -> int:
 class Host:
     ssh: str
     ips: tuple[str, ...]
+    memory_gb: float | None = None  # optional: pipeline stages get layers in proportion to it
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,21 @@ def load_hostfile(path: str | Path) -> Hostfile:
     try:
         data = json.loads(Path(path).read_text())
         entries, secret = (data["hosts"], data.get("secret")) if isinstance(data, dict) else (data, None)
-        hosts = tuple(Host(str(h["ssh"]), tuple(h.get("ips") or [h["ssh"]])) for h in entries)
+        hosts = tuple(Host(str(h["ssh"]), tuple(h.get("ips") or [h["ssh"]]), _memory(h.get("memory_gb")))
+                      for h in entries)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ClusterError(f"cannot read hostfile {path}: {exc} (expected {HOSTFILE_FORMS})") from None
     if not hosts:
         raise ClusterError(f"hostfile {path} lists no hosts")
     return Hostfile(hosts, _hostfile_secret(path, secret))
+
+
+def _memory(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f'"memory_gb" must be a positive number, got {value!r}')
+    return float(value)
 
 
 def _hostfile_secret(path: str | Path, text: object) -> ClusterSecret | None:
@@ -137,17 +147,26 @@ def ring_hostfile(hosts: list[Host], base_port: int) -> list[list[str]]:
 
 @dataclass(frozen=True)
 class LocalCluster:
-    """N ranks on this machine: a ring hostfile on free loopback ports and a control port."""
+    """N ranks on this machine: a ring hostfile on free loopback ports, a control port, and a stage link
+    port per rank (used by pipeline stages)."""
 
     hostfile: Path
     control_addr: str
+    stage_addrs: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, n: int) -> "LocalCluster":
         tmp = Path(tempfile.mkdtemp(prefix="meshlm-tp-"))
         hostfile = tmp / "ring.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(n)]))
-        return cls(hostfile, f"127.0.0.1:{free_port()}")
+        used: set[int] = set()
+
+        def port() -> int:
+            p = free_port(avoid=used)
+            used.add(p)
+            return p
+
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port()}"] for _ in range(n)]))
+        return cls(hostfile, f"127.0.0.1:{port()}", tuple(f"127.0.0.1:{port()}" for _ in range(n)))
 
 
 def init_group(cfg: ParallelConfig, ring_file: Path | None):
@@ -178,7 +197,8 @@ def spawn_local_workers(argv: list[str], cluster: LocalCluster, n: int, secret: 
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(cluster.hostfile),
                "OPENBLAS_NUM_THREADS": threads, SECRET_ENV: secret.reveal()}
         cmd = [sys.executable, "-m", "meshlm", *argv, "--rank", str(rank),
-               "--ring-hostfile", str(cluster.hostfile), "--control-addr", cluster.control_addr]
+               "--ring-hostfile", str(cluster.hostfile), "--control-addr", cluster.control_addr,
+               "--stage-addrs", ",".join(cluster.stage_addrs)]
         out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else None
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                       start_new_session=False))

@@ -27,6 +27,7 @@ from typing import Callable
 
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, ring_hostfile, spawn_local_workers)
+from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
@@ -52,6 +53,7 @@ class Topology:
     ring_file: Path | None
     control_bind: str
     secret: ClusterSecret  # redacted in any repr
+    memory_gb: tuple[float, ...] | None = None  # per rank, when the hostfile declares it (pipeline split)
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
@@ -62,18 +64,24 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     if p.hostfile is None:
         if p.rank != 0:
             raise ClusterError("a rank other than 0 needs --hostfile (or is started by rank 0 itself)")
-        local = LocalCluster.create(p.tensor_parallel)
-        replaced = dataclasses.replace(p, control_addr=local.control_addr)
+        local = LocalCluster.create(p.world_size)
+        replaced = dataclasses.replace(p, control_addr=local.control_addr, stage_addrs=local.stage_addrs)
         return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate()), local
     hostfile = load_hostfile(p.hostfile)
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts
-    if len(hosts) != p.tensor_parallel:
-        raise ClusterError(f"hostfile lists {len(hosts)} ranks but --tensor-parallel is {p.tensor_parallel}")
-    ring = Path(tempfile.mkdtemp(prefix="meshlm-ring-")) / "ring.json"
-    ring.write_text(json.dumps(ring_hostfile(list(hosts), ports.ring_port)))
+    if len(hosts) != p.world_size:
+        flag = "--pipeline-parallel" if p.pipeline else "--tensor-parallel"
+        raise ClusterError(f"hostfile lists {len(hosts)} ranks but {flag} is {p.world_size}")
+    ring = None
+    if not p.pipeline:  # stages talk over their own links, not an MLX group
+        ring = Path(tempfile.mkdtemp(prefix="meshlm-ring-")) / "ring.json"
+        ring.write_text(json.dumps(ring_hostfile(list(hosts), ports.ring_port)))
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
-    return Topology(dataclasses.replace(p, control_addr=control), ring, control.rsplit(":", 1)[0], secret), None
+    stages = p.stage_addrs or tuple(f"{h.ips[0]}:{p.stage_port + r}" for r, h in enumerate(hosts))
+    memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
+    replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
+    return Topology(replaced, ring, control.rsplit(":", 1)[0], secret, memory), None
 
 
 @dataclass
@@ -105,17 +113,40 @@ def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> 
     from meshlm.model.loader import resolve_path
 
     p = config.parallel
-    check_backend(p)
-    check_shardable(resolve_path(config.model.path), p.tensor_parallel)
+    if p.pipeline:
+        stage_layout(config, None)  # a split that does not fit the model fails here, before any rank starts
+    else:
+        check_backend(p)
+        check_shardable(resolve_path(config.model.path), p.tensor_parallel)
     topo, local = resolve_topology(p, ports)
-    children = spawn_local_workers(argv, local, p.tensor_parallel, topo.secret) if local else []
+    children = spawn_local_workers(argv, local, p.world_size, topo.secret) if local else []
     try:
+        if p.pipeline:
+            from meshlm.cluster.pipeline import follow_stage, lead_pipeline
+
+            if p.rank != 0:
+                sys.exit(follow_stage(config, topo, stage_layout(config, topo)))
+            return lead_pipeline(config, topo, stage_layout(config, topo), children)
         if p.rank != 0:
             sys.exit(_follow(config, topo))
         return _lead(config, topo, children)
     except BaseException:
         _reap(children)
         raise
+
+
+def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
+    """Layers per stage: --pp-split, else in proportion to the hostfile's memory_gb, else even."""
+    from meshlm.model.loader import resolve_path
+
+    p = config.parallel
+    model_config = json.loads((resolve_path(config.model.path) / "config.json").read_text())
+    num_layers = int(model_config["num_hidden_layers"])
+    weights = None
+    if topo is not None and topo.memory_gb is not None:
+        layout = StageLayout.create(num_layers, p.pipeline_parallel)  # only its rank <-> stage map is used
+        weights = tuple(topo.memory_gb[layout.rank_of(s)] for s in range(p.pipeline_parallel))
+    return StageLayout.create(num_layers, p.pipeline_parallel, p.pp_split, weights)
 
 
 def _load(config: ServeConfig, topo: Topology):
@@ -139,7 +170,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
 
     p = topo.parallel
     port = int(p.control_addr.rsplit(":", 1)[1])
-    control = ControlLeader(topo.control_bind, port, p.tensor_parallel, timeout=p.step_timeout,
+    control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     loaded, rank = _load(config, topo)
     control.fingerprint = loaded.fingerprint

@@ -28,13 +28,17 @@ class TensorExecutor:
         self.failure: str | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.announce(plan)
+        return self.rank.step(plan)
+
+    def announce(self, plan: StepPlan) -> None:
+        """Check the previous step's acks, then send every worker this plan."""
         t0 = time.perf_counter()
         if self._unacked is not None:
             self.control.collect_acks(self._unacked, timeout=self.step_timeout)
         self.control.broadcast(plan)
         self._unacked = plan.step_id
         self.control_seconds += time.perf_counter() - t0
-        return self.rank.step(plan)
 
     def idle(self) -> None:
         """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""

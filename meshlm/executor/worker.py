@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import mlx.core as mx
 
@@ -19,6 +20,7 @@ from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig
 from meshlm.engine.plan import batch_fingerprint
 from meshlm.executor.rank import RankState
+from meshlm.executor.stage_io import StageIO
 from meshlm.transport.auth import ClusterSecret
 from meshlm.transport.control import ControlError, ControlWorker, LeaderLost
 
@@ -32,26 +34,37 @@ def _hard_exit(message: str) -> None:
     os._exit(EXIT_DEADLINE)
 
 
-def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fingerprint: str) -> int:
+def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fingerprint: str,
+               join_stages: Callable[[], StageIO] | None = None) -> int:
+    """Serve plans until the cluster ends. `join_stages`: a pipeline stage's links to its neighbours,
+    formed once every rank has joined the control channel."""
     host, port = cfg.control_addr.rsplit(":", 1)
     control = ControlWorker(host, int(port), cfg.rank, fingerprint, timeout=cfg.worker_timeout,
-                            world_size=cfg.tensor_parallel, secret=secret,
+                            world_size=cfg.world_size, secret=secret,
                             connect_timeout=max(60.0, cfg.worker_timeout), kv_blocks=rank.max_blocks)
     try:
         control.connect()
     except ControlError as exc:  # refused, wrong version, no leader: the message says what to fix
         raise ClusterError(str(exc)) from None
     log.info("rank %d joined the leader at %s", cfg.rank, cfg.control_addr)
+    io = None
+    try:
+        io = join_stages() if join_stages is not None else None
+    except ControlError as exc:
+        control.close()
+        raise ClusterError(str(exc)) from None
     watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")
     try:
-        return _serve_plans(control, rank, watchdog)
+        return _serve_plans(control, rank, watchdog, io)
     finally:
         watchdog.close()
         control.close()
+        if io is not None:
+            io.close()
         rank.flush(timeout=2)
 
 
-def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog) -> int:
+def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io: StageIO | None = None) -> int:
     while True:
         try:
             plan = control.next_plan()
@@ -63,8 +76,10 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog) ->
             return EXIT_SHUTDOWN
         try:
             with watchdog.step(f"step {plan.step_id}"):
-                result = rank.step(plan)
-                if result.logits is not None:
+                result = rank.step(plan, io.receive(plan) if io is not None else None)
+                if io is not None:
+                    io.send(plan, result)
+                elif result.logits is not None:
                     mx.eval(result.logits)  # every rank must take part in the step's collectives
         except Exception as exc:  # the group is unusable after a failed step: report, then leave
             log.exception("step %d failed", plan.step_id)

@@ -100,8 +100,15 @@ class ModelParts:
 
 def model_parts(model: nn.Module) -> ModelParts:
     inner = model.model
-    tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     layers = list(inner.layers)
+    stage = getattr(model, "meshlm_stage", None)  # set by loader.keep_stage for a pipeline stage
+    if stage is not None:
+        s, total, tied = stage
+        embed = inner.embed_tokens if "embed_tokens" in inner else None
+        if not s.logits:
+            return ModelParts(embed if s.embeds else None, layers, None, None, s.first, total)
+        return ModelParts(embed, layers, inner.norm, None if tied else model.lm_head, s.first, total)
+    tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     return ModelParts(inner.embed_tokens, layers, inner.norm, None if tied else model.lm_head, 0, len(layers))
 
 

@@ -177,14 +177,29 @@ def write_digest_cache(path: Path, new: dict[str, dict]) -> None:
             pass
 
 
-def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
-    """Load the whole model, or with `tensor_group` only this rank's shard (mlx-lm's sharded_load)."""
+@dataclass(frozen=True)
+class StageSlice:
+    """The part of a model one pipeline stage holds: layers [first, end), the embedding on the stage that
+    embeds, the final norm and head on the stage that computes logits (with tied embeddings, the
+    embedding table there too: it is the head)."""
+
+    first: int
+    end: int
+    embeds: bool
+    logits: bool
+
+
+def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = None) -> LoadedModel:
+    """Load the whole model; with `tensor_group` only this rank's shard (mlx-lm's sharded_load); with
+    `stage` only that stage's weights (loaded lazily, the rest never read)."""
     path = resolve_path(cfg.path)
     check_supported(json.loads((path / "config.json").read_text()))
-    if tensor_group is None:
-        model, tokenizer = mlx_lm_load(str(path))
-    else:
+    if tensor_group is not None:
         model, tokenizer = sharded_load(str(path), tensor_group=tensor_group)
+    else:
+        model, tokenizer = mlx_lm_load(str(path), lazy=stage is not None)
+    if stage is not None:
+        keep_stage(model, stage)
     config = json.loads((path / "config.json").read_text())
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
@@ -196,6 +211,23 @@ def load_model(cfg: ModelConfig, tensor_group=None) -> LoadedModel:
     log.info("loaded %s (%s, dtype %s, context %d)", path, name, dtype, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, model_fingerprint(path),
                        int(config["vocab_size"]), generation_defaults(path))
+
+
+def keep_stage(model: nn.Module, stage: StageSlice) -> None:
+    """Drop every module `stage` does not hold, before any weight is evaluated (so never read)."""
+    inner = model.model
+    total = len(inner.layers)
+    if not 0 <= stage.first < stage.end <= total:
+        raise ValueError(f"stage layers {stage.first}..{stage.end} outside the model's {total}")
+    tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
+    inner.layers = inner.layers[stage.first:stage.end]
+    model.meshlm_stage = (stage, total, tied)  # model_parts reads it
+    if not stage.embeds and not (stage.logits and tied):
+        del inner["embed_tokens"]
+    if not stage.logits:
+        del inner["norm"]
+        if "lm_head" in model:
+            del model["lm_head"]
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")

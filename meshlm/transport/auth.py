@@ -100,6 +100,16 @@ def welcome_proof(secret: ClusterSecret, worker_nonce: bytes, leader_nonce: byte
     return _mac(secret, _WELCOME_TAG, worker_nonce, leader_nonce, welcome_fields)
 
 
+_STAGE_ACCEPT_TAG = b"meshlm-stage-accept\x00"
+_STAGE_CONNECT_TAG = b"meshlm-stage-connect\x00"
+
+
+def stage_proof(secret: ClusterSecret, accepting: bool, own_nonce: bytes, peer_nonce: bytes, link: bytes) -> bytes:
+    """One end's proof on a pipeline stage link (transport/stage_link.py): it holds the secret, for
+    both nonces and this link's (from, to) stages; a tag per end, so neither proof is valid as the other."""
+    return _mac(secret, _STAGE_ACCEPT_TAG if accepting else _STAGE_CONNECT_TAG, own_nonce, peer_nonce, link)
+
+
 def proof_matches(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison, so the time taken says nothing about how much of a forgery was right."""
     return hmac.compare_digest(expected, got)

@@ -7,6 +7,7 @@ Kinds (ARG is a token id or a step id):
   schedule_raise TOKEN the scheduler raises while a waiting prompt holds TOKEN (a bug before any forward)
   skip_step STEP       a worker rank applies nothing at step STEP but acknowledges it (a split brain)
   stall_step STEP      a worker rank hangs at step STEP (only the watchdogs can end it)
+  corrupt_activation STEP  a pipeline stage sends an activation packet with an unknown dtype code at STEP
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -45,10 +46,23 @@ def _plant(kind: str, arg: int) -> None:
             time.sleep(3600)
         return execute(self, plan, *rest)
 
+    from meshlm.transport import stage_wire
+    from meshlm.transport.stage_link import StageLink
+
+    send_activation = StageLink.send_activation
+
+    def corrupting_send(self, step, pos, hidden, timeout):
+        if step != arg:
+            return send_activation(self, step, pos, hidden, timeout)
+        packet = bytearray(stage_wire.encode_activation(self.own, self.peer, step, pos, hidden))
+        packet[stage_wire.HEADER.size + 1:stage_wire.HEADER.size + 5] = (99).to_bytes(4, "big")  # the dtype code
+        self.send(bytes(packet), timeout)
+
     patches = {"forward_raise": (Runner, "execute", raising_execute),
                "schedule_raise": (Scheduler, "schedule", raising_schedule),
                "skip_step": (Runner, "execute", skipping_execute),
-               "stall_step": (Runner, "execute", stalling_execute)}
+               "stall_step": (Runner, "execute", stalling_execute),
+               "corrupt_activation": (StageLink, "send_activation", corrupting_send)}
     cls, name, fn = patches[kind]
     setattr(cls, name, fn)
 

@@ -1,0 +1,105 @@
+"""Forming a pipeline-parallel cluster: each rank loads its stage's layers, the control channel forms
+as for tensor parallelism, then each stage links to its neighbours (transport/stage_link.py).
+
+Link order avoids waiting in a circle: every stage first connects to the next
+stage (whose socket has been listening since before the control channel
+formed), then accepts the previous one; the leader runs the last stage, so it
+only accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+from meshlm.cluster.bootstrap import ClusterError
+from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology
+from meshlm.cluster.stages import StageLayout
+from meshlm.cluster.watchdog import Watchdog
+from meshlm.config import ServeConfig
+from meshlm.executor.rank import RankSpec, build_rank
+from meshlm.executor.stage_io import StageIO
+from meshlm.platform import kv_budget_bytes
+from meshlm.transport import stage_link
+from meshlm.transport.stage_link import ActivationSpec
+
+log = logging.getLogger(__name__)
+
+
+def _load_stage(config: ServeConfig, topo: Topology, layout: StageLayout):
+    import mlx.core as mx
+
+    from meshlm.model.loader import StageSlice, load_model
+
+    p = topo.parallel
+    stage = layout.stage_of(p.rank)
+    first, end = layout.layers(stage)
+    loaded = load_model(config.model, stage=StageSlice(first, end, stage == 0, stage == layout.stages - 1))
+    rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler),
+                      RankSpec(layout=layout.name, rank=p.rank))
+    log.info("stage %d of %d (rank %d): layers %d..%d of %d", stage, layout.stages, p.rank, first, end - 1,
+             layout.num_layers)
+    spec = ActivationSpec(int(loaded.model.args.hidden_size), getattr(mx, loaded.dtype))
+    return loaded, rank, spec
+
+
+def _listen(topo: Topology, rank: int):
+    host, port = topo.parallel.stage_addrs[rank].rsplit(":", 1)
+    try:
+        return stage_link.listen(host, int(port))
+    except OSError as exc:
+        raise ClusterError(f"rank {rank} cannot listen for its stage link on {host}:{port}: {exc}") from None
+
+
+def _join(topo: Topology, layout: StageLayout, server, spec: ActivationSpec) -> StageIO:
+    p = topo.parallel
+    stage = layout.stage_of(p.rank)
+    liveness = p.worker_timeout
+    nxt = prev = None
+    try:
+        if stage < layout.stages - 1:
+            addr = p.stage_addrs[layout.rank_of(stage + 1)]
+            nxt = stage_link.connect(addr, topo.secret, stage, stage + 1, HANDSHAKE_SECONDS, liveness)
+        if stage > 0:
+            prev = stage_link.accept(server, topo.secret, stage, stage - 1, HANDSHAKE_SECONDS, liveness)
+    finally:
+        if server is not None:
+            server.close()
+    log.info("stage %d linked to its neighbours", stage)
+    return StageIO(stage, prev, nxt, spec, p.step_timeout)
+
+
+def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> int:
+    from meshlm.executor.worker import run_worker
+
+    p = topo.parallel
+    server = _listen(topo, p.rank) if layout.stage_of(p.rank) > 0 else None
+    loaded, rank, spec = _load_stage(config, topo, layout)
+    return run_worker(p, topo.secret, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec))
+
+
+def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
+                  children: list[subprocess.Popen]) -> Leader:
+    from meshlm.executor.pipeline import PipelineExecutor
+    from meshlm.transport.control import ControlError, ControlLeader, HandshakeError
+
+    p = topo.parallel
+    port = int(p.control_addr.rsplit(":", 1)[1])
+    control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
+                            heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+    server = _listen(topo, 0)
+    loaded, rank, spec = _load_stage(config, topo, layout)
+    control.fingerprint = loaded.fingerprint
+    log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,
+             HANDSHAKE_SECONDS, p.world_size - 1, p.control_addr)
+    try:
+        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
+        io = _join(topo, layout, server, spec)
+    except (HandshakeError, ControlError) as exc:
+        raise ClusterError(str(exc)) from None
+    log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
+    kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
+    leader = Leader(loaded, rank, PipelineExecutor(rank, control, p.step_timeout, io), children=children,
+                    kv_blocks=kv_blocks)
+    leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
+    return leader

@@ -1,0 +1,235 @@
+"""The connection between neighbouring pipeline stages: activations (and KV packets) in the stage wire
+format (transport/stage_wire.py), over one TCP connection kept open for the cluster's life.
+
+The seed design opens a connection per hop per step; the packets here are the
+same, but a handshake per step would cost more than a decode step's payload,
+so the connection stays open. Stage s connects to stage s+1, which listens.
+
+Handshake (all integers big-endian, like the stage wire format), each message
+read within the handshake deadline:
+1. connecting -> accepting: b"MLST", u32 link version, i32 stage_from, i32 stage_to, 32-byte nonce;
+2. accepting -> connecting: 32-byte nonce, 32-byte proof (auth.stage_proof, accepting end);
+3. connecting -> accepting: 32-byte proof (connecting end).
+Each side checks the other's proof of the cluster secret over both nonces and
+the stage pair, so only a rank of this cluster can feed a stage activations,
+and a stage only takes them from the neighbour it expects. As on the control
+channel, the secret decides who connects; it does not protect the bytes that follow.
+
+After the handshake every read and write has a deadline; a peer that closes,
+stalls or sends a packet that is not the one expected is a `StageLinkError`
+naming the stage, which ends the step (and the cluster) like any rank failure.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from meshlm.transport import stage_wire
+from meshlm.transport.auth import ClusterSecret, new_nonce, proof_matches, stage_proof
+from meshlm.transport.codec import ControlError
+from meshlm.transport.link import remaining, tune
+
+MAGIC = b"MLST"
+LINK_VERSION = 1
+_HELLO = struct.Struct("!4sIii32s")
+NONCE, PROOF = 32, 32
+RETRY_SECONDS = 0.1
+
+
+class StageLinkError(ControlError):
+    """A stage link failed: closed, timed out, refused, or a packet that is not the expected one."""
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What an activation between two stages must look like: (1, tokens, hidden) of the model's dtype."""
+
+    hidden_size: int
+    dtype: mx.Dtype
+
+
+class StageLink:
+    def __init__(self, sock: socket.socket, own: int, peer: int, liveness: float) -> None:
+        self.sock = sock
+        self.own, self.peer = own, peer
+        tune(sock, liveness)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # -- packets ----------------------------------------------------------------------
+    def send_activation(self, step: int, pos: int, hidden: mx.array, timeout: float) -> None:
+        self.send(stage_wire.encode_activation(self.own, self.peer, step, pos, hidden), timeout)
+
+    def recv_activation(self, step: int, pos: int, tokens: int, spec: ActivationSpec, timeout: float) -> mx.array:
+        """The previous stage's hidden states for `step`: validated against everything expected."""
+        expect = stage_wire.Expect(
+            stage_from=self.peer, stage_to=self.own, step=step, pos=pos,
+            tensors=(stage_wire.TensorExpect(spec.dtype, (1, tokens, spec.hidden_size)),
+                     stage_wire.TensorExpect(required=False)),
+            max_bytes=tokens * spec.hidden_size * spec.dtype.size + (1 << 20))
+        deadline = time.monotonic() + timeout
+        try:
+            _, (hidden, _mask) = stage_wire.read_packet(lambda n: self._recv_exactly(n, deadline), expect)
+        except stage_wire.StageWireError as exc:
+            raise StageLinkError(f"stage {self.peer} sent a bad activation packet: {exc}") from None
+        return hidden
+
+    # -- bytes --------------------------------------------------------------------------
+    def send(self, data: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        view = memoryview(data)
+        try:
+            while view:
+                left = remaining(deadline)
+                if left == 0:
+                    raise StageLinkError(f"sending to stage {self.peer} timed out after {timeout:.1f} s")
+                self.sock.settimeout(left)
+                sent = self.sock.send(view)
+                view = view[sent:]
+                self.bytes_sent += sent
+        except (TimeoutError, socket.timeout):
+            raise StageLinkError(f"sending to stage {self.peer} timed out after {timeout:.1f} s") from None
+        except OSError as exc:
+            raise StageLinkError(f"link to stage {self.peer} failed: {exc}") from None
+
+    def _recv_exactly(self, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < n:
+                left = remaining(deadline)
+                if left == 0:
+                    raise StageLinkError(f"stage {self.peer} sent nothing for the step in time")
+                self.sock.settimeout(left)
+                k = self.sock.recv_into(view[got:])
+                if k == 0:
+                    raise StageLinkError(f"stage {self.peer} closed the link")
+                got += k
+        except (TimeoutError, socket.timeout):
+            raise StageLinkError(f"stage {self.peer} sent nothing for the step in time") from None
+        except OSError as exc:
+            raise StageLinkError(f"link from stage {self.peer} failed: {exc}") from None
+        self.bytes_received += n
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# -- forming a link ---------------------------------------------------------------------------
+
+def listen(host: str, port: int) -> socket.socket:
+    """The accepting stage's socket, opened before the cluster forms so a neighbour can connect early."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, port))
+    srv.listen(4)
+    return srv
+
+
+def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, timeout: float,
+           liveness: float) -> StageLink:
+    """Take the link from stage `peer` (= own - 1); connections that fail the handshake are dropped
+    and the wait goes on until the deadline."""
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    while True:
+        left = remaining(deadline)
+        if left == 0:
+            seen = f" (refused: {'; '.join(problems[-3:])})" if problems else ""
+            raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
+        server.settimeout(left)
+        try:
+            sock, addr = server.accept()
+        except (TimeoutError, socket.timeout):
+            continue
+        try:
+            _accept_handshake(sock, secret, own, peer, deadline)
+            return StageLink(sock, own, peer, liveness)
+        except (StageLinkError, OSError) as exc:
+            problems.append(f"{addr[0]}:{addr[1]}: {exc}")
+            sock.close()
+
+
+def connect(addr: str, secret: ClusterSecret, own: int, peer: int, timeout: float, liveness: float) -> StageLink:
+    """Connect to stage `peer` (= own + 1) at host:port, retrying until it listens or the deadline."""
+    host, port = addr.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(0.1, remaining(deadline)))
+        except OSError as exc:
+            if remaining(deadline) == 0:
+                raise StageLinkError(f"stage {own} cannot reach stage {peer} at {addr}: {exc}") from None
+            time.sleep(RETRY_SECONDS)
+            continue
+        try:
+            _connect_handshake(sock, secret, own, peer, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        return StageLink(sock, own, peer, liveness)
+
+
+def _pair(stage_from: int, stage_to: int) -> bytes:
+    return struct.pack("!ii", stage_from, stage_to)
+
+
+def _accept_handshake(sock: socket.socket, secret: ClusterSecret, own: int, peer: int, deadline: float) -> None:
+    magic, version, stage_from, stage_to, their_nonce = _HELLO.unpack(_read(sock, _HELLO.size, deadline))
+    if magic != MAGIC:
+        raise StageLinkError("not a meshlm stage link")
+    if version != LINK_VERSION:
+        raise StageLinkError(f"speaks stage link version {version}, this build speaks {LINK_VERSION}")
+    if (stage_from, stage_to) != (peer, own):
+        raise StageLinkError(f"claims to link stage {stage_from} to {stage_to}; stage {own} takes only stage {peer}")
+    nonce = new_nonce()
+    link = _pair(peer, own)
+    _write(sock, nonce + stage_proof(secret, True, nonce, their_nonce, link), deadline)
+    if not proof_matches(stage_proof(secret, False, their_nonce, nonce, link), _read(sock, PROOF, deadline)):
+        raise StageLinkError("did not prove it holds the cluster secret")
+
+
+def _connect_handshake(sock: socket.socket, secret: ClusterSecret, own: int, peer: int, deadline: float) -> None:
+    nonce = new_nonce()
+    _write(sock, _HELLO.pack(MAGIC, LINK_VERSION, own, peer, nonce), deadline)
+    reply = _read(sock, NONCE + PROOF, deadline)
+    their_nonce, proof = reply[:NONCE], reply[NONCE:]
+    link = _pair(own, peer)
+    if not proof_matches(stage_proof(secret, True, their_nonce, nonce, link), proof):
+        raise StageLinkError(f"the listener for stage {peer} did not prove it holds the cluster secret")
+    _write(sock, stage_proof(secret, False, nonce, their_nonce, link), deadline)
+
+
+def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        left = remaining(deadline)
+        if left == 0:
+            raise StageLinkError("handshake timed out")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(n - len(buf))
+        except (TimeoutError, socket.timeout):
+            raise StageLinkError("handshake timed out") from None
+        if not chunk:
+            raise StageLinkError("closed during the handshake")
+        buf += chunk
+    return buf
+
+
+def _write(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(max(0.01, remaining(deadline)))
+    try:
+        sock.sendall(data)
+    except (TimeoutError, socket.timeout):
+        raise StageLinkError("handshake timed out") from None

@@ -1,0 +1,188 @@
+"""Pipeline parallelism with real stage processes: parity with one process (tiny llama and qwen3, even
+and uneven splits, the demo model split 10/20), and failures: a stage killed, stopped, or sending a
+corrupt activation packet ends requests with an error in seconds and /health says why.
+
+Tolerance: greedy text identical; logprobs of the chosen tokens within 1e-4 (a stage boundary only
+moves where the hidden state is handed over, not how it is computed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, free_port, free_port_run
+
+pytestmark = pytest.mark.slow
+
+FAULT_ENTRY = str(Path(__file__).parent / "fault_entry.py")
+SECRET = "0123456789abcdef" * 4
+PROMPTS = [f"prompt {i}: " + "the river runs past the old mill " * (i % 4 + 1) for i in range(16)]
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+async def _complete_all(url: str, prompts: list, n: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 1}) for p in prompts])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    return [r.json() for r in rs]
+
+
+def assert_parity(got: list[dict], want: list[dict]) -> None:
+    assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
+    for g, w in zip(got, want):
+        a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory) -> Path:
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("pp") / f"tiny-{request.param}", request.param, layers=4, hidden=64,
+                     heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path_factory.mktemp("one"))
+    try:
+        yield asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags", [("--pipeline-parallel", "2"), ("--pipeline-parallel", "3", "--pp-split", "1,2,1")],
+                         ids=["pp2-even", "pp3-uneven"])
+def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
+    srv = ServerProcess(model, "--max-model-len", "512", *flags, log_dir=tmp_path)
+    try:
+        got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        again = asyncio.run(_complete_all(srv.url, PROMPTS[:4], 16))  # prefix-cache hits on every stage
+        assert srv.metric("meshlm_prefix_cache_hits_total") > 0
+    finally:
+        srv.stop()
+    assert_parity(got, reference)
+    assert_parity(again, reference[:4])
+    log = srv.log.read_text()
+    assert "layers 0..0 of 4" in log or "layers 0..1 of 4" in log  # the first stage holds only its layers
+
+
+def test_demo_model_split_10_20_matches_one_process(tmp_path):
+    prompts = ["The capital of France is", "Write a haiku about rivers.", "1, 2, 3, 4,", "def fib(n):"]
+    outs = []
+    for flags in ((), ("--pipeline-parallel", "2", "--pp-split", "10,20")):
+        srv = ServerProcess("demo", "--max-model-len", "512", "--no-prefix-cache", *flags, log_dir=tmp_path)
+        try:
+            outs.append(asyncio.run(_complete_all(srv.url, prompts, 12)))
+        finally:
+            srv.stop()
+    assert_parity(outs[1], outs[0])
+
+
+def test_a_split_that_does_not_fit_the_model_is_refused(model, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", "0",
+                        "--pipeline-parallel", "2", "--pp-split", "1,2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "covers 3 layers, the model has 4" in r.stderr
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def pp2(model, tmp_path):
+    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--worker-timeout", "3",
+                        "--step-timeout", "4", log_dir=tmp_path)
+    yield srv
+    srv.stop()
+    for pid in children(srv.proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _stream_then(url: str, action) -> list[str]:
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            req = {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", "/v1/completions", json=req) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 6:
+                        action()
+                return lines
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_a_stage_that_dies_or_hangs_fails_requests_within_10s(pp2, sig):
+    stage0 = children(pp2.proc.pid)[0]
+    t0 = time.monotonic()
+    lines = _stream_then(pp2.url, lambda: os.kill(stage0, sig))
+    assert time.monotonic() - t0 < 10
+    assert any('"error"' in line for line in lines) and lines[-1] == "data: [DONE]"
+    health = httpx.get(pp2.url + "/health")
+    assert health.status_code == 503 and ("rank 1" in health.json()["error"] or "stage 0" in health.json()["error"])
+    if sig == signal.SIGSTOP:
+        os.kill(stage0, signal.SIGCONT)
+
+
+def test_the_leader_killed_makes_the_stages_exit(pp2):
+    stage0 = children(pp2.proc.pid)[0]
+    pp2.proc.kill()
+    pp2.proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{stage0}").exists() and \
+            Path(f"/proc/{stage0}/stat").read_text().split(") ")[1][0] != "Z":
+        time.sleep(0.1)
+    assert not Path(f"/proc/{stage0}").exists() or Path(f"/proc/{stage0}/stat").read_text().split(") ")[1][0] == "Z"
+
+
+def test_a_corrupt_activation_packet_is_a_clear_error_naming_the_stage(model, tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    stage_ports = free_port_run(2)
+    control, http = free_port(avoid=stage_ports), free_port(avoid=stage_ports)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MESHLM_CLUSTER_SECRET": SECRET, "MESHLM_OPENBLAS": "0"}
+    common = ["serve", "--model", str(model), "--hostfile", str(hosts), "--pipeline-parallel", "2",
+              "--control-port", str(control), "--stage-port", str(stage_ports[0]), "--max-model-len", "512",
+              "--kv-cache-dir", str(tmp_path / "kv")]
+    logs = [(tmp_path / f"rank{r}.log").open("wb") for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "meshlm", *common, "--rank", "0", "--port", str(http)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=logs[0]),
+             subprocess.Popen([sys.executable, FAULT_ENTRY, "corrupt_activation", "3", *common, "--rank", "1",
+                               "--port", str(free_port(avoid=stage_ports))],
+                              env=env, stdout=subprocess.DEVNULL, stderr=logs[1])]
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 20}, timeout=30)
+        assert r.status_code == 503 and time.monotonic() - t0 < 10
+        health = httpx.get(url + "/health").json()
+        assert "stage 0 sent a bad activation packet" in health["error"] and "dtype" in health["error"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

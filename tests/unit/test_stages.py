@@ -1,0 +1,130 @@
+"""Pipeline stages: the layer split, the rank <-> stage map, a stage loading only its weights (tied
+embeddings too), and the stage link's authenticated handshake."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from meshlm.cluster.stages import StageLayout
+from meshlm.config import ModelConfig
+from meshlm.model import demo
+from meshlm.model.loader import StageSlice, load_model
+from meshlm.transport import stage_link
+from meshlm.transport.auth import ClusterSecret
+from meshlm.transport.stage_link import ActivationSpec, StageLinkError
+
+SECRET = ClusterSecret("a" * 64)
+
+
+def test_even_uneven_and_proportional_splits():
+    assert StageLayout.create(30, 2).split == (15, 15)
+    assert StageLayout.create(30, 2, (10, 20)).layers(1) == (10, 30)
+    assert StageLayout.create(7, 3).split in ((3, 2, 2), (2, 3, 2), (2, 2, 3))
+    assert StageLayout.create(30, 2, weights=(16.0, 48.0)).split == (8, 22)  # a bigger host holds more layers
+    assert sum(StageLayout.create(5, 5).split) == 5
+
+
+@pytest.mark.parametrize("split, words", [((10, 19), "covers 29 layers"), ((30, 0), "at least one layer"),
+                                          ((10, 10, 10), "names 3 stages")])
+def test_a_split_that_does_not_fit_is_refused(split, words):
+    with pytest.raises(ValueError, match=words):
+        StageLayout.create(30, 2, split)
+
+
+def test_the_leader_runs_the_last_stage():
+    layout = StageLayout.create(12, 3)
+    assert [layout.rank_of(s) for s in range(3)] == [1, 2, 0]
+    assert [layout.stage_of(r) for r in range(3)] == [2, 0, 1]
+    assert layout.name == "pp4-4-4"
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    path = demo.make_tiny(tmp_path_factory.mktemp("tied"), "llama", layers=4)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _names(loaded) -> set[str]:
+    return {k for k, _ in tree_flatten(loaded.model.parameters())}
+
+
+def test_each_stage_holds_only_its_weights(tied):
+    cfg = ModelConfig(str(tied))
+    first = load_model(cfg, stage=StageSlice(0, 1, embeds=True, logits=False))
+    middle = load_model(cfg, stage=StageSlice(1, 3, embeds=False, logits=False))
+    last = load_model(cfg, stage=StageSlice(3, 4, embeds=False, logits=True))
+    assert "model.embed_tokens.weight" in _names(first) and "model.norm.weight" not in _names(first)
+    assert not any("embed" in n or n == "model.norm.weight" for n in _names(middle))
+    assert {n.split(".")[2] for n in _names(middle) if n.startswith("model.layers.")} == {"0", "1"}  # two layers
+    # Tied embeddings: the table is the head, so the last stage holds it (and no lm_head).
+    assert "model.embed_tokens.weight" in _names(last) and not any(n.startswith("lm_head") for n in _names(last))
+    whole = sum(v.nbytes for _, v in tree_flatten(load_model(cfg).model.parameters()))
+    assert sum(v.nbytes for _, v in tree_flatten(middle.model.parameters())) < whole / 2
+
+
+def _pair(accept_secret=SECRET, connect_secret=SECRET, claim=(0, 1), timeout=5.0):
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    out: dict = {}
+
+    def accept():
+        try:
+            out["accepted"] = stage_link.accept(server, accept_secret, 1, 0, timeout, 5.0)
+        except StageLinkError as exc:
+            out["accept_error"] = exc
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        out["connected"] = stage_link.connect(f"127.0.0.1:{port}", connect_secret, claim[0], claim[1], timeout, 5.0)
+    except StageLinkError as exc:
+        out["connect_error"] = exc
+    t.join()
+    server.close()
+    return out
+
+
+def test_an_activation_crosses_a_link():
+    out = _pair()
+    a, b = out["connected"], out["accepted"]
+    hidden = mx.random.normal((1, 3, 8))
+    a.send_activation(7, 12, hidden, 5.0)
+    got = b.recv_activation(7, 12, 3, ActivationSpec(8, mx.float32), 5.0)
+    assert mx.array_equal(got, hidden)
+    a.send_activation(8, 15, hidden, 5.0)
+    with pytest.raises(StageLinkError, match="stage 0 sent a bad activation packet.*expected step 9"):
+        b.recv_activation(9, 15, 3, ActivationSpec(8, mx.float32), 5.0)
+    a.close()  # after a bad packet the stream cannot be trusted: the cluster stops (it never reads on)
+    b.close()
+    out = _pair()
+    out["connected"].close()
+    with pytest.raises(StageLinkError, match="stage 0 closed the link"):
+        out["accepted"].recv_activation(0, 0, 3, ActivationSpec(8, mx.float32), 5.0)
+    out["accepted"].close()
+
+
+def test_a_stage_with_the_wrong_secret_or_place_is_refused():
+    out = _pair(connect_secret=ClusterSecret("b" * 64), timeout=1.5)
+    assert "did not prove it holds the cluster secret" in str(out["connect_error"])
+    assert "did not connect" in str(out["accept_error"]) and "refused" in str(out["accept_error"])
+    out = _pair(claim=(2, 1), timeout=1.5)
+    assert "stage 1 takes only stage 0" in str(out["accept_error"])
+
+
+def test_a_silent_neighbour_is_a_timeout_not_a_hang():
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    lurker = socket.create_connection(("127.0.0.1", port))  # connects, never says a word
+    with pytest.raises(StageLinkError, match="did not connect to stage 1 within 1 s.*handshake timed out"):
+        stage_link.accept(server, SECRET, 1, 0, 1.0, 5.0)
+    lurker.close()
+    server.close()
