@@ -99,7 +99,8 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
         raise ClusterError(str(exc)) from None
     log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
     kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
-    leader = Leader(loaded, rank, PipelineExecutor(rank, control, p.step_timeout, io), children=children,
+    executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages)
+    leader = Leader(loaded, rank, executor, children=children,
                     kv_blocks=kv_blocks)
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
     return leader

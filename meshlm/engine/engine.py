@@ -7,6 +7,7 @@ thread-safe, and receives `StepOutput`s through the callback it passed in.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -40,7 +41,11 @@ CRASH_LOOP_FAILURES, CRASH_LOOP_SECONDS = 3, 60.0  # this many failures this fas
 
 
 class Executor(Protocol):
-    """Runs a plan on every rank and returns rank 0's logits."""
+    """Runs a plan on every rank and returns rank 0's logits.
+
+    A pipeline executor also has `depth` > 1 (plans the engine keeps in flight, one micro-batch per
+    stage) and `submit(plan)`, which starts a plan on the first stages; `execute` then finishes the
+    oldest submitted plan on the leader's stage."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -124,6 +129,9 @@ class Engine:
         self.speculator = (Speculator(speculative, self.metrics, max_model_len, draft)
                            if speculative is not None and speculative.enabled else None)
         self._last_collect: float | None = None  # when the previous step's results were in (step cost model)
+        # Plans submitted but not yet computed: a pipeline keeps one per stage in flight (micro-batches).
+        self._depth = max(1, getattr(executor, "depth", 1))
+        self._in_flight: collections.deque[StepPlan] = collections.deque()
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback) -> int:
@@ -188,12 +196,16 @@ class Engine:
                 pending = self._step(pending)
             except Exception as exc:
                 pending = None
+                self._in_flight.clear()
                 log.exception("engine step failed")
                 self._engine_failed(f"{type(exc).__name__}: {exc}")
 
     def _step(self, pending: "_Pending | None") -> "_Pending | None":
-        plan, ended = self._next_plan(block=pending is None)
-        self._finish_all(ended)
+        if self._depth == 1:
+            plan, ended = self._next_plan(block=pending is None)
+            self._finish_all(ended)
+        else:
+            plan = self._fill(block=pending is None)
         result = self._execute(plan) if plan is not None else None
         if plan is not None:
             with self._lock:
@@ -204,7 +216,24 @@ class Engine:
             return None
         return self._collect_within_deadline(plan, result)
 
-    def _next_plan(self, block: bool) -> tuple[StepPlan | None, list[Finished]]:
+    def _fill(self, block: bool) -> StepPlan | None:
+        """A pipeline: plan and submit micro-batches until `depth` are in flight (or nothing more can
+        run), then return the oldest, whose results the last stage computes next. Each plan takes the
+        sequences not in flight, at most an even share of them, so every stage has work."""
+        while len(self._in_flight) < self._depth:
+            busy = frozenset(c.uid for p in self._in_flight for c in p.chunks)
+            plan, ended = self._next_plan(block=block and not self._in_flight, busy=busy)
+            self._finish_all(ended)
+            if plan is None or (plan.empty and self._in_flight):
+                break
+            with self._deadline(f"step {plan.step_id}"):
+                self.executor.submit(plan)
+            self._in_flight.append(plan)
+            if not plan.chunks:
+                break
+        return self._in_flight.popleft() if self._in_flight else None
+
+    def _next_plan(self, block: bool, busy: frozenset[int] = frozenset()) -> tuple[StepPlan | None, list[Finished]]:
         """The next step's plan; while idle, let the executor heartbeat and check its ranks."""
         while True:
             self._maybe_restart()
@@ -224,9 +253,12 @@ class Engine:
             self.executor.idle()
         # Outside the lock: a draft model's forwards take a while, and only this thread changes the
         # running sequences (an abort meanwhile only marks one; the scheduler then ignores its drafts).
-        drafts = self._drafts()
+        drafts = self._drafts(busy)
         with self._wake:
-            return self.scheduler.schedule(drafts)
+            if self._depth == 1:
+                return self.scheduler.schedule(drafts)
+            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)))
 
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
@@ -236,10 +268,11 @@ class Engine:
         with self._deadline(f"step {plan.step_id}"):
             return self._collect(plan, result)
 
-    def _drafts(self) -> dict[int, tuple[int, ...]]:
+    def _drafts(self, busy: frozenset[int] = frozenset()) -> dict[int, tuple[int, ...]]:
         if self.speculator is None:
             return {}
-        return self.speculator.propose(self.scheduler.running, self._sampling_state)
+        return self.speculator.propose([s for s in self.scheduler.running if s.uid not in busy],
+                                       self._sampling_state)
 
     def _sampling_state(self, uid: int) -> SeqSampling | None:
         t = self._tracked.get(uid)

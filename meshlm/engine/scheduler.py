@@ -60,6 +60,7 @@ class Scheduler:
         self._to_remove: list[int] = []  # uids whose KV ranks must drop next step
         self._saves: list[BlockSave] = []  # committed blocks to write through, in the next plan
         self._trims: dict[int, Trim] = {}  # rejected drafts' positions every rank drops, in the next plan
+        self._in_flight: dict[int, tuple[int, int]] = {}  # uid -> (step id, positions held once that plan ran)
         self._step_ids = itertools.count()
         self.num_preemptions = 0
 
@@ -80,22 +81,26 @@ class Scheduler:
         return bool(self.running or self.waiting or self._to_remove or self._saves or self._trims)
 
     # -- the step ---------------------------------------------------------
-    def schedule(self, drafts: dict[int, tuple[int, ...]] | None = None) -> tuple[StepPlan, list[Finished]]:
+    def schedule(self, drafts: dict[int, tuple[int, ...]] | None = None, busy: frozenset[int] = frozenset(),
+                 max_rows: int | None = None) -> tuple[StepPlan, list[Finished]]:
         """Plan one step. `drafts`: speculative tokens per decoding uid, verified in this step's forward
-        when budget and KV allow (else the sequence decodes plainly). Returns the plan and sequences that
-        ended without running (aborts)."""
+        when budget and KV allow (else the sequence decodes plainly). `busy`: sequences in a plan still in
+        flight (a pipeline's other micro-batches), which wait for its results; `max_rows`: at most this
+        many sequences in the plan, so a pipeline's micro-batches stay even. Returns the plan and
+        sequences that ended without running (aborts)."""
         ended = self._reap()
         drafts = drafts or {}
         draft = _Draft()
         budget = self.config.max_tokens_per_step
+        rows = max_rows if max_rows is not None else self.config.max_batch_size
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(draft.chunks) >= rows:
                 break
-            if seq in self.running:
+            if seq in self.running and seq.uid not in busy:
                 budget -= self._continue(seq, budget, draft, drafts.get(seq.uid, ()))
-        self._admit(draft, budget)
+        self._admit(draft, budget, rows)
         plan = StepPlan(
             step_id=next(self._step_ids),
             new=tuple(draft.new),
@@ -110,6 +115,8 @@ class Scheduler:
             fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )
         self._to_remove, self._saves, self._trims = [], [], {}
+        for c in draft.chunks:
+            self._in_flight[c.uid] = (plan.step_id, c.start + len(c.token_ids))
         self.blocks.end_step()
         return plan, ended
 
@@ -139,8 +146,9 @@ class Scheduler:
         draft.chunks.append(_chunk(seq, want))
         return want
 
-    def _admit(self, draft: _Draft, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+    def _admit(self, draft: _Draft, budget: int, rows: int) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size
+               and len(draft.chunks) < rows):
             seq = self.waiting[0]
             # Admit only when the whole prompt (+1 generated) fits, so a fresh sequence never
             # forces an older one out mid-prefill.
@@ -179,6 +187,7 @@ class Scheduler:
 
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._in_flight.pop(seq.uid, None)
         self._trims.pop(seq.uid, None)  # its KV goes entirely
         self._to_remove.append(seq.uid)
         self.blocks.free(seq.uid)
@@ -200,7 +209,10 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def _lengths_after(self, chunks: list[Chunk]) -> dict[int, int]:
-        lengths = {s.uid: s.num_computed_tokens for s in self.running}
+        """Positions every rank holds per sequence once this plan is applied: plans still in flight are
+        applied before it on every rank, so their chunks count."""
+        lengths = {s.uid: self._in_flight[s.uid][1] if s.uid in self._in_flight else s.num_computed_tokens
+                   for s in self.running}
         for c in chunks:
             lengths[c.uid] = c.start + len(c.token_ids)
         return lengths
@@ -216,8 +228,9 @@ class Scheduler:
         taken: dict[int, list[int]] = {}
         for chunk in plan.chunks:
             seq = by_uid.get(chunk.uid)
-            if seq is None:
-                continue
+            if seq is None or self._in_flight.get(chunk.uid, (None,))[0] != plan.step_id:
+                continue  # left (or was preempted, maybe re-admitted) while this plan was in flight
+            del self._in_flight[chunk.uid]
             end = chunk.start + len(chunk.token_ids)
             tokens = sampled.get(chunk.uid)
             verify = chunk.logits == LOGITS_ALL and len(chunk.token_ids) > 1
@@ -276,6 +289,7 @@ class Scheduler:
         for seq in self.running:
             self.blocks.free(seq.uid)
         self.running.clear()
+        self._in_flight.clear()
         self.waiting.clear()
         return seqs
 

@@ -1,9 +1,18 @@
-"""The leader's pipeline executor: the leader runs the last stage. Per step it broadcasts the plan
-(every stage applies its table ops, stage 0 embeds the plan's tokens), waits for the activation of the
-stage before it, and runs its own layers and the head, so logits never cross a link.
+"""The leader's pipeline executor: the leader runs the last stage.
 
-One plan is in flight at a time here; the control plane, acks, failure diagnosis and shutdown are the
-tensor-parallel executor's.
+`submit(plan)` broadcasts a plan: every stage applies its table ops, stage 0
+embeds the plan's tokens and starts at once. `execute(plan)` waits for that
+plan's activation from the stage before the leader and runs the leader's
+layers and the head, so logits never cross a link. The engine keeps up to
+`depth` (= stages) plans submitted: while the leader computes micro-batch A,
+stage 0 computes B. Plans reach every rank in one order and every rank applies
+them in that order, so KV and the batch fingerprints stay consistent.
+
+A worker acknowledges a plan after sending its activation, so by the time the
+leader has that plan's activation the acks are (nearly) in: they are checked
+then, for the plan executed before, never on the way to submitting the next.
+The control plane, failure diagnosis and shutdown are the tensor-parallel
+executor's.
 """
 
 from __future__ import annotations
@@ -17,16 +26,26 @@ from meshlm.model.runner import StepResult
 
 
 class PipelineExecutor(TensorExecutor):
-    def __init__(self, rank, control, step_timeout: float, io: StageIO) -> None:
+    def __init__(self, rank, control, step_timeout: float, io: StageIO, depth: int) -> None:
         super().__init__(rank, control, step_timeout)
         self.io = io
+        self.depth = depth  # plans the engine keeps in flight (one micro-batch per stage)
         self.wait_seconds = 0.0  # time spent waiting for the previous stage (benchmarks report it)
 
+    def submit(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        self.control.broadcast(plan)
+        self.control_seconds += time.perf_counter() - t0
+
     def execute(self, plan: StepPlan) -> StepResult:
-        self.announce(plan)
         t0 = time.perf_counter()
         hidden = self.io.receive(plan)
         self.wait_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self._unacked is not None:
+            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+        self._unacked = plan.step_id
+        self.control_seconds += time.perf_counter() - t0
         return self.rank.step(plan, hidden)
 
     def close(self) -> None:

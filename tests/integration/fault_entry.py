@@ -7,7 +7,7 @@ Kinds (ARG is a token id or a step id):
   schedule_raise TOKEN the scheduler raises while a waiting prompt holds TOKEN (a bug before any forward)
   skip_step STEP       a worker rank applies nothing at step STEP but acknowledges it (a split brain)
   stall_step STEP      a worker rank hangs at step STEP (only the watchdogs can end it)
-  corrupt_activation STEP  a pipeline stage sends an activation packet with an unknown dtype code at STEP
+  corrupt_activation STEP  a pipeline stage sends activation packets with an unknown dtype code from STEP on
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -52,7 +52,7 @@ def _plant(kind: str, arg: int) -> None:
     send_activation = StageLink.send_activation
 
     def corrupting_send(self, step, pos, hidden, timeout):
-        if step != arg:
+        if step < arg:  # the first activation at or after step `arg` (plans without tokens send none)
             return send_activation(self, step, pos, hidden, timeout)
         packet = bytearray(stage_wire.encode_activation(self.own, self.peer, step, pos, hidden))
         packet[stage_wire.HEADER.size + 1:stage_wire.HEADER.size + 5] = (99).to_bytes(4, "big")  # the dtype code
