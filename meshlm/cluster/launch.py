@@ -52,8 +52,22 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
     for flag in ("--rank", "--hostfile", "--tensor-parallel", "--backend"):
         if flag in serve_argv:
             raise ClusterError(f"{flag} is set by meshlm launch; remove it from the serve options")
+    stages = _flag_value(serve_argv, "--pipeline-parallel")
+    if stages is not None:  # one stage per hostfile entry; the ranks talk over stage links, not a backend
+        if stages != str(n):
+            raise ClusterError(f"--pipeline-parallel {stages} but the hostfile lists {n} hosts (one per stage)")
+        return [*serve_argv, "--hostfile", str(hostfile), "--rank", str(rank)]
     return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--tensor-parallel", str(n),
             "--rank", str(rank)]
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = False) -> int:

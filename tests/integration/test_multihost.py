@@ -1,4 +1,5 @@
-"""Two hosts: a TP=2 cluster across two network namespaces joined by veth, started by `meshlm launch`."""
+"""Two hosts: a TP=2 cluster, and a two-stage pipeline, across two network namespaces joined by veth,
+started by `meshlm launch`."""
 
 from __future__ import annotations
 
@@ -93,6 +94,41 @@ def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path, s
     ring = (tmp_path / "launch.log").read_text()
     assert "all 2 ranks joined" in ring
     assert secret not in ring
+    single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
+                            capture_output=True, text=True, timeout=120)
+    assert got == json.loads(single.stdout), single.stderr
+
+
+def test_two_pipeline_stages_across_two_namespaces_match_single_process(two_hosts, tmp_path):
+    from meshlm.model.demo import make_tiny
+
+    (a, ip_a), (b, ip_b) = two_hosts
+    model = make_tiny(tmp_path / "tiny-4l", "llama", layers=4, hidden=64, heads=4, kv_heads=2)
+    hostfile = tmp_path / "hosts.json"
+    secret = "multihost-test-secret-0123456789abcdef"
+    hostfile.write_text(json.dumps({"secret": secret, "hosts": [{"ssh": f"netns:{a}", "ips": [ip_a]},
+                                                                {"ssh": f"netns:{b}", "ips": [ip_b]}]}))
+    hostfile.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
+    prompts = [f"stage test {i} about rivers" for i in range(4)]
+    log = (tmp_path / "launch.log").open("wb")
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
+         "--pipeline-parallel", "2", "--pp-split", "1,3", "--host", ip_a, "--port", "8000",
+         "--kv-cache-dir", str(tmp_path / "kv")],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CLIENT, f"http://{ip_a}:8000",
+                              json.dumps(prompts)], capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr + (tmp_path / "launch.log").read_text()[-2000:]
+        got = json.loads(out.stdout)
+    finally:
+        cluster.send_signal(signal.SIGTERM)
+        cluster.wait(30)
+    text = (tmp_path / "launch.log").read_text()
+    assert cluster.returncode == 0, text[-2000:]
+    assert "all 2 stages joined" in text and "stage 0 of 2 (rank 1): layers 0..0 of 4" in text
+    assert secret not in text
     single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
                             capture_output=True, text=True, timeout=120)
     assert got == json.loads(single.stdout), single.stderr

@@ -27,6 +27,14 @@ def test_local_netns_and_ssh_hosts():
     assert remote[-1] == "cd '/w w' && exec python -m meshlm serve"
 
 
+def test_rank_argv_for_pipeline_stages(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    argv = rank_argv(["serve", "--model", "m", "--pipeline-parallel", "2"], hosts, "ring", 2, 1)
+    assert argv[-4:] == ["--hostfile", str(hosts), "--rank", "1"] and "--tensor-parallel" not in argv
+    with pytest.raises(ClusterError, match="--pipeline-parallel 3 but the hostfile lists 2 hosts"):
+        rank_argv(["serve", "--pipeline-parallel=3"], hosts, "ring", 2, 0)
+
+
 def test_rank_argv_adds_cluster_flags_and_refuses_conflicts(tmp_path):
     hosts = tmp_path / "h.json"
     argv = rank_argv(["serve", "--model", "m"], hosts, "ring", 2, 1)
