@@ -65,14 +65,21 @@ def reference(model, tmp_path_factory):
         srv.stop()
 
 
-@pytest.mark.parametrize("flags", [("--pipeline-parallel", "2"), ("--pipeline-parallel", "3", "--pp-split", "1,2,1")],
-                         ids=["pp2-even", "pp3-uneven"])
+SPEC = ("--speculative", "ngram", "--no-adaptive-speculation", "--ngram-min", "1",
+        "--speculative-max-batch-size", "16")
+
+
+@pytest.mark.parametrize("flags", [("--pipeline-parallel", "2"), ("--pipeline-parallel", "3", "--pp-split", "1,2,1"),
+                                   ("--pipeline-parallel", "2", *SPEC)],
+                         ids=["pp2-even", "pp3-uneven", "pp2-speculative"])
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     srv = ServerProcess(model, "--max-model-len", "512", *flags, log_dir=tmp_path)
     try:
         got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
         again = asyncio.run(_complete_all(srv.url, PROMPTS[:4], 16))  # prefix-cache hits on every stage
         assert srv.metric("meshlm_prefix_cache_hits_total") > 0
+        if "--speculative" in flags:  # drafts were verified (how many a random model accepts varies)
+            assert srv.metric("meshlm_spec_verify_steps_total") > 0
     finally:
         srv.stop()
     assert_parity(got, reference)
