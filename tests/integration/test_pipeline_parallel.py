@@ -88,6 +88,32 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     assert "layers 0..0 of 4" in log or "layers 0..1 of 4" in log  # the first stage holds only its layers
 
 
+def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_path):
+    """A KV budget so small that sequences in flight are preempted (and re-admitted) while other
+    micro-batches run; then a restarted pipeline serves the same prompts from each stage's SSD tier."""
+    kv = tmp_path / "kv"
+    flags = ("--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "64KB", "--block-size", "8",
+             "--kv-cache-dir", str(kv))
+    srv = ServerProcess(model, *flags, log_dir=tmp_path)
+    try:
+        got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        assert srv.metric("meshlm_preemptions_total") > 0
+    finally:
+        srv.stop()
+    assert_parity(got, reference)
+    srv = ServerProcess(model, *flags, log_dir=tmp_path)
+    try:
+        again = asyncio.run(_complete_all(srv.url, PROMPTS[:2], 16))
+        hits = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()
+    assert_parity(again, reference[:2])
+    assert 'meshlm_prefix_cache_hits_total{tier="ssd"}' in hits
+    ssd = [float(line.rsplit(" ", 1)[1]) for line in hits.splitlines()
+           if line.startswith('meshlm_prefix_cache_hits_total{tier="ssd"}')]
+    assert ssd and ssd[0] > 0
+
+
 def test_demo_model_split_10_20_matches_one_process(tmp_path):
     prompts = ["The capital of France is", "Write a haiku about rivers.", "1, 2, 3, 4,", "def fib(n):"]
     outs = []
