@@ -154,18 +154,23 @@ class Scheduler:
             # forces an older one out mid-prefill.
             if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_free:
                 break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
             # The last token is always computed: its logits give the next token.
             m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1))
+            want = min(seq.num_tokens - m.tokens, budget)
+            if self.blocks.allocate(seq.uid, m.tokens + want) is None:
+                # The check above counted blocks the match then pinned (a partial hit's lender): it waits.
+                # Blocks the match found on SSD are findable already, so their loads still run.
+                draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
+                self.blocks.free(seq.uid)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
             seq.num_cached_tokens = seq.num_computed_tokens = m.tokens
             self.running.append(seq)
             draft.new.append(NewSequence(seq.uid, m.tokens))
             draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
             if m.copy is not None:
                 draft.copies.append(BlockCopy(*m.copy))
-            want = min(seq.remaining, budget)
-            self.blocks.allocate(seq.uid, seq.num_computed_tokens + want)  # fits: checked above
             draft.tables[seq.uid] = list(self.blocks.table(seq.uid))
             draft.chunks.append(_chunk(seq, want))
             budget -= want

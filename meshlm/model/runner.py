@@ -2,11 +2,11 @@
 
 Per sequence a rank knows only its block table and how many positions it
 holds; the leader's block manager decided both, so every rank's tables are the
-same. A step is: the plan's table changes and trims, block copies (partial
-prefix hits) and SSD loads into the pools, one forward over the flattened
-batch (decode and prefill rows together), then copies of the blocks to save,
-which reach the SSD tier once evaluated (at the next step, when nothing reads
-the pool any more).
+same. A step is: copies of the blocks to save (taken first: a committed block whose
+sequence ended may be reused by this very plan), the plan's table changes and
+trims, block copies (partial prefix hits) and SSD loads into the pools, then
+one forward over the flattened batch (decode and prefill rows together). The
+saved copies reach the SSD tier at the next step.
 
 Every value of a plan is checked before it touches an array, so a plan that
 does not fit this rank's state (a missed step, a bad block id) is a clear
@@ -79,6 +79,11 @@ class Runner:
         mx.eval(self._pending)
         self.flush_saves()
         self._check(plan)
+        # A block's content is final once committed, but its sequence may have ended and the block been
+        # handed to another sequence by this very plan: copy it out before anything here writes it.
+        self._saves = [(s.key, self.store.extract(s.block)) for s in plan.saves] if self.ssd is not None else []
+        if self._saves:
+            mx.eval([a for _, b in self._saves for a in (*b.keys, *b.values)])
         self._apply_tables(plan)
         self.store.ensure(plan.num_blocks)
         for c in plan.copies:
@@ -94,9 +99,8 @@ class Runner:
             self.seqs[c.uid].length = c.start + len(c.token_ids)
         if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
-        self._saves = [(s.key, self.store.extract(s.block)) for s in plan.saves] if self.ssd is not None else []
         result = self._result(out, batch, t0)
-        self._pending = [a for _, b in self._saves for a in (*b.keys, *b.values)] + self.store.keys + self.store.values
+        self._pending = self.store.keys + self.store.values
         self._pending += [x for x in (result.logits, result.hidden) if x is not None]
         mx.async_eval(self._pending)
         return result

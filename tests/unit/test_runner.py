@@ -365,3 +365,25 @@ def test_a_layer_range_forward_equals_the_whole_models_hidden_state_at_that_laye
     assert mx.abs(hidden - want_hidden).max().item() < 1e-5
     logits = forward(second, batch, stores[1], rank.backend, hidden=hidden)
     assert mx.abs(logits - want_logits).max().item() < 1e-4
+
+
+def test_a_saved_block_is_copied_before_the_plan_that_reuses_it_writes_it(path, tmp_path):
+    """A committed block's save rides in the next plan; if its sequence ended, that plan may already hand
+    the block to another sequence. The SSD copy must hold the committed KV, not the new owner's."""
+    from meshlm.engine.plan import BlockSave
+
+    cfg = ModelConfig(str(path))
+    rank = build_rank(load_model(cfg), cfg, CacheConfig(ssd=True, cache_dir=str(tmp_path), block_size=BS), 2**24)
+    positions_logits(rank, 0, 1, 0, list(range(20, 20 + BS)), 1, LOGITS_LAST, new=True)  # fills block 0
+    rank.runner.flush_saves()
+    want = rank.store.extract(0)
+    mx.eval(want.keys, want.values)
+    key = b"k" * 16
+    plan = StepPlan(1, new=(NewSequence(2, 0),), chunks=(Chunk(2, 0, tuple(range(100, 100 + BS)), LOGITS_LAST),),
+                    removed=(1,), tables=(TableUpdate(2, (0,)),), saves=(BlockSave(0, key),), num_blocks=1)
+    mx.eval(rank.step(plan).logits)
+    rank.flush(timeout=10)
+    got = rank.ssd.load(key)
+    assert got is not None
+    for a, b in zip(got.keys + got.values, want.keys + want.values):
+        assert mx.array_equal(a, b)
