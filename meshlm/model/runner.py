@@ -4,7 +4,8 @@ Per sequence a rank knows only its block table and how many positions it
 holds; the leader's block manager decided both, so every rank's tables are the
 same. A step is: copies of the blocks to save (taken first: a committed block whose
 sequence ended may be reused by this very plan), the plan's table changes and
-trims, block copies (partial prefix hits) and SSD loads into the pools, then
+trims, SSD loads and then block copies (partial prefix hits, which may lend
+from a block loaded in the same plan) into the pools, then
 one forward over the flattened batch (decode and prefill rows together). The
 saved copies reach the SSD tier at the next step.
 
@@ -86,9 +87,10 @@ class Runner:
             mx.eval([a for _, b in self._saves for a in (*b.keys, *b.values)])
         self._apply_tables(plan)
         self.store.ensure(plan.num_blocks)
+        # Loads first: a partial prefix hit may lend from a block this same plan loads from SSD.
+        self.store.load([x.block for x in plan.loads], [self._read(x.key) for x in plan.loads])
         for c in plan.copies:
             self.store.copy(c.src, c.dst, c.tokens)
-        self.store.load([x.block for x in plan.loads], [self._read(x.key) for x in plan.loads])
         rows = [self._row(c) for c in plan.chunks]
         out = None
         batch = None

@@ -36,12 +36,16 @@ def children(pid: int) -> list[int]:
 async def _complete_all(url: str, prompts: list, n: int) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         rs = await asyncio.gather(*[c.post("/v1/completions", json={
-            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 1}) for p in prompts])
+            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 2}) for p in prompts])
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
     return [r.json() for r in rs]
 
 
 def assert_parity(got: list[dict], want: list[dict]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):  # name the first differing token and how close its rivals were
+        a, b = g["choices"][0]["logprobs"], w["choices"][0]["logprobs"]
+        j = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        assert j is None, f"prompt {i}, token {j}: got {a['top_logprobs'][j]}, one process {b['top_logprobs'][j]}"
     assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
     for g, w in zip(got, want):
         a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
@@ -92,7 +96,7 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
     """A KV budget so small that sequences in flight are preempted (and re-admitted) while other
     micro-batches run; then a restarted pipeline serves the same prompts from each stage's SSD tier."""
     kv = tmp_path / "kv"
-    flags = ("--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "64KB", "--block-size", "8",
+    flags = ("--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "48KB", "--block-size", "8",
              "--kv-cache-dir", str(kv))
     srv = ServerProcess(model, *flags, log_dir=tmp_path)
     try:

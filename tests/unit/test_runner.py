@@ -387,3 +387,21 @@ def test_a_saved_block_is_copied_before_the_plan_that_reuses_it_writes_it(path, 
     assert got is not None
     for a, b in zip(got.keys + got.values, want.keys + want.values):
         assert mx.array_equal(a, b)
+
+
+def test_a_partial_hit_may_lend_from_a_block_loaded_in_the_same_plan(path, tmp_path):
+    """The scheduler makes a block loaded from SSD findable at once, so a later admission in the same
+    plan can copy its first tokens: the load must land before the copy reads it."""
+    from meshlm.engine.plan import BlockCopy, BlockLoad, BlockSave
+
+    cfg = ModelConfig(str(path))
+    rank = build_rank(load_model(cfg), cfg, CacheConfig(ssd=True, cache_dir=str(tmp_path), block_size=BS), 2**24)
+    positions_logits(rank, 0, 1, 0, list(range(20, 20 + BS)), 1, LOGITS_LAST, new=True)  # block 0
+    key = b"s" * 16
+    rank.step(StepPlan(1, removed=(1,), saves=(BlockSave(0, key),), num_blocks=3))
+    rank.flush(timeout=10)
+    want = rank.ssd.load(key)
+    rank.step(StepPlan(2, loads=(BlockLoad(key, 1),), copies=(BlockCopy(1, 2, BS // 2),), num_blocks=3))
+    got = rank.store.extract(2)
+    for a, b in zip(got.keys + got.values, want.keys + want.values):
+        assert mx.array_equal(a[:, : BS // 2], b[:, : BS // 2])
