@@ -99,7 +99,9 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
         raise ClusterError(str(exc)) from None
     log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
     kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
-    executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages)
+    stages = {layout.rank_of(s): f"stage {s}, layers {a}..{b - 1}"
+              for s, (a, b) in ((s, layout.layers(s)) for s in range(layout.stages))}
+    executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages, stages=stages)
     leader = Leader(loaded, rank, executor, children=children,
                     kv_blocks=kv_blocks)
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)

@@ -26,10 +26,12 @@ from meshlm.model.runner import StepResult
 
 
 class PipelineExecutor(TensorExecutor):
-    def __init__(self, rank, control, step_timeout: float, io: StageIO, depth: int) -> None:
+    def __init__(self, rank, control, step_timeout: float, io: StageIO, depth: int,
+                 stages: dict[int, str] | None = None) -> None:
         super().__init__(rank, control, step_timeout)
         self.io = io
         self.depth = depth  # plans the engine keeps in flight (one micro-batch per stage)
+        self.stages = stages or {}  # rank -> what it runs ("stage 0, layers 0..14"), for failure messages
         self.wait_seconds = 0.0  # time spent waiting for the previous stage (benchmarks report it)
 
     def submit(self, plan: StepPlan) -> None:
@@ -47,6 +49,12 @@ class PipelineExecutor(TensorExecutor):
         self._unacked = plan.step_id
         self.control_seconds += time.perf_counter() - t0
         return self.rank.step(plan, hidden)
+
+    def _diagnose(self, error: str, wait: float = 1.0) -> str:
+        """The tensor-parallel diagnosis, plus which stage each rank it names runs."""
+        message = super()._diagnose(error, wait)
+        named = [f"rank {r} runs {what}" for r, what in sorted(self.stages.items()) if f"rank {r}" in message]
+        return f"{message} [{'; '.join(named)}]" if named else message
 
     def close(self) -> None:
         try:
