@@ -88,13 +88,14 @@ class _Children:
         i = bisect.bisect_left(self.entries, (query,))
         best: tuple[int | None, int] = (None, 0)
         for tokens, block in self.entries[max(i - 1, 0) : i + 1]:
-            n = _shared(tokens, query)
+            n = common_prefix(tokens, query)
             if n > best[1]:
                 best = (block, n)
         return best
 
 
-def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -32,7 +32,7 @@ from meshlm.config import CacheConfig, ModelConfig, SpeculativeConfig
 from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate, Trim
 from meshlm.engine.request import Sequence
 from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits
-from meshlm.kv.blocks import BlockManager
+from meshlm.kv.blocks import BlockManager, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class DraftModel:
             uid, seq = row.seq.uid, row.seq
             fresh = uid not in self._held
             held = self._held.setdefault(uid, _Held())
-            agree = held.synced + _common(held.extra, seq.token_slice(held.synced, held.length))
+            agree = held.synced + common_prefix(held.extra, seq.token_slice(held.synced, held.length))
             trim = None
             if agree < held.length:
                 self.blocks.trim(uid, agree)
@@ -189,15 +189,6 @@ class DraftModel:
         self.blocks = BlockManager(self.blocks.num_blocks, self.rank.block_size)
         self._held.clear()
         self._removed.clear()
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def load_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, target, kv_budget: int, block_size: int) -> DraftModel:
