@@ -61,8 +61,7 @@ class RankState:
         self.runner = Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size)
 
     def flush(self, timeout: float = 5.0) -> None:
-        """Blocks saved by the last step reach the SSD tier."""
-        self.runner.flush_saves()
+        """Blocks saved so far reach the SSD tier."""
         if self.ssd is not None:
             self.ssd.flush(timeout)
 

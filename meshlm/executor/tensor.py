@@ -46,7 +46,6 @@ class TensorExecutor:
             self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self._unacked = None
         self.control.maybe_heartbeat()
-        self.rank.runner.flush_saves()
 
     def kv_bytes(self) -> int:
         return self.rank.kv_bytes

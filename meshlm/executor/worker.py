@@ -89,4 +89,3 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
                 pass
             return EXIT_STEP_FAILED
         control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths))
-        rank.runner.flush_saves()  # evaluated with the step: hand its saved blocks to the SSD writer

@@ -2,12 +2,12 @@
 
 Per sequence a rank knows only its block table and how many positions it
 holds; the leader's block manager decided both, so every rank's tables are the
-same. A step is: copies of the blocks to save (taken first: a committed block whose
-sequence ended may be reused by this very plan), the plan's table changes and
-trims, SSD loads and then block copies (partial prefix hits, which may lend
-from a block loaded in the same plan) into the pools, then
-one forward over the flattened batch (decode and prefill rows together). The
-saved copies reach the SSD tier at the next step.
+same. A step is: copies of the blocks to save, handed to the SSD writer (taken
+first: a committed block whose sequence ended may be reused by this very
+plan), the plan's table changes and trims, SSD loads and then block copies
+(partial prefix hits, which may lend from a block loaded in the same plan)
+into the pools, then one forward over the flattened batch (decode and prefill
+rows together).
 
 Every value of a plan is checked before it touches an array, so a plan that
 does not fit this rank's state (a missed step, a bad block id) is a clear
@@ -60,7 +60,6 @@ class Runner:
         self.ssd = ssd  # this rank's SSD tier, or None
         self.vocab_size = vocab_size
         self.seqs: dict[int, SeqKV] = {}
-        self._saves: list[tuple[bytes, BlockData]] = []  # copies of the last step's saved blocks
         self._pending: list[mx.array] = []  # what the last step launched
 
     @property
@@ -78,13 +77,8 @@ class Runner:
         # The previous step must have finished before this one writes the pools: a pending reader
         # would make MLX copy a whole pool instead of updating it in place.
         mx.eval(self._pending)
-        self.flush_saves()
         self._check(plan)
-        # A block's content is final once committed, but its sequence may have ended and the block been
-        # handed to another sequence by this very plan: copy it out before anything here writes it.
-        self._saves = [(s.key, self.store.extract(s.block)) for s in plan.saves] if self.ssd is not None else []
-        if self._saves:
-            mx.eval([a for _, b in self._saves for a in (*b.keys, *b.values)])
+        self._save(plan)
         self._apply_tables(plan)
         self.store.ensure(plan.num_blocks)
         # Loads first: a partial prefix hit may lend from a block this same plan loads from SSD.
@@ -116,14 +110,16 @@ class Runner:
             return StepResult([], None, time.perf_counter() - t0)
         return StepResult(batch.logit_rows, out.astype(mx.float32), time.perf_counter() - t0)
 
-    def flush_saves(self) -> None:
-        """Hand the previous step's saved blocks (evaluated by now) to the SSD writer."""
-        if not self._saves:
+    def _save(self, plan: StepPlan) -> None:
+        """Copy the blocks the plan saves and hand them to the SSD writer. A block's content is final once
+        committed, but its sequence may have ended and the block been handed to another sequence by this
+        very plan, so the copies are taken (and evaluated) before anything here writes the pools."""
+        if self.ssd is None or not plan.saves:
             return
-        mx.eval([a for _, b in self._saves for a in (*b.keys, *b.values)])
-        for key, block in self._saves:
+        saves = [(s.key, self.store.extract(s.block)) for s in plan.saves]
+        mx.eval([a for _, b in saves for a in (*b.keys, *b.values)])
+        for key, block in saves:
             self.ssd.save(key, block)
-        self._saves = []
 
     # -- applying a plan ----------------------------------------------------
     def _check(self, plan: StepPlan) -> None:
