@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -105,3 +106,25 @@ def server(tiny_model, tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (a local cluster's other ranks)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def stream_then(url: str, action, after: int = 6) -> list[str]:
+    """Stream a long completion; call `action()` once `after` lines have arrived; return every line."""
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            req = {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", "/v1/completions", json=req) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == after:
+                        action()
+                return lines
+    return asyncio.run(run())

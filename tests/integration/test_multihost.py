@@ -77,26 +77,38 @@ def test_tp2_across_two_namespaces_matches_single_process(two_hosts, tmp_path, s
         hostfile.write_text(json.dumps(hosts))
         env["MESHLM_CLUSTER_SECRET"] = secret
     prompts = [f"host test {i} about rivers" for i in range(4)]
+    got, ring, code = _launch_and_ask(a, ip_a, hostfile, model, env, tmp_path, prompts)
+    assert code == 0
+    assert "all 2 ranks joined" in ring
+    assert secret not in ring
+    assert got == _single_process(model, prompts)
+
+
+def _launch_and_ask(ns: str, ip: str, hostfile, model, env: dict, tmp_path, prompts: list[str],
+                    serve_args: tuple[str, ...] = ()) -> tuple[list[str], str, int]:
+    """`meshlm launch` the hostfile's cluster (rank 0 serving on ip:8000), ask it `prompts` from inside
+    namespace `ns`, stop it; returns the texts, the launch log and launch's exit status."""
     log = (tmp_path / "launch.log").open("wb")
     cluster = subprocess.Popen(
         [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
-         "--host", ip_a, "--port", "8000", "--kv-cache-dir", str(tmp_path / "kv")],
+         *serve_args, "--host", ip, "--port", "8000", "--kv-cache-dir", str(tmp_path / "kv")],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CLIENT, f"http://{ip_a}:8000",
+        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, f"http://{ip}:8000",
                               json.dumps(prompts)], capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stderr + (tmp_path / "launch.log").read_text()[-2000:]
         got = json.loads(out.stdout)
     finally:
         cluster.send_signal(signal.SIGTERM)
         cluster.wait(30)
-    assert cluster.returncode == 0
-    ring = (tmp_path / "launch.log").read_text()
-    assert "all 2 ranks joined" in ring
-    assert secret not in ring
+    return got, (tmp_path / "launch.log").read_text(), cluster.returncode
+
+
+def _single_process(model, prompts: list[str]) -> list[str]:
     single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
                             capture_output=True, text=True, timeout=120)
-    assert got == json.loads(single.stdout), single.stderr
+    assert single.returncode == 0, single.stderr
+    return json.loads(single.stdout)
 
 
 def test_two_pipeline_stages_across_two_namespaces_match_single_process(two_hosts, tmp_path):
@@ -111,27 +123,12 @@ def test_two_pipeline_stages_across_two_namespaces_match_single_process(two_host
     hostfile.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
     prompts = [f"stage test {i} about rivers" for i in range(4)]
-    log = (tmp_path / "launch.log").open("wb")
-    cluster = subprocess.Popen(
-        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
-         "--pipeline-parallel", "2", "--pp-split", "1,3", "--host", ip_a, "--port", "8000",
-         "--kv-cache-dir", str(tmp_path / "kv")],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CLIENT, f"http://{ip_a}:8000",
-                              json.dumps(prompts)], capture_output=True, text=True, timeout=180)
-        assert out.returncode == 0, out.stderr + (tmp_path / "launch.log").read_text()[-2000:]
-        got = json.loads(out.stdout)
-    finally:
-        cluster.send_signal(signal.SIGTERM)
-        cluster.wait(30)
-    text = (tmp_path / "launch.log").read_text()
-    assert cluster.returncode == 0, text[-2000:]
+    got, text, code = _launch_and_ask(a, ip_a, hostfile, model, env, tmp_path, prompts,
+                                      ("--pipeline-parallel", "2", "--pp-split", "1,3"))
+    assert code == 0, text[-2000:]
     assert "all 2 stages joined" in text and "stage 0 of 2 (rank 1): layers 0..0 of 4" in text
     assert secret not in text
-    single = subprocess.run([sys.executable, "-c", _single_process_script(), str(model), json.dumps(prompts)],
-                            capture_output=True, text=True, timeout=120)
-    assert got == json.loads(single.stdout), single.stderr
+    assert got == _single_process(model, prompts)
 
 
 def _single_process_script() -> str:

@@ -19,18 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, free_port, free_port_run
+from conftest import ServerProcess, children, free_port, free_port_run, stream_then
 
 pytestmark = pytest.mark.slow
 
 FAULT_ENTRY = str(Path(__file__).parent / "fault_entry.py")
 SECRET = "0123456789abcdef" * 4
 PROMPTS = [f"prompt {i}: " + "the river runs past the old mill " * (i % 4 + 1) for i in range(16)]
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 async def _complete_all(url: str, prompts: list, n: int) -> list[dict]:
@@ -151,26 +146,11 @@ def pp2(model, tmp_path):
             pass
 
 
-def _stream_then(url: str, action) -> list[str]:
-    async def run():
-        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-            req = {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True}
-            async with c.stream("POST", "/v1/completions", json=req) as r:
-                lines = []
-                async for line in r.aiter_lines():
-                    if line:
-                        lines.append(line)
-                    if len(lines) == 6:
-                        action()
-                return lines
-    return asyncio.run(run())
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_stage_that_dies_or_hangs_fails_requests_within_10s(pp2, sig):
     stage0 = children(pp2.proc.pid)[0]
     t0 = time.monotonic()
-    lines = _stream_then(pp2.url, lambda: os.kill(stage0, sig))
+    lines = stream_then(pp2.url, lambda: os.kill(stage0, sig))
     assert time.monotonic() - t0 < 10
     assert any('"error"' in line for line in lines) and lines[-1] == "data: [DONE]"
     health = httpx.get(pp2.url + "/health")

@@ -12,14 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, children, stream_then
 
 pytestmark = pytest.mark.slow
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 def alive(pid: int) -> bool:
@@ -119,21 +114,8 @@ def test_cancel_mid_stream_cleans_every_rank(tp2):
 
 def test_kill_worker_mid_generation_fails_requests_and_health_names_rank(tp2):
     worker = children(tp2.proc.pid)[0]
-
-    async def stream_until_error():
-        async with httpx.AsyncClient(base_url=tp2.url, timeout=30) as c:
-            req = {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True}
-            async with c.stream("POST", "/v1/completions", json=req) as r:
-                lines = []
-                async for line in r.aiter_lines():
-                    if line:
-                        lines.append(line)
-                    if len(lines) == 6:
-                        os.kill(worker, signal.SIGKILL)
-                return lines
-
     t0 = time.monotonic()
-    lines = asyncio.run(stream_until_error())
+    lines = stream_then(tp2.url, lambda: os.kill(worker, signal.SIGKILL))
     assert time.monotonic() - t0 < 10
     assert any('"error"' in line for line in lines) and lines[-1] == "data: [DONE]"
     health = httpx.get(tp2.url + "/health")
