@@ -14,6 +14,7 @@ mlx_lm.server or any other compatible server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
@@ -438,6 +439,22 @@ def stop_all() -> None:
             server.stop()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+
+
+@contextlib.contextmanager
+def recording(report: dict[str, Any], cleanup: Callable[[], None] | None = None) -> Iterator[None]:
+    """Run a benchmark's measurements: Ctrl-C or an error is recorded in `report` (what was measured
+    still prints), then `cleanup` runs and every server started here is stopped."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    except Exception as e:  # noqa: BLE001 - still print what was measured
+        report["error"] = describe_error(e)
+    finally:
+        if cleanup is not None:
+            cleanup()
+        stop_all()
 
 
 def install_signal_handlers() -> None:

@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, dict[str, Any]] = {}
     per_server: dict[str, dict[int, dict[str, Any]]] = {}
     report["servers"] = servers
-    try:
+    with _peer.recording(report):
         model, report["model"] = prepare_model(args, workdir)
         layout = stage_layout(report["model"], args.split)
         print("[bytes] loading each stage's slice", file=sys.stderr, flush=True)
@@ -604,12 +604,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] starting", file=sys.stderr, flush=True)
             servers[name], per_server[name] = {}, {}
             bench(start(name, model, args, workdir), args, servers[name], per_server[name])
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    except Exception as e:  # noqa: BLE001 - still print what was measured
-        report["error"] = _peer.describe_error(e)
-    finally:
-        _peer.stop_all()
     report["levels"] = level_entries(args, servers, per_server)
     report["ratios"] = ratios(args, per_server)
     report["targets"] = targets(args, per_server, report.get("bytes_per_stage"))

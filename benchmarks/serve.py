@@ -245,7 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     model_info: dict[str, Any] = {"arg": args.model or args.url}
     report["model"] = model_info
     targets: list[Target] = []
-    try:
+
+    def finish_targets() -> None:
+        for t in targets:
+            try:
+                t.finish()
+            except Exception:  # noqa: BLE001
+                pass
+
+    with _peer.recording(report, cleanup=finish_targets):
         peer_dir: Path | None = None
         if args.model:
             if args.peer or args.model == "demo":
@@ -295,17 +303,6 @@ def main(argv: list[str] | None = None) -> int:
                 order = targets if li % 2 == 0 else targets[::-1]
                 for t in order:
                     t.run_level(li, streams)
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    except Exception as e:  # noqa: BLE001 - still print what was measured
-        report["error"] = _peer.describe_error(e)
-    finally:
-        for t in targets:
-            try:
-                t.finish()
-            except Exception:  # noqa: BLE001
-                pass
-        _peer.stop_all()
 
     servers = {t.name: t.info for t in targets}
     report["servers"] = servers

@@ -665,17 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     sides: list[Side] = []
     draft_dir: Path | None = None
     try:
-        if needs_draft(args):
-            draft_dir = prepare_draft(args, model_dir, report)
-        sides = make_sides(args, model_dir, draft_dir)
-        for side in sides:  # one server at a time
-            run_side(side, args, prompts)
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    except Exception as e:  # noqa: BLE001 - still print what was measured
-        report["error"] = _peer.describe_error(e)
-    finally:
-        _peer.stop_all()
+        with _peer.recording(report):
+            if needs_draft(args):
+                draft_dir = prepare_draft(args, model_dir, report)
+            sides = make_sides(args, model_dir, draft_dir)
+            for side in sides:  # one server at a time
+                run_side(side, args, prompts)
+    finally:  # after the servers have stopped
         if draft_dir is not None and not args.draft_dir:
             shutil.rmtree(draft_dir.parent, ignore_errors=True)
     report["servers"] = {s.name: s.info for s in sides}

@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, dict[str, Any]] = {}
     per_server: dict[str, dict[int, dict[str, Any]]] = {}
     report["servers"] = servers
-    try:
+    with _peer.recording(report):
         model, report["model"] = prepare_model(args, workdir)
         blas1 = max(1, (os.cpu_count() or 2) // 2)
         plan = [("meshlm_tp1", "tp1"), ("meshlm_tp2", "tp2"), ("meshlm_tp2_leader_openblas_threads_1", "tp2-blas1"),
@@ -566,12 +566,6 @@ def main(argv: list[str] | None = None) -> int:
             if fractions:
                 worst = max(fractions, key=lambda k: fractions[k]["fraction"])
                 control["worst"] = {"where": worst, **fractions[worst]}
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    except Exception as e:  # noqa: BLE001 - still print what was measured
-        report["error"] = _peer.describe_error(e)
-    finally:
-        _peer.stop_all()
 
     texts = {name: info.pop("_texts", {}) for name, info in servers.items()}
     levels = []
