@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 
@@ -21,6 +20,7 @@ from meshlm.kv.blocks import BlockManager, CacheStats
 from meshlm.metrics import PrefixCacheCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
+from meshlm.process_exit import end_process
 from meshlm.spec.draft import load_draft
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ class FatalExit:
     def _stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
+
+    def exit(self) -> None:
+        """After the orderly shutdown: a failed engine ends the process with its status."""
+        if self.code:
+            end_process(self.code)
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
@@ -90,6 +95,7 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
     if not config.parallel.distributed:
         loaded = load_model(config.model)
         run_http(config, loaded, build_engine(config, loaded, on_fatal=fatal), fatal)
+        fatal.exit()
         return
     from meshlm.cluster.ranks import ClusterPorts, start_cluster
 
@@ -101,6 +107,7 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
         run_http(config, leader.loaded, engine, fatal)
     finally:
         leader.close()
+    fatal.exit()
 
 
 def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: FatalExit) -> None:
@@ -122,8 +129,6 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
         server.run()
     finally:
         engine.stop()
-    if fatal.code:
-        sys.exit(fatal.code)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.platform import kv_budget_bytes
+from meshlm.process_exit import end_process
 from meshlm.transport.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,19 @@ def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> 
             from meshlm.cluster.pipeline import follow_stage, lead_pipeline
 
             if p.rank != 0:
-                sys.exit(follow_stage(config, topo, stage_layout(config, topo)))
+                _end_worker(follow_stage(config, topo, stage_layout(config, topo)), children)
             return lead_pipeline(config, topo, stage_layout(config, topo), children)
         if p.rank != 0:
-            sys.exit(_follow(config, topo))
+            _end_worker(_follow(config, topo), children)
         return _lead(config, topo, children)
     except BaseException:
         _reap(children)
         raise
+
+
+def _end_worker(code: int, children: list) -> None:
+    _reap(children)
+    end_process(code)
 
 
 def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
