@@ -76,6 +76,11 @@ def _serve_parser(sub) -> None:
     g.add_argument("--pp-split", default=None, help="layers per stage in pipeline order, e.g. 10,20 (default: even)")
     g.add_argument("--stage-port", type=int, default=52200, help="with --hostfile: rank r's stage link port is this + r")
     g.add_argument("--stage-addrs", default=None, help=argparse.SUPPRESS)
+    g = p.add_argument_group("context parallelism (docs/CONTEXT_PARALLEL.md)")
+    g.add_argument("--context-parallel", type=int, default=1,
+                   help="ranks, each holding the whole model and its share of every sequence's KV")
+    g.add_argument("--cp-algorithm", default="auto", choices=["auto", "pass-kv", "pass-q"],
+                   help="ring attention: pass KV or queries between ranks (auto: chosen per step)")
     g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
                    help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
@@ -100,6 +105,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-position", type=int, default=4096, help="tiny model's context window (tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
@@ -122,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _world_size(args: argparse.Namespace) -> int:
     """--tensor-parallel, or with only --hostfile, one rank per hostfile entry."""
-    if args.hostfile and args.tensor_parallel == 1 and args.pipeline_parallel == 1:
+    if args.hostfile and args.tensor_parallel == 1 and args.pipeline_parallel == 1 and args.context_parallel == 1:
         from meshlm.cluster.bootstrap import read_hostfile
 
         return len(read_hostfile(args.hostfile))
@@ -155,7 +161,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 jaccl_coordinator=args.jaccl_coordinator, pipeline_parallel=args.pipeline_parallel,
                                 pp_split=_ints(args.pp_split, "--pp-split"),
                                 stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,
-                                stage_port=args.stage_port),
+                                stage_port=args.stage_port, context_parallel=args.context_parallel,
+                                cp_algorithm=args.cp_algorithm),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
@@ -177,7 +184,8 @@ def _demo_model(args: argparse.Namespace) -> None:
     from meshlm.model.demo import export_demo, make_tiny
 
     if args.tiny:
-        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, seed=args.seed)
+        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, seed=args.seed,
+                        max_position=args.max_position)
     else:
         out = export_demo(args.out, args.dtype)
     print(out)

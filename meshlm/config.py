@@ -95,6 +95,7 @@ class SpeculativeConfig:
 
 
 BACKENDS = ("ring", "jaccl", "mpi")
+CP_ALGORITHMS = ("auto", "pass-kv", "pass-q")
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,17 @@ class ParallelConfig:
     pp_split: tuple[int, ...] | None = None  # layers per stage in pipeline order; None: even (or by memory)
     stage_addrs: tuple[str, ...] | None = None  # host:port each rank's stage link listens on; None: derived
     stage_port: int = 52200  # with a hostfile: rank r's stage link listens on stage_port + r
+    context_parallel: int = 1  # ranks holding the whole model, each a share of every sequence's KV
+    cp_algorithm: str = "auto"  # auto | pass-kv | pass-q (model/context_batch.py)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
-            raise ValueError("--tensor-parallel and --pipeline-parallel must be >= 1")
-        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
-            raise ValueError("--tensor-parallel and --pipeline-parallel cannot be combined yet: choose one")
+        if min(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) < 1:
+            raise ValueError("--tensor-parallel, --pipeline-parallel and --context-parallel must be >= 1")
+        if sum(n > 1 for n in (self.tensor_parallel, self.pipeline_parallel, self.context_parallel)) > 1:
+            raise ValueError("--tensor-parallel, --pipeline-parallel and --context-parallel cannot be combined yet: "
+                             "choose one")
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"--cp-algorithm must be one of {CP_ALGORITHMS}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}")
         if not 0 <= self.rank < self.world_size:
@@ -128,7 +134,7 @@ class ParallelConfig:
         if self.pp_split is not None and len(self.pp_split) != self.pipeline_parallel:
             raise ValueError(f"--pp-split names {len(self.pp_split)} stages, --pipeline-parallel is "
                              f"{self.pipeline_parallel}")
-        if self.backend == "jaccl" and self.tensor_parallel > 1 and not (self.ibv_devices and self.jaccl_coordinator):
+        if self.backend == "jaccl" and (self.tensor_parallel > 1 or self.context) and not (self.ibv_devices and self.jaccl_coordinator):
             raise ValueError("the jaccl backend needs --ibv-devices (MLX_IBV_DEVICES) and --jaccl-coordinator "
                              "(MLX_JACCL_COORDINATOR host:port); see docs/DISTRIBUTED.md")
         if self.heartbeat_interval >= self.worker_timeout:
@@ -136,7 +142,11 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    @property
+    def context(self) -> bool:
+        return self.context_parallel > 1
 
     @property
     def distributed(self) -> bool:
@@ -148,8 +158,9 @@ class ParallelConfig:
 
     @property
     def layout(self) -> str:
-        """TP layouts; a pipeline's name also carries its split, known once the model is (StageLayout.name)."""
-        return f"tp{self.tensor_parallel}"
+        """TP and CP layouts; a pipeline's name also carries its split, known once the model is
+        (StageLayout.name)."""
+        return f"cp{self.context_parallel}" if self.context else f"tp{self.tensor_parallel}"
 
 
 @dataclass(frozen=True)

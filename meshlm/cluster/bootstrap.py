@@ -180,9 +180,9 @@ def init_group(cfg: ParallelConfig, ring_file: Path | None):
         os.environ["MLX_IBV_DEVICES"] = str(cfg.ibv_devices)
         os.environ["MLX_JACCL_COORDINATOR"] = str(cfg.jaccl_coordinator)
     group = mx.distributed.init(strict=True, backend=cfg.backend)
-    if group.size() != cfg.tensor_parallel or group.rank() != cfg.rank:
+    if group.size() != cfg.world_size or group.rank() != cfg.rank:
         raise ClusterError(f"group is rank {group.rank()} of {group.size()}, expected {cfg.rank} of "
-                           f"{cfg.tensor_parallel}: check the hostfile")
+                           f"{cfg.world_size}: check the hostfile")
     return group
 
 

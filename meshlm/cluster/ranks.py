@@ -117,7 +117,8 @@ def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> 
         stage_layout(config, None)  # a split that does not fit the model fails here, before any rank starts
     else:
         check_backend(p)
-        check_shardable(resolve_path(config.model.path), p.tensor_parallel)
+        if not p.context:  # context-parallel ranks hold the whole model
+            check_shardable(resolve_path(config.model.path), p.tensor_parallel)
     topo, local = resolve_topology(p, ports)
     children = spawn_local_workers(argv, local, p.world_size, topo.secret) if local else []
     try:
@@ -157,17 +158,32 @@ def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
 def _load(config: ServeConfig, topo: Topology):
     from meshlm.model.loader import load_model
 
-    group = init_group(topo.parallel, topo.ring_file)
+    p = topo.parallel
+    group = init_group(p, topo.ring_file)
+    spec = RankSpec(layout=p.layout, rank=p.rank)
+    budget = kv_budget_bytes(config.scheduler)
+    if p.context:
+        from meshlm.kv.context_split import ContextSplit
+        from meshlm.model.ring_attention import RingContext
+
+        loaded = load_model(config.model)
+        ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm)
+        return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring)
     loaded = load_model(config.model, tensor_group=group)
-    spec = RankSpec(layout=topo.parallel.layout, rank=topo.parallel.rank)
-    return loaded, build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler), spec)
+    return loaded, build_rank(loaded, config.model, config.cache, budget, spec)
+
+
+def _handshake_fingerprint(loaded, topo: Topology) -> str:
+    """The model and the layout: a rank started with another layout (tp2 vs cp2) is refused at the
+    handshake, not found out by mismatched collectives."""
+    return f"{loaded.fingerprint}/{topo.parallel.layout}"
 
 
 def _follow(config: ServeConfig, topo: Topology) -> int:
     from meshlm.executor.worker import run_worker
 
     loaded, rank = _load(config, topo)
-    return run_worker(topo.parallel, topo.secret, rank, loaded.fingerprint)
+    return run_worker(topo.parallel, topo.secret, rank, _handshake_fingerprint(loaded, topo))
 
 
 def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
@@ -178,14 +194,14 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     loaded, rank = _load(config, topo)
-    control.fingerprint = loaded.fingerprint
-    log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.tensor_parallel - 1,
+    control.fingerprint = _handshake_fingerprint(loaded, topo)
+    log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
              p.control_addr)
     try:
         hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
     except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
         raise ClusterError(str(exc)) from None
-    log.info("all %d ranks joined; model fingerprint %s", p.tensor_parallel, loaded.fingerprint)
+    log.info("all %d ranks joined; model fingerprint %s", p.world_size, loaded.fingerprint)
     # Every rank must hold every block the leader hands out: plan within the smallest budget.
     kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
     if kv_blocks < rank.max_blocks:

@@ -5,6 +5,7 @@ each hold one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from meshlm.kv.store import KVStore
 from meshlm.model import cpu_kernels
 from meshlm.model.adapt import ModelParts, adapt, kv_shape
 from meshlm.model.attention import AttentionBackend, attention_backend
+from meshlm.model.ring_attention import RingContext
 from meshlm.model.runner import Runner, StepResult
 from meshlm.platform import cores_for_this_process
 
@@ -35,15 +37,17 @@ class RankSpec:
 
 class RankState:
     def __init__(self, parts: ModelParts, store: KVStore, backend: AttentionBackend, ssd: SSDTier | None = None,
-                 vocab_size: int | None = None, salt: CacheSalt | None = None) -> None:
+                 vocab_size: int | None = None, salt: CacheSalt | None = None, ring: RingContext | None = None) -> None:
         self.parts, self.store, self.backend, self.ssd = parts, store, backend, ssd
         self.vocab_size = vocab_size
         self.salt = salt  # None: the prefix cache is off
-        self.runner = Runner(parts, store, backend, ssd, vocab_size)
+        self.ring = ring
+        self.runner = Runner(parts, store, backend, ssd, vocab_size, ring)
 
     @property
     def block_size(self) -> int:
-        return self.store.block_size
+        """Positions per block id in the plans (context parallelism: every rank's share together)."""
+        return self.runner.block_size
 
     @property
     def max_blocks(self) -> int:
@@ -58,7 +62,7 @@ class RankState:
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""
-        self.runner = Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size)
+        self.runner = Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size, self.ring)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Blocks saved so far reach the SSD tier."""
@@ -67,7 +71,7 @@ class RankState:
 
 
 def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget: int,
-               spec: RankSpec = RankSpec()) -> RankState:
+               spec: RankSpec = RankSpec(), ring: RingContext | None = None) -> RankState:
     """Adapt `loaded.model` (this rank's own instance) and allocate its KV store within `kv_budget` bytes."""
     native, status = cpu_kernels.native_ops() if model_cfg.native_kernels else (None, "off (--no-native-kernels)")
     cpu = mx.default_device() == mx.cpu
@@ -90,4 +94,7 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
         ssd_config = SSDConfig(Path(cache_cfg.cache_dir).expanduser(), int(cache_cfg.ssd_cache_gb * 2**30),
                                cache_cfg.ssd_ttl_days)
         ssd = SSDTier(ssd_config, salt, spec.rank)
-    return RankState(parts, KVStore(shape, max_blocks), backend, ssd, loaded.vocab_size, salt)
+    if ring is not None:
+        args = loaded.model.args
+        ring = dataclasses.replace(ring, kv_heads=shape.kv_heads, q_heads=args.num_attention_heads)
+    return RankState(parts, KVStore(shape, max_blocks), backend, ssd, loaded.vocab_size, salt, ring)

@@ -167,7 +167,7 @@ def _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed) -
         raise ValueError(f"seed must be an int, got {seed!r}")
 
 
-def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id) -> dict:
+def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id, max_position: int = 4096) -> dict:
     return {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM"}[model_type]],
@@ -178,7 +178,7 @@ def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id)
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": hidden // heads,  # qwen3 requires it explicitly
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max_position,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "vocab_size": vocab_size,
@@ -198,20 +198,24 @@ def make_tiny(
     kv_heads: int = 2,
     vocab: int | None = None,
     seed: int = 0,
+    max_position: int = 4096,
 ) -> Path:
-    """Write a tiny random-weight model (HF layout, float32) into `out`."""
+    """Write a tiny random-weight model (HF layout, float32) into `out`; `max_position`: its context
+    window (long-context tests and benchmarks)."""
     _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed)
+    if not isinstance(max_position, int) or isinstance(max_position, bool) or not 16 <= max_position <= 1 << 22:
+        raise ValueError(f"max_position must be an int in 16..{1 << 22}, got {max_position!r}")
     tok = tiny_tokenizer(vocab or 512)
     vocab_size = max(vocab or 0, tok.get_vocab_size())
     config = tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size,
-                         tok.token_to_id(IM_END))
+                         tok.token_to_id(IM_END), max_position)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = _tiny_weights(config, seed, _readable_rows(tok, vocab_size))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(out / "config.json", config)
     write_hf_tokenizer(out, tok, chat_template=CHATML_TEMPLATE, bos=None, eos=IM_END,
-                       pad=ENDOFTEXT, unk=None, model_max_length=4096)
+                       pad=ENDOFTEXT, unk=None, model_max_length=max_position)
     return out
 
 

@@ -26,7 +26,9 @@ from meshlm.kv.store import BlockData, KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend
 from meshlm.model.batch import Batch, RowSpec
+from meshlm.model.context_batch import ContextBatch, choose_algorithm
 from meshlm.model.forward import forward
+from meshlm.model.ring_attention import RingContext, forward_ring
 
 
 class SplitBrain(RuntimeError):
@@ -53,12 +55,15 @@ class StepResult:
 
 class Runner:
     def __init__(self, parts: ModelParts, store: KVStore, backend: AttentionBackend, ssd=None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, ring: RingContext | None = None) -> None:
         self.parts = parts
         self.store = store
         self.backend = backend
         self.ssd = ssd  # this rank's SSD tier, or None
         self.vocab_size = vocab_size
+        self.ring = ring  # context parallelism: this rank holds its share of every block's positions
+        # Positions per block id in the plans: a context-parallel rank's pool holds its share of each.
+        self.block_size = ring.split.logical_block if ring is not None else store.block_size
         self.seqs: dict[int, SeqKV] = {}
         self._pending: list[mx.array] = []  # what the last step launched
 
@@ -84,22 +89,39 @@ class Runner:
         # Loads first: a partial prefix hit may lend from a block this same plan loads from SSD.
         self.store.load([x.block for x in plan.loads], [self._read(x.key) for x in plan.loads])
         for c in plan.copies:
-            self.store.copy(c.src, c.dst, c.tokens)
+            self.store.copy(c.src, c.dst, self._local(c.tokens))
         rows = [self._row(c) for c in plan.chunks]
         out = None
         batch = None
-        if rows:
+        collective = None  # a context-parallel rank's share of the step's last collectives
+        if rows and self.ring is not None:
+            result, collective = self._ring_step(rows, t0)
+        elif rows:
             batch = Batch.build(rows, self.store.block_size)
             out = forward(self.parts, batch, self.store, self.backend, hidden)
         for c in plan.chunks:
             self.seqs[c.uid].length = c.start + len(c.token_ids)
         if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
-        result = self._result(out, batch, t0)
+        if collective is None:
+            result = self._result(out, batch, t0)
         self._pending = self.store.keys + self.store.values
-        self._pending += [x for x in (result.logits, result.hidden) if x is not None]
+        self._pending += [x for x in (result.logits, result.hidden, collective) if x is not None]
         mx.async_eval(self._pending)
         return result
+
+    def _ring_step(self, rows: list[RowSpec], t0: float) -> tuple[StepResult, mx.array]:
+        ring = self.ring
+        algorithm = choose_algorithm(ring.algorithm, rows, ring.kv_heads, ring.q_heads, ring.min_new_for_kv)
+        batch = ContextBatch.build(rows, ring.split, algorithm)
+        logits, collective = forward_ring(self.parts, batch, self.store, ring.group)
+        if logits is None:
+            return StepResult([], None, time.perf_counter() - t0), collective
+        return StepResult(batch.logit_rows, logits.astype(mx.float32), time.perf_counter() - t0), collective
+
+    def _local(self, positions: int) -> int:
+        """Of a block's first `positions` positions, how many this rank's pool holds."""
+        return self.ring.split.local_count(positions) if self.ring is not None else positions
 
     def _result(self, out: mx.array | None, batch: Batch | None, t0: float) -> StepResult:
         if out is None:
@@ -138,7 +160,7 @@ class Runner:
         ids += [x.block for x in plan.loads] + [x.block for x in plan.saves]
         if ids and not (0 <= min(ids) and max(ids) < plan.num_blocks):
             raise SplitBrain(f"{step}: a block id outside 0..{plan.num_blocks - 1}")
-        if any(not 0 <= c.tokens <= self.store.block_size for c in plan.copies):
+        if any(not 0 <= c.tokens <= self.block_size for c in plan.copies):
             raise SplitBrain(f"{step}: a block copy of more tokens than a block holds")
         tokens = [t for c in plan.chunks for t in c.token_ids]
         if tokens and self.vocab_size is not None and not (0 <= min(tokens) and max(tokens) < self.vocab_size):
@@ -169,7 +191,7 @@ class Runner:
             held = "nothing" if seq is None else f"{seq.length} positions"
             raise SplitBrain(f"uid {c.uid}: chunk starts at {c.start}, this rank holds {held}")
         end = c.start + len(c.token_ids)
-        if not c.token_ids or -(-end // self.store.block_size) > len(seq.blocks):
+        if not c.token_ids or -(-end // self.block_size) > len(seq.blocks):
             raise SplitBrain(f"uid {c.uid}: {end} positions, its table covers {len(seq.blocks)} blocks")
         return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits)
 

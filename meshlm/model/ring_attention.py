@@ -1,0 +1,159 @@
+"""Exact attention over a sequence split across context-parallel ranks, and the forward around it.
+
+A rank runs its share of each row's new tokens through every matrix alone;
+only attention needs the other ranks (model/context_batch.py has the index
+arithmetic, docs/CONTEXT_PARALLEL.md the design):
+- pass-KV: one all_gather of every rank's K and V of the step's rows, then
+  each query attends to all of them, masked by true positions;
+- pass-Q: one all_gather of the queries, each rank attends all of them to
+  its own KV, and one all_gather of the partial outputs with their
+  log-sum-exps, merged exactly (`merge_partials`).
+Both are graph operations of `mx.distributed`, inside the step's one
+evaluation, so the step's deadline and the cluster's watchdog cover them as
+they cover tensor parallelism's all-reduces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from meshlm.kv.context_split import ContextSplit
+from meshlm.kv.store import KVStore
+from meshlm.model.adapt import ModelParts
+from meshlm.model.attention import LayerKV, TokenPositions, attend_exact, merge_partials
+from meshlm.model.context_batch import PASS_KV, ContextBatch
+
+KEY_CHUNK = 4096  # keys per exact-attention call: the scores of a 1,024-token chunk stay ~64 MB per head
+
+
+def attend_positions(q: mx.array, q_positions: mx.array, keys: mx.array, values: mx.array,
+                     k_positions: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+    """Causal attention by true positions: q (n, H, D) at q_positions (n,), keys/values (S, Hk, D) at
+    k_positions (S,). Returns the output (n, H, D) and log-sum-exp (n, H); no key: zeros and -inf."""
+    n, H, D = q.shape
+    S = keys.shape[0]
+    if S == 0 or n == 0:
+        return mx.zeros((n, H, D), dtype=q.dtype), mx.full((n, H), -mx.inf, dtype=mx.float32)
+    parts = []
+    for a in range(0, S, KEY_CHUNK):
+        b = min(S, a + KEY_CHUNK)
+        mask = k_positions[a:b][None] <= q_positions[:, None]
+        parts.append(attend_exact(q, keys[a:b].transpose(1, 0, 2), values[a:b].transpose(1, 0, 2), scale, mask))
+    return parts[0] if len(parts) == 1 else merge_partials(parts)
+
+
+@dataclass(frozen=True)
+class RingContext:
+    """What a context-parallel rank's runner needs beyond one process's."""
+
+    split: ContextSplit
+    group: object  # the mx.distributed group of the CP ranks
+    algorithm: str = "auto"  # auto | pass-kv | pass-q
+    min_new_for_kv: int = 1 << 30  # auto: this many new tokens pick pass-KV whatever the cached share
+    kv_heads: int = 1
+    q_heads: int = 1
+
+
+class Collectives:
+    """A step's collectives, chained: each one's input depends on the previous one's output. MLX runs a
+    graph in dependency order, and a rank whose result ignores a collective (no query of its own in a
+    row, say) would otherwise run the ranks' collectives in different orders, or skip one: a
+    deadlock, or worse, two same-shaped gathers silently swapped."""
+
+    def __init__(self) -> None:
+        self.last: list[mx.array] = []
+
+    def gather(self, x: mx.array, group) -> mx.array:
+        out = mx.distributed.all_gather(mx.depends(x, self.last) if self.last else x, group=group)
+        self.last = [out]
+        return out
+
+    def sum(self, x: mx.array, group) -> mx.array:
+        out = mx.distributed.all_sum(mx.depends(x, self.last) if self.last else x, group=group)
+        self.last = [out]
+        return out
+
+
+class RingLayerKV(LayerKV):
+    """The cache one mlx-lm attention layer gets under context parallelism (LayerKV's contract)."""
+
+    def __init__(self, store: KVStore, layer: int, batch: ContextBatch, group, chain: Collectives) -> None:
+        self.store, self.layer, self.batch, self.group, self.chain = store, layer, batch, group, chain
+        self.offset = TokenPositions(batch.positions)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b = self.batch
+        if b.count:  # padding tokens write nothing
+            k, v = keys[0].transpose(1, 0, 2)[: b.count], values[0].transpose(1, 0, 2)[: b.count]
+            self.store.write(self.layer, b.slots, k, v)
+        return keys, values
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        q = queries[0].transpose(1, 0, 2)  # (width, H, D)
+        pool_k, pool_v = self.store.keys[self.layer], self.store.values[self.layer]
+        out = self._pass_kv(q, pool_k, pool_v, scale) if self.batch.algorithm == PASS_KV else \
+            self._pass_q(q, pool_k, pool_v, scale)
+        return mx.depends(out, self.chain.last).transpose(1, 0, 2)[None]
+
+    def _gather(self, x: mx.array) -> mx.array:
+        return self.chain.gather(x, self.group)
+
+    def _pass_kv(self, q, pool_k, pool_v, scale) -> mx.array:
+        b = self.batch
+        mine = mx.stack([mx.take(pool_k, b.kv_local, axis=0), mx.take(pool_v, b.kv_local, axis=0)])
+        every = self._gather(mine[None])  # (ranks, 2, kv_width, Hk, D)
+        Hk, D = every.shape[-2], every.shape[-1]
+        keys = every[:, 0].reshape(-1, Hk, D)
+        values = every[:, 1].reshape(-1, Hk, D)
+        outs = []
+        for row in b.rows:
+            if row.own.stop == row.own.start:
+                continue
+            k, v = mx.take(keys, row.gathered_kv, axis=0), mx.take(values, row.gathered_kv, axis=0)
+            outs.append(attend_positions(q[row.own], row.own_positions, k, v, row.gathered_positions, scale)[0])
+        if b.width > b.count:
+            outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def _pass_q(self, q, pool_k, pool_v, scale) -> mx.array:
+        b = self.batch
+        every_q = self._gather(q)  # (ranks * width, H, D)
+        H, D = q.shape[1], q.shape[2]
+        outs, lses = [], []
+        for row in b.rows:
+            k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
+            o, lse = attend_positions(mx.take(every_q, row.q_index, axis=0), row.q_positions, k, v,
+                                      row.kv_positions, scale)
+            outs.append(o.astype(mx.float32))
+            lses.append(lse)
+        outs.append(mx.zeros((1, H, D), dtype=mx.float32))
+        lses.append(mx.full((1, H), -mx.inf, dtype=mx.float32))
+        partial = mx.concatenate([mx.concatenate(outs), mx.concatenate(lses)[..., None]], axis=-1)
+        partial = mx.take(partial, b.q_order, axis=0)  # (ranks * width, H, D + 1), in gathered order
+        every = self._gather(partial).reshape(b.split.ranks, -1, H, D + 1)
+        r, w = b.split.rank, b.width
+        mine = every[:, r * w:(r + 1) * w]  # every rank's partial for this rank's queries
+        merged, _ = merge_partials([(mine[i, ..., :D], mine[i, ..., D]) for i in range(b.split.ranks)])
+        return merged.astype(q.dtype)
+
+
+def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group) -> tuple[mx.array | None, mx.array]:
+    """This rank's share of a context-parallel step. Returns the logits of `batch.logit_rows` (on a rank
+    with the LM head; else None) and what must be evaluated for this rank's part of the collectives."""
+    chain = Collectives()
+    h = parts.embed(batch.tokens[None])
+    for i, layer in enumerate(parts.layers):
+        h = layer(h, None, RingLayerKV(store, i, batch, group, chain))
+    if not batch.logit_rows:
+        return None, h
+    picked = mx.take(h[0], batch.logit_index, axis=0) * batch.logit_mine[:, None].astype(h.dtype)
+    picked = chain.sum(picked, group)  # every wanted row, from the rank that holds it
+    if batch.split.rank != 0:  # the leader samples: only it projects to the vocabulary
+        return None, picked
+    logits = parts.head(picked[None])[0]
+    return logits, logits
