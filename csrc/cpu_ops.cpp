@@ -31,6 +31,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -86,6 +87,29 @@ void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t ro
     float inv = 1.0f / sum;
 #pragma omp simd
     for (size_t i = 0; i < n; ++i) o[i] *= inv;
+  }
+}
+
+// softmax2_kernel that also writes each row's log2-sum-exp (max + log2(sum)), for merging partial
+// attentions over disjoint keys without a second pass over the scores.
+void softmax2_lse_kernel(const float* __restrict s, float* __restrict out, float* __restrict lse, size_t rows,
+                         size_t n) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* row = s + r * n;
+    float* o = out + r * n;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (size_t i = 0; i < n; ++i) m = std::max(m, row[i]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (size_t i = 0; i < n; ++i) {
+      o[i] = exp2_fast(row[i] - m);
+      sum += o[i];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) o[i] *= inv;
+    lse[r] = m + std::log2(sum);
   }
 }
 
@@ -270,6 +294,26 @@ class Softmax2 : public CpuOnly {
   }
 };
 
+class Softmax2Lse : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  const char* name() const override { return "MeshlmSoftmax2Lse"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto &out = outs[0], &lse = outs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    lse.set_data(mx::allocator::malloc(lse.nbytes()));
+    size_t n = out.shape().back();
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([s = in[0].data<float>(), o = out.data<float>(), l = lse.data<float>(), rows = out.size() / n, n]() {
+      softmax2_lse_kernel(s, o, l, rows, n);
+    });
+  }
+};
+
 class PagedDecodeAttention : public CpuOnly {
  public:
   PagedDecodeAttention(mx::Stream s, int block_size) : CpuOnly(s), block_size_(block_size) {}
@@ -309,6 +353,16 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   auto s = current_stream();
   auto g = float32_contiguous(gate, s), xc = float32_contiguous(x, s);
   return mx::array(g.shape(), mx::float32, std::make_shared<SwiGLU>(s), {g, xc});
+}
+
+std::vector<mx::array> softmax2_lse(const mx::array& scores) {
+  if (scores.ndim() < 1) throw std::invalid_argument("softmax2_lse: scores need a last axis");
+  auto s = current_stream();
+  auto sc = float32_contiguous(scores, s);
+  auto rows = sc.shape();
+  rows.pop_back();
+  return mx::array::make_arrays({sc.shape(), rows}, {mx::float32, mx::float32}, std::make_shared<Softmax2Lse>(s),
+                                {sc});
 }
 
 mx::array softmax2(const mx::array& scores) {
@@ -551,6 +605,8 @@ NB_MODULE(_cpu_ops, m) {
   m.attr("mlx_version") = MESHLM_MLX_VERSION;
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
   m.def("softmax2", &softmax2, nb::arg("scores"), "softmax over the last axis of base-2 scores");
+  m.def("softmax2_lse", &softmax2_lse, nb::arg("scores"),
+        "softmax2 and each row's log2-sum-exp (max + log2 sum), as [weights, lse]");
   m.attr("packed_gemm") = static_cast<bool>(MESHLM_AVX2);
   m.attr("panel") = PANEL;
   m.def("packed_linear", &packed_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none(),

@@ -54,6 +54,13 @@ class AttentionBackend(Protocol):
         """Padded rows: q (B, H, L, D), keys/values (B, Hk, S, D), mask (B, 1, L, S). (B, H, L, D)."""
         ...
 
+    def partial(self, q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None,
+                scale: float) -> tuple[mx.array, mx.array]:
+        """Attention over some of the keys, for merging (`merge_partials`): q (n, H, D), keys/values
+        (Hk, S, D), S >= 1, mask (n, S) bool or None. Returns (n, H, D) and each query's natural
+        log-sum-exp (n, H)."""
+        ...
+
 
 def attend_exact(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                  mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -116,6 +123,9 @@ class PortableBackend:
     def extend_group(self, q, keys, values, mask, scale):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
+    def partial(self, q, keys, values, mask, scale):
+        return attend_exact(q, keys, values, scale, mask)
+
 
 class CPUBackend:
     """meshlm's CPU kernels; `native` is the compiled `_cpu_ops` module or None (MLX ops only)."""
@@ -170,6 +180,11 @@ class CPUBackend:
         if q.dtype != mx.float32:
             return PortableBackend.extend_group(self, q, keys, values, mask, scale)
         return cpu_kernels.attention(q, keys, values, scale, self.native, mask)
+
+    def partial(self, q, keys, values, mask, scale):
+        if q.dtype != mx.float32 or not hasattr(self.native, "softmax2_lse"):
+            return PortableBackend.partial(self, q, keys, values, mask, scale)
+        return cpu_kernels.partial_attention(q, keys, values, mask, scale, self.native)
 
 
 def attention_backend(device_is_cpu: bool, cpu_kernels_on: bool, native=None, cores: int = 1) -> AttentionBackend:

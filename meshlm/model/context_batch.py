@@ -30,19 +30,46 @@ from meshlm.model.batch import RowSpec
 PASS_KV, PASS_Q = "pass-kv", "pass-q"
 
 
+QUERY_BLOCK = 128  # queries per attention call: each block reads only the keys up to its last position
+
+
+@dataclass
+class QueryBlock:
+    """Queries [start, stop) of a row's position-sorted queries, against its first `visible` keys;
+    `mask` (stop - start, visible) where some of those keys are later than some of the queries."""
+
+    start: int
+    stop: int
+    visible: int
+    mask: mx.array | None
+
+
 @dataclass
 class RingRow:
-    """What this rank computes for one sequence of the step."""
+    """What this rank computes for one sequence of the step (one algorithm's fields are filled)."""
 
     uid: int
     own: slice  # this rank's new tokens of the row among its `width` batch tokens
-    own_positions: mx.array  # (len own,) their true positions
-    q_index: mx.array  # pass-Q: the row's queries among the gathered ones (every rank's), ...
-    q_positions: mx.array  # ... and their positions
-    kv_slots: mx.array  # pass-Q: this rank's pool slots of the row, every position it holds below the end
-    kv_positions: mx.array
-    gathered_kv: mx.array  # pass-KV: the row's keys among the gathered ones (every rank's), ...
-    gathered_positions: mx.array  # ... and their positions
+    q_index: mx.array | None = None  # pass-Q: the row's queries among the gathered ones, by position
+    kv_slots: mx.array | None = None  # pass-Q: this rank's pool slots of the row, below its end
+    kv_index: mx.array | None = None  # pass-KV: the row's keys among the gathered ones, by position
+    blocks: tuple[QueryBlock, ...] = ()
+
+
+def query_blocks(q_positions: np.ndarray, k_positions: np.ndarray) -> tuple[QueryBlock, ...]:
+    """Causal blocks over ascending query and key positions: a block skips the keys after its last
+    query and needs no mask when every key it reads precedes its first query."""
+    out = []
+    keys = None
+    for a in range(0, len(q_positions), QUERY_BLOCK):
+        b = min(len(q_positions), a + QUERY_BLOCK)
+        visible = int(np.searchsorted(k_positions, q_positions[b - 1], "right"))
+        mask = None
+        if visible and k_positions[visible - 1] > q_positions[a]:
+            keys = mx.array(k_positions.astype(np.int32)) if keys is None else keys
+            mask = keys[:visible][None] <= mx.array(q_positions[a:b].astype(np.int32))[:, None]
+        out.append(QueryBlock(a, b, visible, mask))
+    return tuple(out)
 
 
 @dataclass
@@ -79,42 +106,51 @@ class ContextBatch:
 
         tokens, positions, slots, out_rows = [], [], [], []
         q_first = [0] * n  # where each rank's next row starts among its `width` tokens
-        kv_first = [0] * n
-        q_order = np.full(n * width, -1, dtype=np.int64)  # -1: padding
-        placed = 0  # partials computed so far, in row order
+        kv_first = [0] * n  # pass-KV: where each rank's next row starts among its `kv_width` keys
+        kv_local = []
+        q_order = np.full(n * width, -1, dtype=np.int64)  # pass-Q; -1: padding
+        placed = 0  # pass-Q: partials computed so far, in row order
         logit_rows, logit_index, logit_mine = [], [], []
         for i, (r, end) in enumerate(zip(rows, ends)):
             mine = new[me][i]
             own = slice(len(tokens), len(tokens) + len(mine))
-            tokens.extend(r.token_ids[p - r.start] for p in mine)
-            positions.extend(int(p) for p in mine)
-            slots.extend(int(x) for x in split.slots(r.blocks, mine))
-            q_index, q_pos, g_index, g_pos = [], [], [], []
+            tokens.extend(np.asarray(r.token_ids)[mine - r.start].tolist())
+            positions.extend(mine.tolist())
+            slots.extend(split.slots(r.blocks, mine).tolist())
+            row = RingRow(r.uid, own)
+            if algorithm == PASS_KV:
+                index = [s * kv_width + kv_first[s] + np.arange(kv_counts[s][i]) for s in range(n)]
+                held = [splits[s].held(0, end) for s in range(n)]
+                at = np.concatenate(held)
+                by_pos = np.argsort(at, kind="stable")
+                row.kv_index = _ints(np.concatenate(index)[by_pos])
+                row.blocks = query_blocks(mine, at[by_pos])
+                kv_local.extend(split.slots(r.blocks, held[me]).tolist())
+            else:
+                index = [s * width + q_first[s] + np.arange(len(new[s][i])) for s in range(n)]
+                at = np.concatenate([new[s][i] for s in range(n)])
+                by_pos = np.argsort(at, kind="stable")
+                q_index = np.concatenate(index)[by_pos]
+                q_order[q_index] = placed + np.arange(len(q_index))
+                placed += len(q_index)
+                held = split.held(0, end)
+                row.q_index, row.kv_slots = _ints(q_index), _ints(split.slots(r.blocks, held))
+                row.blocks = query_blocks(at[by_pos], held)
             for s in range(n):
-                q_index.append(s * width + q_first[s] + np.arange(len(new[s][i])))
-                q_pos.append(new[s][i])
-                g_index.append(s * kv_width + kv_first[s] + np.arange(kv_counts[s][i]))
-                g_pos.append(splits[s].held(0, end))
                 q_first[s] += len(new[s][i])
                 kv_first[s] += kv_counts[s][i]
-            q_index_all = np.concatenate(q_index)
-            q_order[q_index_all] = placed + np.arange(len(q_index_all))
-            placed += len(q_index_all)
-            held = split.held(0, end)
-            out_rows.append(RingRow(r.uid, own, _ints(mine), _ints(q_index_all), _ints(np.concatenate(q_pos)),
-                                    _ints(split.slots(r.blocks, held)), _ints(held),
-                                    _ints(np.concatenate(g_index)), _ints(np.concatenate(g_pos))))
+            out_rows.append(row)
             wanted = {LOGITS_NONE: [], LOGITS_LAST: [end - 1], LOGITS_ALL: range(r.start, end)}[r.logits]
             for p in wanted:
-                at = np.searchsorted(mine, p)
+                at = int(np.searchsorted(mine, p))
                 held_here = at < len(mine) and mine[at] == p
                 logit_rows.append(r.uid)
-                logit_index.append(own.start + int(at) if held_here else 0)
+                logit_index.append(own.start + at if held_here else 0)
                 logit_mine.append(1.0 if held_here else 0.0)
         count = len(tokens)
         q_order[q_order < 0] = placed  # padding reads the zero partial appended after the rows'
-        kv_local = [int(x) for r, e in zip(rows, ends) for x in split.slots(r.blocks, split.held(0, e))]
-        kv_local += [kv_local[0] if kv_local else 0] * (kv_width - len(kv_local))
+        if algorithm == PASS_KV:
+            kv_local += [kv_local[0] if kv_local else 0] * (kv_width - len(kv_local))
         pad = width - count
         return cls(split, algorithm, width, count, _ints(tokens + [0] * pad), _ints(positions + [0] * pad),
                    _ints(slots), out_rows, _ints(q_order), _ints(kv_local), kv_width, logit_rows,

@@ -105,6 +105,23 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     return out.reshape(B, H, L, D)
 
 
+def partial_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None, scale: float,
+                      native) -> tuple[mx.array, mx.array]:
+    """Attention with each query's log-sum-exp, for merging partials: q (n, H, D), keys/values (Hk, S, D),
+    mask (n, S) bool or None; `native` is `_cpu_ops`, whose softmax also returns each row's log2-sum-exp."""
+    n, H, D = q.shape
+    Hk, S = keys.shape[0], keys.shape[1]
+    r = H // Hk
+    qs = (q * (scale * LOG2E)).reshape(n, Hk, r, D).transpose(1, 2, 0, 3).reshape(Hk, r * n, D)
+    scores = (qs @ keys.swapaxes(-1, -2)).reshape(Hk, r, n, S)
+    if mask is not None:
+        scores = mx.where(mask, scores, MASKED)
+    weights, lse2 = native.softmax2_lse(scores)
+    out = weights.reshape(Hk, r * n, S) @ values  # (Hk, r * n, D)
+    out = out.reshape(Hk, r, n, D).transpose(2, 0, 1, 3).reshape(n, H, D)
+    return out, (lse2 / LOG2E).transpose(2, 0, 1).reshape(n, H)
+
+
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """Drop-in for `mlx_lm.models.activations.swiglu`: silu(gate) * x, via power instead of sigmoid."""
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
