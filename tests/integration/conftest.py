@@ -128,3 +128,23 @@ def stream_then(url: str, action, after: int = 6) -> list[str]:
                         action()
                 return lines
     return asyncio.run(run())
+
+
+async def complete_all(url: str, prompts: list, n: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 2}) for p in prompts])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    return [r.json() for r in rs]
+
+
+def assert_parity(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
+    """Greedy tokens identical (else: the first differing token and its rivals); chosen-token logprobs within `tol`."""
+    for i, (g, w) in enumerate(zip(got, want)):  # name the first differing token and how close its rivals were
+        a, b = g["choices"][0]["logprobs"], w["choices"][0]["logprobs"]
+        j = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        assert j is None, f"prompt {i}, token {j}: got {a['top_logprobs'][j]}, one process {b['top_logprobs'][j]}"
+    assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
+    for g, w in zip(got, want):
+        a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol

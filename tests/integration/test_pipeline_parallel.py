@@ -19,32 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, children, free_port, free_port_run, stream_then
+from conftest import ServerProcess, assert_parity, children, complete_all, free_port, free_port_run, stream_then
 
 pytestmark = pytest.mark.slow
 
 FAULT_ENTRY = str(Path(__file__).parent / "fault_entry.py")
 SECRET = "0123456789abcdef" * 4
 PROMPTS = [f"prompt {i}: " + "the river runs past the old mill " * (i % 4 + 1) for i in range(16)]
-
-
-async def _complete_all(url: str, prompts: list, n: int) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-        rs = await asyncio.gather(*[c.post("/v1/completions", json={
-            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 2}) for p in prompts])
-    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
-    return [r.json() for r in rs]
-
-
-def assert_parity(got: list[dict], want: list[dict]) -> None:
-    for i, (g, w) in enumerate(zip(got, want)):  # name the first differing token and how close its rivals were
-        a, b = g["choices"][0]["logprobs"], w["choices"][0]["logprobs"]
-        j = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
-        assert j is None, f"prompt {i}, token {j}: got {a['top_logprobs'][j]}, one process {b['top_logprobs'][j]}"
-    assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
-    for g, w in zip(got, want):
-        a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
-        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -59,7 +40,7 @@ def model(request, tmp_path_factory) -> Path:
 def reference(model, tmp_path_factory):
     srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path_factory.mktemp("one"))
     try:
-        yield asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        yield asyncio.run(complete_all(srv.url, PROMPTS, 16))
     finally:
         srv.stop()
 
@@ -74,8 +55,8 @@ SPEC = ("--speculative", "ngram", "--no-adaptive-speculation", "--ngram-min", "1
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     srv = ServerProcess(model, "--max-model-len", "512", *flags, log_dir=tmp_path)
     try:
-        got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
-        again = asyncio.run(_complete_all(srv.url, PROMPTS[:4], 16))  # prefix-cache hits on every stage
+        got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
+        again = asyncio.run(complete_all(srv.url, PROMPTS[:4], 16))  # prefix-cache hits on every stage
         assert srv.metric("meshlm_prefix_cache_hits_total") > 0
         if "--speculative" in flags:  # drafts were verified (how many a random model accepts varies)
             assert srv.metric("meshlm_spec_verify_steps_total") > 0
@@ -95,14 +76,14 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
              "--kv-cache-dir", str(kv))
     srv = ServerProcess(model, *flags, log_dir=tmp_path)
     try:
-        got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
         assert srv.metric("meshlm_preemptions_total") > 0
     finally:
         srv.stop()
     assert_parity(got, reference)
     srv = ServerProcess(model, *flags, log_dir=tmp_path)
     try:
-        again = asyncio.run(_complete_all(srv.url, PROMPTS[:2], 16))
+        again = asyncio.run(complete_all(srv.url, PROMPTS[:2], 16))
         hits = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
@@ -119,7 +100,7 @@ def test_demo_model_split_10_20_matches_one_process(tmp_path):
     for flags in ((), ("--pipeline-parallel", "2", "--pp-split", "10,20")):
         srv = ServerProcess("demo", "--max-model-len", "512", "--no-prefix-cache", *flags, log_dir=tmp_path)
         try:
-            outs.append(asyncio.run(_complete_all(srv.url, prompts, 12)))
+            outs.append(asyncio.run(complete_all(srv.url, prompts, 12)))
         finally:
             srv.stop()
     assert_parity(outs[1], outs[0])

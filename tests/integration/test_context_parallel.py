@@ -1,0 +1,128 @@
+"""Context parallelism with real ranks and real mx.distributed groups on 127.0.0.1: parity with one
+process on 8K-16K-token prompts (tiny long-context llama), both ring algorithms, CP=2 and CP=4, a
+cached-prefix request and a short one; a rank killed during a ring prefill and during decode.
+
+Tolerance: greedy text identical; logprobs of the chosen tokens within 2e-4 (attention is exact, but
+merging partial softmaxes and summing in another order moves fp32 rounding)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, assert_parity, children, complete_all, stream_then
+
+pytestmark = pytest.mark.slow
+
+TOL = 2e-4
+LONG = 16384
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+# Four sequences of different lengths in one batch, the longest 16K tokens; a short one; one that
+# shares a 9,000-token prefix with the first (a prefix-cache hit on every rank, sent after the rest).
+PROMPTS = [_prompt(1, 12000), _prompt(2, 8200), _prompt(3, LONG - 40), _prompt(4, 9999), _prompt(5, 300)]
+CACHED = [PROMPTS[0][:9000] + _prompt(6, 700)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("cp") / "tiny-long", "llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                     max_position=LONG)
+
+
+FLAGS = ("--max-model-len", str(LONG), "--no-ssd-cache", "--max-tokens-per-step", "2048")
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    srv = ServerProcess(model, *FLAGS, log_dir=tmp_path_factory.mktemp("one"))
+    try:
+        yield asyncio.run(complete_all(srv.url, PROMPTS, 8)), asyncio.run(complete_all(srv.url, CACHED, 8))
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags", [("--context-parallel", "2"), ("--context-parallel", "2", "--cp-algorithm", "pass-q"),
+                                   ("--context-parallel", "4", "--cp-algorithm", "pass-kv")],
+                         ids=["cp2-auto", "cp2-pass-q", "cp4-pass-kv"])
+def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
+    srv = ServerProcess(model, *FLAGS, *flags, log_dir=tmp_path)
+    try:
+        got = asyncio.run(complete_all(srv.url, PROMPTS, 8))
+        cached = asyncio.run(complete_all(srv.url, CACHED, 8))
+        assert srv.metric("meshlm_prefix_cache_hits_total") > 0
+    finally:
+        srv.stop()
+    assert_parity(got, reference[0], TOL)
+    assert_parity(cached, reference[1], TOL)
+
+
+def test_kv_blocks_hold_every_ranks_share(model, tmp_path):
+    """A block id in the leader's tables covers N * --block-size positions: each rank pools its share."""
+    srv = ServerProcess(model, *FLAGS, "--context-parallel", "2", "--block-size", "16", log_dir=tmp_path)
+    try:
+        assert asyncio.run(complete_all(srv.url, [PROMPTS[4]], 2))
+    finally:
+        srv.stop()
+    assert "blocks of 32 tokens" in srv.log.read_text()
+
+
+def test_a_rank_killed_during_a_ring_prefill_ends_the_request_with_an_error(model, tmp_path):
+    srv = ServerProcess(model, *FLAGS, "--context-parallel", "2", "--max-tokens-per-step", "1024", log_dir=tmp_path)
+    try:
+        worker = children(srv.proc.pid)[0]
+
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+                task = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 4}))
+                await asyncio.sleep(1.0)  # 16 ring prefill steps take seconds
+                os.kill(worker, signal.SIGKILL)
+                t0 = time.monotonic()
+                r = await task
+                return r, time.monotonic() - t0
+
+        r, waited = asyncio.run(run())
+        assert r.status_code >= 500 and "error" in r.json() and waited < 10
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]
+    finally:
+        srv.stop()
+
+
+def test_a_rank_killed_during_decode_ends_the_stream_with_an_error(model, tmp_path):
+    srv = ServerProcess(model, *FLAGS, "--context-parallel", "2", log_dir=tmp_path)
+    try:
+        worker = children(srv.proc.pid)[0]
+        t0 = time.monotonic()
+        lines = stream_then(srv.url, lambda: os.kill(worker, signal.SIGKILL))
+        assert time.monotonic() - t0 < 10
+        assert any('"error"' in line for line in lines) and lines[-1] == "data: [DONE]"
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]
+    finally:
+        srv.stop()
+
+
+def test_context_parallel_does_not_combine_and_needs_an_even_block(model, tmp_path):
+    import subprocess
+    import sys
+
+    for flags, said in ((("--context-parallel", "2", "--tensor-parallel", "2"), "cannot be combined"),
+                        (("--context-parallel", "2", "--block-size", "15"), "even --block-size")):
+        r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), *flags],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "MESHLM_OPENBLAS": "0"})
+        assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]

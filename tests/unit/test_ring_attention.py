@@ -1,0 +1,113 @@
+"""Exact attention from partials (model/ring_attention.py, the backends' `partial`): merging partial
+attentions over disjoint key sets by log-sum-exp equals full attention, with extreme scores and with a
+partial that has no keys; the CPU and portable backends agree; the per-step algorithm heuristic."""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+import pytest
+
+from meshlm.engine.plan import LOGITS_LAST
+from meshlm.kv.context_split import ContextSplit
+from meshlm.model import cpu_kernels
+from meshlm.model.attention import CPUBackend, PortableBackend, attend_exact, merge_partials
+from meshlm.model.batch import RowSpec
+from meshlm.model.context_batch import PASS_KV, PASS_Q, choose_algorithm, query_blocks
+from meshlm.model.ring_attention import attend_blocks
+
+H, HK, D = 4, 2, 16
+
+
+def _backends():
+    out = [PortableBackend()]
+    native, _ = cpu_kernels.native_ops()
+    if native is not None and hasattr(native, "softmax2_lse"):
+        out.append(CPUBackend(native))
+    return out
+
+
+def _full(q, q_pos, k, v, k_pos, scale):
+    """Reference: plain causal softmax attention in float64 numpy."""
+    qn, kn, vn = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    out = np.zeros_like(qn)
+    r = H // HK
+    for i in range(qn.shape[0]):
+        for h in range(H):
+            seen = k_pos <= q_pos[i]
+            s = (kn[seen, h // r] @ qn[i, h]) * scale
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ vn[seen, h // r]
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_merged_partials_over_a_split_sequence_equal_full_attention(backend, ranks):
+    rng = np.random.default_rng(ranks)
+    length, n = 300, 70  # the last 70 positions are queries, as in a prefill chunk after a cached prefix
+    k = rng.standard_normal((length, HK, D)).astype(np.float32)
+    v = rng.standard_normal((length, HK, D)).astype(np.float32)
+    q = rng.standard_normal((n, H, D)).astype(np.float32) * 3
+    q_pos = np.arange(length - n, length)
+    want = _full(q, q_pos, k, v, np.arange(length), 0.25)
+    parts = []
+    for r in range(ranks):
+        held = ContextSplit(ranks, r, 8).held(0, length)
+        parts.append(attend_blocks(mx.array(q), mx.array(k[held]), mx.array(v[held]), query_blocks(q_pos, held),
+                                   backend, 0.25))
+    got, _ = merge_partials(parts)
+    assert np.abs(np.array(got) - want).max() < 2e-5
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
+def test_extreme_scores_and_a_partial_without_keys(backend):
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((40, HK, D)).astype(np.float32)
+    v = rng.standard_normal((40, HK, D)).astype(np.float32)
+    q = rng.standard_normal((5, H, D)).astype(np.float32) * 60  # scores in the thousands
+    q_pos = np.array([0, 1, 2, 39, 39])
+    want = _full(q, q_pos, k, v, np.arange(40), 1.0)
+    early, late = np.arange(0, 3), np.arange(3, 40)
+    a = attend_blocks(mx.array(q), mx.array(k[early]), mx.array(v[early]), query_blocks(q_pos, early), backend, 1.0)
+    b = attend_blocks(mx.array(q), mx.array(k[late]), mx.array(v[late]), query_blocks(q_pos, late), backend, 1.0)
+    # queries 0..2 see no key of the second part: a log-sum-exp of -inf (or, from the CPU kernel's
+    # masked scores, about -7e29), which merges as no contribution
+    assert (np.array(b[1])[:3] < -1e29).all() and np.isfinite(np.array(b[0])).all()
+    got, lse = merge_partials([a, b])
+    assert np.isfinite(np.array(lse)).all()
+    assert np.abs(np.array(got) - want).max() < 1e-4
+    empty = merge_partials([(mx.zeros((2, H, D)), mx.full((2, H), -mx.inf))])[0]
+    assert np.array(empty).tolist() == np.zeros((2, H, D)).tolist()
+
+
+def test_cpu_and_portable_partials_agree_on_lse():
+    native, _ = cpu_kernels.native_ops()
+    if native is None or not hasattr(native, "softmax2_lse"):
+        pytest.skip("the compiled _cpu_ops module is not built here")
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((9, H, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((HK, 33, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((HK, 33, D)).astype(np.float32))
+    mask = mx.array(np.tril(np.ones((9, 33), dtype=bool), 24))
+    a = CPUBackend(native).partial(q, k, v, mask, 0.3)
+    b = attend_exact(q, k, v, 0.3, mask)
+    assert np.abs(np.array(a[0]) - np.array(b[0])).max() < 1e-5
+    assert np.abs(np.array(a[1]) - np.array(b[1])).max() < 1e-5
+
+
+def _rows(new: int, cached: int) -> list[RowSpec]:
+    return [RowSpec(1, cached, tuple([5] * new), (0,), LOGITS_LAST)]
+
+
+def test_heuristic_at_and_around_its_thresholds():
+    # kv_heads 2, q_heads 8: pass-KV once new / (new + cached) >= 2 * 2 / 8 = 0.5
+    assert choose_algorithm("auto", _rows(1000, 1000), 2, 8, 1 << 30) == PASS_KV  # exactly 0.5
+    assert choose_algorithm("auto", _rows(999, 1001), 2, 8, 1 << 30) == PASS_Q
+    assert choose_algorithm("auto", _rows(1001, 999), 2, 8, 1 << 30) == PASS_KV
+    # enough new tokens to hide the KV transfer: pass-KV whatever the cached share
+    assert choose_algorithm("auto", _rows(4096, 100000), 2, 8, 4096) == PASS_KV
+    assert choose_algorithm("auto", _rows(4095, 100000), 2, 8, 4096) == PASS_Q
+    assert choose_algorithm("auto", _rows(1, 5000), 2, 8, 4096) == PASS_Q  # decode
+    assert choose_algorithm("pass-q", _rows(5000, 0), 2, 8, 1) == PASS_Q  # forced
+    assert choose_algorithm("pass-kv", _rows(1, 5000), 2, 8, 1 << 30) == PASS_KV
