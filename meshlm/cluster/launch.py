@@ -57,6 +57,11 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
         if stages != str(n):
             raise ClusterError(f"--pipeline-parallel {stages} but the hostfile lists {n} hosts (one per stage)")
         return [*serve_argv, "--hostfile", str(hostfile), "--rank", str(rank)]
+    ranks = _flag_value(serve_argv, "--context-parallel")
+    if ranks is not None:  # one context-parallel rank per hostfile entry, in an MLX group like TP
+        if ranks != str(n):
+            raise ClusterError(f"--context-parallel {ranks} but the hostfile lists {n} hosts (one per rank)")
+        return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--rank", str(rank)]
     return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--tensor-parallel", str(n),
             "--rank", str(rank)]
 

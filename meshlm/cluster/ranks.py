@@ -71,7 +71,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts
     if len(hosts) != p.world_size:
-        flag = "--pipeline-parallel" if p.pipeline else "--tensor-parallel"
+        flag = "--pipeline-parallel" if p.pipeline else "--context-parallel" if p.context else "--tensor-parallel"
         raise ClusterError(f"hostfile lists {len(hosts)} ranks but {flag} is {p.world_size}")
     ring = None
     if not p.pipeline:  # stages talk over their own links, not an MLX group

@@ -1,5 +1,5 @@
-"""Two hosts: a TP=2 cluster, and a two-stage pipeline, across two network namespaces joined by veth,
-started by `meshlm launch`."""
+"""Two hosts: a TP=2 cluster, a two-stage pipeline and a CP=2 cluster, across two network namespaces
+joined by veth, started by `meshlm launch`."""
 
 from __future__ import annotations
 
@@ -128,6 +128,24 @@ def test_two_pipeline_stages_across_two_namespaces_match_single_process(two_host
     assert code == 0, text[-2000:]
     assert "all 2 stages joined" in text and "stage 0 of 2 (rank 1): layers 0..0 of 4" in text
     assert secret not in text
+    assert got == _single_process(model, prompts)
+
+
+def test_context_parallel_across_two_namespaces_matches_single_process(two_hosts, tmp_path):
+    from meshlm.model.demo import make_tiny
+
+    (a, ip_a), (b, ip_b) = two_hosts
+    model = make_tiny(tmp_path / "tiny-cp", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"secret": "multihost-test-secret-0123456789abcdef",
+                                    "hosts": [{"ssh": f"netns:{a}", "ips": [ip_a]}, {"ssh": f"netns:{b}", "ips": [ip_b]}]}))
+    hostfile.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
+    # Long enough that both ranks hold positions of every prompt (64 per block of 2 x 32).
+    prompts = [f"context test {i}: " + "the river runs past the old mill " * (10 + 7 * i) for i in range(4)]
+    got, text, code = _launch_and_ask(a, ip_a, hostfile, model, env, tmp_path, prompts, ("--context-parallel", "2"))
+    assert code == 0, text[-2000:]
+    assert "all 2 ranks joined" in text
     assert got == _single_process(model, prompts)
 
 

@@ -35,6 +35,15 @@ def test_rank_argv_for_pipeline_stages(tmp_path):
         rank_argv(["serve", "--pipeline-parallel=3"], hosts, "ring", 2, 0)
 
 
+def test_rank_argv_for_context_parallel_ranks(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    argv = rank_argv(["serve", "--model", "m", "--context-parallel", "2"], hosts, "ring", 2, 1)
+    assert argv[-6:] == ["--hostfile", str(hosts), "--backend", "ring", "--rank", "1"]
+    assert "--tensor-parallel" not in argv
+    with pytest.raises(ClusterError, match="--context-parallel 4 but the hostfile lists 2 hosts"):
+        rank_argv(["serve", "--context-parallel", "4"], hosts, "ring", 2, 0)
+
+
 def test_rank_argv_adds_cluster_flags_and_refuses_conflicts(tmp_path):
     hosts = tmp_path / "h.json"
     argv = rank_argv(["serve", "--model", "m"], hosts, "ring", 2, 1)
