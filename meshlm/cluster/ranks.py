@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -54,6 +55,7 @@ class Topology:
     control_bind: str
     secret: ClusterSecret  # redacted in any repr
     memory_gb: tuple[float, ...] | None = None  # per rank, when the hostfile declares it (pipeline split)
+    owns_ring_file: bool = False  # written by this rank for itself: removed once its group is formed
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
@@ -81,7 +83,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     stages = p.stage_addrs or tuple(f"{h.ips[0]}:{p.stage_port + r}" for r, h in enumerate(hosts))
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
-    return Topology(replaced, ring, control.rsplit(":", 1)[0], secret, memory), None
+    return Topology(replaced, ring, control.rsplit(":", 1)[0], secret, memory, owns_ring_file=ring is not None), None
 
 
 @dataclass
@@ -134,6 +136,9 @@ def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> 
     except BaseException:
         _reap(children)
         raise
+    finally:
+        if local is not None:  # every local rank has joined (or the cluster failed): its ring file is read
+            shutil.rmtree(local.hostfile.parent, ignore_errors=True)
 
 
 def _end_worker(code: int, children: list) -> None:
@@ -160,6 +165,8 @@ def _load(config: ServeConfig, topo: Topology):
 
     p = topo.parallel
     group = init_group(p, topo.ring_file)
+    if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
+        shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
     spec = RankSpec(layout=p.layout, rank=p.rank)
     budget = kv_budget_bytes(config.scheduler)
     if p.context:

@@ -28,6 +28,12 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.model.batch import RowSpec
 
 PASS_KV, PASS_Q = "pass-kv", "pass-q"
+# The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
+# KV transfer) is off: measured 2026-11-24 (benchmarks/context_parallel.py and direct steps, CP=2 on
+# one core per rank, 1,024-token chunks), pass-KV won every chunk of a 16K-token prompt (3.1 vs 3.7 s
+# whole, 0.51 vs 0.81 s at a 0.9 cached fraction) but lost a 32K-token prompt (17.4 vs 13.1 s): what
+# it moves and copies grows with the context, so no context-free token count separates the two here.
+MIN_NEW_FOR_KV = 1 << 30
 
 
 QUERY_BLOCK = 128  # queries per attention call: each block reads only the keys up to its last position

@@ -23,7 +23,7 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.kv.store import KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend, LayerKV, TokenPositions, merge_partials
-from meshlm.model.context_batch import PASS_KV, ContextBatch
+from meshlm.model.context_batch import MIN_NEW_FOR_KV, PASS_KV, ContextBatch
 
 EVAL_SCORES = 1 << 22  # attention blocks with this many scores are evaluated as they are built
 
@@ -65,7 +65,7 @@ class RingContext:
     split: ContextSplit
     group: object  # the mx.distributed group of the CP ranks
     algorithm: str = "auto"  # auto | pass-kv | pass-q
-    min_new_for_kv: int = 1 << 30  # auto: this many new tokens pick pass-KV whatever the cached share
+    min_new_for_kv: int = MIN_NEW_FOR_KV  # auto: this many new tokens pick pass-KV whatever the cached share
     kv_heads: int = 1
     q_heads: int = 1
 
