@@ -697,12 +697,17 @@ async def stream_chat(
 
 
 async def _stream_once(
-    client: httpx.AsyncClient, url: str, payload: dict[str, Any], res: StreamResult, t0: float
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any] | None, res: StreamResult, t0: float,
+    path: str = "/v1/chat/completions", body: bytes | None = None,
 ) -> None:
+    """One streamed request to `path` (chat deltas or completion texts), timed from `t0`; `body`: the
+    request already encoded (a long prompt's JSON encoding kept out of TTFT), else `payload`."""
     last: float | None = None
     done = False
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=payload) as r:
+        sent = {"content": body, "headers": {"content-type": "application/json"}} if body is not None \
+            else {"json": payload}
+        async with client.stream("POST", url + path, **sent) as r:
             res.status = r.status_code
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
@@ -733,8 +738,7 @@ async def _stream_once(
                     res.prompt_tokens = usage.get("prompt_tokens")
                     res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    content = delta.get("content")
+                    content = (choice.get("delta") or {}).get("content") or choice.get("text")
                     if content:
                         if last is None:
                             res.ttft = now - t0

@@ -58,7 +58,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -282,60 +281,11 @@ def start(name: str, model: Path, args: argparse.Namespace, workdir: Path) -> pp
 
 
 async def stream_completion(url: str, body: bytes) -> _peer.StreamResult:
-    """POST a streaming text completion and time its SSE chunks until `data: [DONE]` (as
-    _peer.stream_chat does for chat); no read timeout: the caller's guard ends a hung request."""
+    """POST a streaming text completion (`body` encoded beforehand) and time its SSE chunks until
+    `data: [DONE]`; no read timeout: the caller's guard ends a hung request."""
     res = _peer.StreamResult(ok=False)
-    last: float | None = None
-    done = False
-    t0 = time.perf_counter()
-    try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
-            async with client.stream("POST", url + "/v1/completions", content=body,
-                                     headers={"content-type": "application/json"}) as r:
-                res.status = r.status_code
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}"
-                    return res
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    now = time.perf_counter()
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        res.error = f"bad SSE data: {data[:200]}"
-                        return res
-                    if not isinstance(chunk, dict) or chunk.get("error"):
-                        res.error = f"error event: {data[:500]}"
-                        return res
-                    if usage := chunk.get("usage"):
-                        res.completion_tokens = usage.get("completion_tokens")
-                        res.prompt_tokens = usage.get("prompt_tokens")
-                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    for choice in chunk.get("choices") or []:
-                        if text := choice.get("text"):
-                            if last is None:
-                                res.ttft = now - t0
-                            else:
-                                res.itls.append(now - last)
-                            last = now
-                            res.content_chunks += 1
-                            res.text += text
-                        if choice.get("finish_reason"):
-                            res.finish_reason = choice["finish_reason"]
-    except (httpx.HTTPError, OSError) as e:
-        phase = "before the response" if res.status is None else f"after {res.content_chunks} chunks"
-        res.error = f"{_peer.describe_error(e)} ({phase})"
-        return res
-    res.latency = time.perf_counter() - t0
-    if not done:
-        res.error = "stream ended without data: [DONE]"
-        return res
-    res.ok = True
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+        await _peer._stream_once(client, url, None, res, time.perf_counter(), path="/v1/completions", body=body)
     return res
 
 
@@ -710,17 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed := [n for n, i in servers.items() if i.get("error") or not i.get("exit_codes")]:
         report["failed_servers"] = failed  # see servers.<name>.error and log_tails
     report["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    if leftovers := [s for s in tp.other_servers() if str(workdir) in s]:
-        report["leftover_processes"] = leftovers
-    if not args.keep_logs and not failed and not report.get("error"):
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        report["workdir"] = str(workdir)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 1 if report.get("interrupted") or report.get("error") or failed else 0
+    return tp.end_report(report, bool(failed), workdir, args.keep_logs, args.out)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ import gc
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -611,17 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed := [n for n, i in servers.items() if i.get("error") or not i.get("exit_codes")]:
         report["failed_servers"] = failed  # see servers.<name>.error and log_tails
     report["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    if leftovers := [s for s in tp.other_servers() if str(workdir) in s]:
-        report["leftover_processes"] = leftovers
-    if not args.keep_logs and not failed:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        report["workdir"] = str(workdir)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 1 if report.get("interrupted") or report.get("error") or failed else 0
+    return tp.end_report(report, bool(failed), workdir, args.keep_logs, args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -495,6 +496,25 @@ def other_servers() -> list[str]:
     return found
 
 
+def end_report(report: dict[str, Any], failed: bool, workdir: Path, keep_logs: bool, out: str | None,
+               leftover_mark: str | None = None) -> int:
+    """The common tail of every benchmark: note leftover processes, keep the work dir only when it
+    explains a failure (or --keep-logs), print the JSON (and write it to --out), the exit status."""
+    leftovers = [s for s in other_servers() if str(workdir) in s or (leftover_mark and leftover_mark in s)]
+    if leftovers:
+        report["leftover_processes"] = leftovers
+    failed = bool(failed or report.get("interrupted") or report.get("error"))
+    if not keep_logs and not failed:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        report["workdir"] = str(workdir)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return 1 if failed else 0
+
+
 def same_frac(a: list[str | None], b: list[str | None]) -> float | None:
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
     return round(sum(x == y for x, y in pairs) / len(pairs), 3) if pairs else None
@@ -604,22 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios["note"] = "mlx-lm's distributed server failed or hung; see servers.mlx_lm_distributed_2.error"
     report["ratios"] = ratios
     report["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    leftovers = [s for s in other_servers() if str(workdir) in s or "bench-tp-" in s]
-    if leftovers:
-        report["leftover_processes"] = leftovers
-    if not args.keep_logs and not any("error" in i for i in servers.values()):
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        report["workdir"] = str(workdir)
-
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    failed = report.get("interrupted") or report.get("error") or any("error" in i for i in servers.values())
-    return 1 if failed else 0
+    failed = any("error" in i for i in servers.values())
+    return end_report(report, failed, workdir, args.keep_logs, args.out, leftover_mark="bench-tp-")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,10 @@ void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* 
 }
 
 // Rows of base-2 scores -> probabilities (each row sums to 1).
-void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t rows, size_t n) {
+// Softmax over each row of base-2 scores; with `lse`, also each row's log2-sum-exp (max + log2(sum)),
+// for merging partial attentions over disjoint keys without a second pass over the scores.
+void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t rows, size_t n,
+                     float* __restrict lse = nullptr) {
   for (size_t r = 0; r < rows; ++r) {
     const float* row = s + r * n;
     float* o = out + r * n;
@@ -87,29 +90,7 @@ void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t ro
     float inv = 1.0f / sum;
 #pragma omp simd
     for (size_t i = 0; i < n; ++i) o[i] *= inv;
-  }
-}
-
-// softmax2_kernel that also writes each row's log2-sum-exp (max + log2(sum)), for merging partial
-// attentions over disjoint keys without a second pass over the scores.
-void softmax2_lse_kernel(const float* __restrict s, float* __restrict out, float* __restrict lse, size_t rows,
-                         size_t n) {
-  for (size_t r = 0; r < rows; ++r) {
-    const float* row = s + r * n;
-    float* o = out + r * n;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (size_t i = 0; i < n; ++i) m = std::max(m, row[i]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (size_t i = 0; i < n; ++i) {
-      o[i] = exp2_fast(row[i] - m);
-      sum += o[i];
-    }
-    float inv = 1.0f / sum;
-#pragma omp simd
-    for (size_t i = 0; i < n; ++i) o[i] *= inv;
-    lse[r] = m + std::log2(sum);
+    if (lse) lse[r] = m + std::log2(sum);
   }
 }
 
@@ -309,7 +290,7 @@ class Softmax2Lse : public mx::Primitive {
     size_t n = out.shape().back();
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([s = in[0].data<float>(), o = out.data<float>(), l = lse.data<float>(), rows = out.size() / n, n]() {
-      softmax2_lse_kernel(s, o, l, rows, n);
+      softmax2_kernel(s, o, rows, n, l);
     });
   }
 };
