@@ -98,9 +98,10 @@ class RingLayerKV(LayerKV):
     """The cache one mlx-lm attention layer gets under context parallelism (LayerKV's contract)."""
 
     def __init__(self, store: KVStore, layer: int, batch: ContextBatch, group, chain: Collectives,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, needed: bool = True) -> None:
         self.store, self.layer, self.batch, self.group, self.chain = store, layer, batch, group, chain
         self.backend = backend
+        self.needed = needed  # False: only this layer's K and V matter (see forward_ring)
         self.offset = TokenPositions(batch.positions)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -114,6 +115,8 @@ class RingLayerKV(LayerKV):
         return None
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
+        if not self.needed:
+            return mx.zeros_like(queries)
         q = queries[0].transpose(1, 0, 2)  # (width, H, D)
         pool_k, pool_v = self.store.keys[self.layer], self.store.values[self.layer]
         out = self._pass_kv(q, pool_k, pool_v, scale) if self.batch.algorithm == PASS_KV else \
@@ -164,13 +167,18 @@ class RingLayerKV(LayerKV):
 def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
                  backend: AttentionBackend) -> tuple[mx.array | None, mx.array]:
     """This rank's share of a context-parallel step. Returns the logits of `batch.logit_rows` (on a rank
-    with the LM head; else None) and what must be evaluated for this rank's part of the collectives."""
+    with the LM head; else None) and what must be evaluated for this rank's part of the collectives (the
+    last one: the chain makes it depend on every other; None when the step has none)."""
     chain = Collectives()
     h = parts.embed(batch.tokens[None])
+    last = len(parts.layers) - 1
     for i, layer in enumerate(parts.layers):
-        h = layer(h, None, RingLayerKV(store, i, batch, group, chain, backend))
+        # A step without logits (a prefill chunk) needs only the last layer's K and V, not its attention:
+        # one process's lazy graph never evaluates it, and here every rank skips it alike, collectives
+        # included (its large blocks would otherwise be evaluated as they are built).
+        h = layer(h, None, RingLayerKV(store, i, batch, group, chain, backend, needed=bool(batch.logit_rows) or i < last))
     if not batch.logit_rows:
-        return None, h
+        return None, chain.last
     picked = mx.take(h[0], batch.logit_index, axis=0) * batch.logit_mine[:, None].astype(h.dtype)
     picked = chain.sum(picked, group)  # every wanted row, from the rank that holds it
     if batch.split.rank != 0:  # the leader samples: only it projects to the vocabulary

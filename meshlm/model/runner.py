@@ -93,6 +93,7 @@ class Runner:
         rows = [self._row(c) for c in plan.chunks]
         out = None
         batch = None
+        result = None  # set here by a context-parallel step
         collective = None  # a context-parallel rank's share of the step's last collectives
         if rows and self.ring is not None:
             result, collective = self._ring_step(rows, t0)
@@ -103,7 +104,7 @@ class Runner:
             self.seqs[c.uid].length = c.start + len(c.token_ids)
         if plan.fingerprint and batch_fingerprint(self.lengths) != plan.fingerprint:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
-        if collective is None:
+        if result is None:
             result = self._result(out, batch, t0)
         self._pending = self.store.keys + self.store.values
         self._pending += [x for x in (result.logits, result.hidden, collective) if x is not None]
