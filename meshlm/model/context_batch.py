@@ -25,7 +25,7 @@ import numpy as np
 
 from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
 from meshlm.kv.context_split import ContextSplit
-from meshlm.model.batch import RowSpec
+from meshlm.model.batch import RowSpec, row_slots
 
 PASS_KV, PASS_Q = "pass-kv", "pass-q"
 # The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
@@ -95,10 +95,6 @@ class ContextBatch:
     logit_index: mx.array  # (rows of logits,) index among this rank's tokens (0 when another holds it)
     logit_mine: mx.array  # (rows of logits,) 1.0 where this rank holds the wanted position, else 0.0
 
-    @property
-    def num_tokens(self) -> int:
-        return self.width
-
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
         n, me = split.ranks, split.rank
@@ -113,7 +109,7 @@ class ContextBatch:
         tokens, positions, slots, out_rows = [], [], [], []
         q_first = [0] * n  # where each rank's next row starts among its `width` tokens
         kv_first = [0] * n  # pass-KV: where each rank's next row starts among its `kv_width` keys
-        kv_local = []
+        kv_local: list[mx.array] = []  # pass-KV: this rank's slots of each row, in position order
         q_order = np.full(n * width, -1, dtype=np.int64)  # pass-Q; -1: padding
         placed = 0  # pass-Q: partials computed so far, in row order
         logit_rows, logit_index, logit_mine = [], [], []
@@ -131,7 +127,7 @@ class ContextBatch:
                 by_pos = np.argsort(at, kind="stable")
                 row.kv_index = _ints(np.concatenate(index)[by_pos])
                 row.blocks = query_blocks(mine, at[by_pos])
-                kv_local.extend(split.slots(r.blocks, held[me]).tolist())
+                kv_local.append(row_slots(r.blocks, kv_counts[me][i], split.block_size))
             else:
                 index = [s * width + q_first[s] + np.arange(len(new[s][i])) for s in range(n)]
                 at = np.concatenate([new[s][i] for s in range(n)])
@@ -139,9 +135,9 @@ class ContextBatch:
                 q_index = np.concatenate(index)[by_pos]
                 q_order[q_index] = placed + np.arange(len(q_index))
                 placed += len(q_index)
-                held = split.held(0, end)
-                row.q_index, row.kv_slots = _ints(q_index), _ints(split.slots(r.blocks, held))
-                row.blocks = query_blocks(at[by_pos], held)
+                row.q_index = _ints(q_index)
+                row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
+                row.blocks = query_blocks(at[by_pos], split.held(0, end))
             for s in range(n):
                 q_first[s] += len(new[s][i])
                 kv_first[s] += kv_counts[s][i]
@@ -155,11 +151,13 @@ class ContextBatch:
                 logit_mine.append(1.0 if held_here else 0.0)
         count = len(tokens)
         q_order[q_order < 0] = placed  # padding reads the zero partial appended after the rows'
-        if algorithm == PASS_KV:
-            kv_local += [kv_local[0] if kv_local else 0] * (kv_width - len(kv_local))
+        sent = mx.concatenate(kv_local) if kv_local else _ints([])
+        if algorithm == PASS_KV and sent.shape[0] < kv_width:  # padded with a slot it holds (or slot 0)
+            filler = sent[:1] if sent.shape[0] else _ints([0])
+            sent = mx.concatenate([sent, mx.repeat(filler, kv_width - sent.shape[0])])
         pad = width - count
         return cls(split, algorithm, width, count, _ints(tokens + [0] * pad), _ints(positions + [0] * pad),
-                   _ints(slots), out_rows, _ints(q_order), _ints(kv_local), kv_width, logit_rows,
+                   _ints(slots), out_rows, _ints(q_order), sent, kv_width, logit_rows,
                    _ints(logit_index), mx.array(logit_mine, dtype=mx.float32))
 
 

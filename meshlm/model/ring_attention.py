@@ -111,9 +111,6 @@ class RingLayerKV(LayerKV):
             self.store.write(self.layer, b.slots, k, v)
         return keys, values
 
-    def make_mask(self, *args, **kwargs) -> None:
-        return None
-
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         if not self.needed:
             return mx.zeros_like(queries)
