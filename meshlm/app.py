@@ -14,6 +14,7 @@ from meshlm.api.server import create_app
 from meshlm.api.serving import SamplingDefaults, Serving
 from meshlm.config import ServeConfig
 from meshlm.engine.engine import Engine
+from meshlm.engine.grammar import Grammars
 from meshlm.executor.local import LocalExecutor
 from meshlm.executor.rank import RankState, build_rank
 from meshlm.kv.blocks import BlockManager, CacheStats
@@ -84,10 +85,21 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
                            rank.block_size)
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
                     watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal,
-                    speculative=config.speculative, draft=draft)
+                    speculative=config.speculative, draft=draft, grammars=load_grammars(loaded))
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     return engine
+
+
+def load_grammars(loaded: LoadedModel) -> Grammars | None:
+    """llguidance's view of the tokenizer (structured outputs); None, with a warning, when it cannot
+    read this tokenizer: constrained requests then get a 400, the rest are served."""
+    try:
+        return Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+    except Exception as exc:
+        log.warning("structured outputs disabled: llguidance cannot use this tokenizer (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
 
 
 def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
+from meshlm.api.tools import ToolPlan, template_messages
 
 # Normalizers can merge characters (NFKC) before BPE sees them; this margin keeps the
 # length-only refusal conservative (it only spares tokenizing what cannot possibly fit).
@@ -45,9 +46,9 @@ class PromptBuilder:
         self._fast = _fast_backend(tokenizer)
 
     # -- public, async ------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> list[int]:
+    async def chat(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[int]:
         self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
-        ids = await asyncio.to_thread(self._chat_sync, req)
+        ids = await asyncio.to_thread(self._chat_sync, req, tools)
         self.check_ids(ids, "messages")
         return ids
 
@@ -87,10 +88,10 @@ class PromptBuilder:
                 f"characters cannot fit in it (no token spells more than {self.token_chars} characters).",
                 param=param, code="context_length_exceeded")
 
-    def _chat_sync(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def _chat_sync(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+        messages, extra = template_messages(req, tools, self.tokenizer)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support
             raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
         return self._encode_many([text], False)[0]

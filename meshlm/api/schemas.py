@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1000  # per stop string; matching costs O(new text) per token whatever the length
@@ -19,8 +19,11 @@ MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_CHOICES = 1024  # structured_outputs.choice entries
+
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
-_UNSUPPORTED = ("tools", "functions", "function_call", "audio", "web_search_options", "reasoning_effort")
+_UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 
 
 def _refuse(name: str, value: Any) -> Any:
@@ -53,26 +56,19 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
-    tools: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    response_format: dict | None = None
+    response_format: "ResponseFormat | None" = None
+    structured_outputs: "StructuredOutputs | None" = None  # vLLM's extension (its current naming)
     modalities: list[str] | None = None
 
     @field_validator(*_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, value: Any, info) -> Any:
         return _refuse(info.field_name, value)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported by this server")
-        return value
 
     @field_validator("modalities")
     @classmethod
@@ -121,6 +117,81 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a `json_schema` object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regular expression, a list of
+    choices or a Lark grammar (llguidance's dialect)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        return self
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
@@ -132,6 +203,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool's answer names the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -143,13 +216,21 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        return value if value in (None, "none") else _refuse("tool_choice", value)
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name[:64]!r}, which is not in `tools`")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -193,5 +274,6 @@ class CompletionRequest(_Request):
 
 
 _Request.model_rebuild()
+ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()

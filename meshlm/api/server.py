@@ -17,6 +17,8 @@ from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
+from meshlm.api.structured import request_grammar
+from meshlm.api.tools import plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +67,18 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits())
     async def _chat(request: Request):
         req = await _parse(request, ChatCompletionRequest, limits)
         serving.check_model(req)
-        prompt = await serving.prompts.chat(req)
-        return await _respond(request, Completion(serving, req, [prompt], chat=True))
+        tools = plan_tools(req, serving.tokenizer)
+        prompt = await serving.prompts.chat(req, tools)
+        grammar = await request_grammar(serving.grammars, req, tools)
+        return await _respond(request, Completion(serving, req, [prompt], chat=True, grammar=grammar, tools=tools))
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
         req = await _parse(request, CompletionRequest, limits)
         serving.check_model(req)
         prompts = await serving.prompts.completion(req)
-        return await _respond(request, Completion(serving, req, prompts, chat=False))
+        grammar = await request_grammar(serving.grammars, req)
+        return await _respond(request, Completion(serving, req, prompts, chat=False, grammar=grammar))
 
     return app
 

@@ -67,6 +67,7 @@ class Serving:
     def __init__(self, engine: Engine, prompts: PromptBuilder, model_name: str, default_max_tokens: int,
                  defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.engine = engine
+        self.grammars = engine.grammars
         self.prompts = prompts
         self.tokenizer = prompts.tokenizer
         self.model_name = model_name
@@ -80,7 +81,7 @@ class Serving:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def sampling_params(self, req: _Request, prompt_len: int) -> SamplingParams:
+    def sampling_params(self, req: _Request, prompt_len: int, grammar: str | None = None) -> SamplingParams:
         if prompt_len == 0:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         room = self.max_model_len - prompt_len
@@ -107,19 +108,20 @@ class Serving:
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 logit_bias=bias, logprobs=req.logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
-                speculative=req.speculative,
+                speculative=req.speculative, grammar=grammar,
             )
         except ValueError as exc:
             raise bad_request(str(exc))
 
     # -- engine ------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], req: _Request) -> tuple[list[int], list[Choice], asyncio.Queue]:
+    def submit(self, prompts: list[list[int]], req: _Request,
+               grammar: str | None = None) -> tuple[list[int], list[Choice], asyncio.Queue]:
         """Submit n sequences per prompt; outputs arrive on the returned queue as (choice index, StepOutput)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         uids: list[int] = []
         choices: list[Choice] = []
-        params = [self.sampling_params(req, len(p)) for p in prompts]
+        params = [self.sampling_params(req, len(p), grammar) for p in prompts]
         try:
             for p, base in zip(prompts, params):
                 for i in range(req.n):

@@ -8,17 +8,19 @@ from typing import AsyncIterator
 from meshlm.api.errors import APIError
 from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
+from meshlm.api.tools import ToolPlan, ToolStream
 
 
 class Completion:
     """One OpenAI completion (chat or text) over n choices, for one HTTP request."""
 
-    def __init__(self, serving: Serving, req: _Request, prompts: list[list[int]], chat: bool) -> None:
-        self.serving, self.req, self.prompts, self.chat = serving, req, prompts, chat
+    def __init__(self, serving: Serving, req: _Request, prompts: list[list[int]], chat: bool,
+                 grammar: str | None = None, tools: ToolPlan | None = None) -> None:
+        self.serving, self.req, self.prompts, self.chat, self.tools = serving, req, prompts, chat, tools
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
-        self.uids, self.choices, self.queue = serving.submit(prompts, req)
+        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
         self.finished = False
 
     def _head(self, obj: str) -> dict:
@@ -43,7 +45,13 @@ class Completion:
     def _choice(self, c: Choice) -> dict:
         text = "".join(c.text)
         body = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c, c.logprobs)}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            content, calls = self.tools.calls(text)
+            body["message"] = {"role": "assistant", "content": content}
+            if calls:
+                body["message"]["tool_calls"] = calls
+                body["finish_reason"] = _tool_finish(c.finish_reason)
+        elif self.chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
@@ -55,11 +63,15 @@ class Completion:
             if self.chat:
                 for c in self.choices:
                     yield sse({**self._head(obj), "choices": [self._delta(c, {"role": "assistant", "content": ""})]})
+            calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
                     yield sse(APIError(503, f"generation failed: {out.error}", type_="server_error").body())
                     break
-                if out.text or out.logprobs or out.finish_reason:
+                if c.index in calls:
+                    for chunk in self._tool_chunks(c, out, calls[c.index]):
+                        yield sse({**self._head(obj), "choices": [chunk]})
+                elif out.text or out.logprobs or out.finish_reason:
                     delta = {"content": out.text} if out.text else {}
                     chunk = self._delta(c, delta, list(out.logprobs))
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
@@ -74,6 +86,18 @@ class Completion:
             # (Starlette cancels this generator): unfinished sequences are aborted.
             self.close()
 
+    def _tool_chunks(self, c: Choice, out, stream: ToolStream) -> list[dict]:
+        deltas = stream.feed(out.text) if out.text else []
+        chunks = [self._delta(c, d) for d in deltas]
+        if out.logprobs:  # logprobs travel on their own chunk when the text is held back
+            chunks.append(self._delta(c, {}, list(out.logprobs)))
+        if out.finish_reason:
+            chunks += [self._delta(c, d) for d in stream.finish()]
+            last = self._delta(c, {})
+            last["finish_reason"] = _tool_finish(c.finish_reason) if stream.calls else c.finish_reason
+            chunks.append(last)
+        return chunks
+
     def _delta(self, c: Choice, delta: dict, lps=None) -> dict:
         body = {"index": c.index, "logprobs": self._logprobs(c, lps or []) if lps else None, "finish_reason": None}
         if self.chat:
@@ -85,6 +109,10 @@ class Completion:
     def close(self) -> None:
         if not self.finished:
             self.serving.abort(self.uids)
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" else reason
 
 
 async def watch_disconnect(request, completion: Completion, task: asyncio.Task) -> None:

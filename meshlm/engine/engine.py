@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from meshlm.config import SchedulerConfig, SpeculativeConfig
 from meshlm.engine.detokenizer import IncrementalDetokenizer
-from meshlm.engine.plan import StepPlan
+from meshlm.engine.grammar import Grammars
+from meshlm.engine.plan import LOGITS_ALL, StepPlan
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
 from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
 from meshlm.kv.blocks import BlockManager
@@ -101,6 +102,7 @@ class Engine:
         on_fatal: Callable[[str], None] | None = None,
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -109,6 +111,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
         self.metrics = metrics or Metrics()
         # A restart after a failure starts from fresh block accounting (every rank's sequences are gone too).
         self._new_scheduler = lambda: Scheduler(config, new_blocks(), max_model_len, eos_token_ids)
@@ -146,10 +149,15 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {len(prompt_ids)} tokens (at least one must be left to generate)."
             )
+        constraint = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this server does not support constrained output")
+            constraint = self.grammars.constraint(params.grammar)  # GrammarError (a ValueError) if refused
         with self._wake:
             uid = next(self._uids)
             seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
-            sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids)
+            sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids, constraint)
             tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit)
             self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
             self._tracked[uid] = tracked
@@ -208,6 +216,7 @@ class Engine:
             plan = self._fill(block=pending is None)
         result = self._execute(plan) if plan is not None else None
         if plan is not None:
+            self._prefetch_masks(plan)
             with self._lock:
                 self._update_gauges()
         if pending is not None:
@@ -263,6 +272,13 @@ class Engine:
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
             return self.executor.execute(plan)
+
+    def _prefetch_masks(self, plan: StepPlan) -> None:
+        """Grammar masks for the rows this plan samples, computed while its forward runs."""
+        for c in plan.chunks:
+            t = self._tracked.get(c.uid) if c.sample else None
+            if t is not None and t.sampling.constraint is not None:
+                t.sampling.constraint.prefetch(tuple(c.token_ids[1:]) if c.logits == LOGITS_ALL else ())
 
     def _collect_within_deadline(self, plan: StepPlan, result: StepResult) -> "_Pending":
         with self._deadline(f"step {plan.step_id}"):

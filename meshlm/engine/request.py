@@ -30,6 +30,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     ignore_eos: bool = False
     speculative: bool = True  # False: this request never speculates, whatever the server does
+    grammar: str | None = None  # an llguidance grammar (engine/grammar.py): output is constrained to it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from meshlm.engine.grammar import Constraint
 from meshlm.engine.request import SamplingParams, TokenLogprob
 
 
@@ -29,15 +30,16 @@ class SeqSampling:
     counts: Counter = field(default_factory=Counter)
     prompt_ids: frozenset[int] = frozenset()  # only kept when a repetition penalty needs them
     banned: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are generated
+    constraint: Constraint | None = None  # the grammar's state (structured outputs)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int] = (),
-               eos_token_ids: frozenset[int] = frozenset()) -> "SeqSampling":
+               eos_token_ids: frozenset[int] = frozenset(), constraint: Constraint | None = None) -> "SeqSampling":
         # Any integer is a valid OpenAI seed; MLX keys take an unsigned 64-bit value.
         seed = params.seed % 2**64 if params.seed is not None else random.getrandbits(63)
         prompt = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
         banned = tuple(sorted(set(eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
-        return cls(params, mx.random.key(seed), prompt_ids=prompt, banned=banned)
+        return cls(params, mx.random.key(seed), prompt_ids=prompt, banned=banned, constraint=constraint)
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -48,17 +50,23 @@ class SeqSampling:
         return sum(self.counts.values())
 
 
-def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = ()) -> mx.array:
-    """Logit bias, the min_tokens ban and the penalties, for one row. `ahead`: tokens taken after the
-    state's (accepted drafts before this position), counted as if already generated."""
+def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (),
+                   allowed: tuple[mx.array, bool] | None = None) -> mx.array:
+    """The grammar's mask, logit bias, the min_tokens ban and the penalties, for one row. `ahead`:
+    tokens taken after the state's (accepted drafts before this position), counted as if already
+    generated. `allowed`: the constraint's (mask, ends) for this position."""
     p = state.params
     counts = state.counts
+    ends = False
+    if allowed is not None:
+        mask, ends = allowed
+        row = mx.where(mask, row, mx.array(-float("inf"), dtype=row.dtype))
     if ahead and (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0):
         counts = counts + Counter(ahead)
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
-    if state.banned and state.generated + len(ahead) < p.min_tokens:
+    if state.banned and state.generated + len(ahead) < p.min_tokens and not ends:  # a complete grammar wins
         row = row.at[mx.array(state.banned)].add(-float("inf"))
     if p.repetition_penalty != 1 and (counts or state.prompt_ids):
         ids = mx.array(sorted(state.prompt_ids | counts.keys()))
@@ -94,7 +102,8 @@ def filter_logits(row: mx.array, p: SamplingParams) -> mx.array:
 
 def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
-    rows = [process_logits(logits[i], s) for i, s in enumerate(states)]
+    rows = [process_logits(logits[i], s, allowed=s.constraint.allowed() if s.constraint else None)
+            for i, s in enumerate(states)]
     tokens = []
     for row, s in zip(rows, states):
         if s.params.greedy:
@@ -108,6 +117,8 @@ def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list
     ids = tokens_arr.tolist()
     for tok, s in zip(ids, states):
         s.counts[tok] += 1
+        if s.constraint is not None:
+            s.constraint.advance([tok])
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     for j, i in enumerate(want_lp):
         chosen, top_ids, top_vals = lp_parts[3 * j : 3 * j + 3]

@@ -58,6 +58,8 @@ def verify(proposals: list[Proposal]) -> list[Verified]:
         tokens, accepted = g.decide(p.drafts)
         for t in tokens:
             p.state.counts[t] += 1
+        if p.state.constraint is not None:
+            p.state.constraint.advance(tokens)
         out.append(Verified(tokens, accepted, _logprobs(g.rows, tokens, p.state) if p.state.params.logprobs
                             is not None else None))
     return out
@@ -104,7 +106,9 @@ def _graph(p: Proposal) -> _Greedy | _Stochastic:
     k = len(p.drafts)
     if p.logits.shape[0] != k + 1:
         raise ValueError(f"{p.logits.shape[0]} rows of logits for {k} drafts")
-    rows = [process_logits(p.logits[j], p.state, p.drafts[:j]) for j in range(k + 1)]
+    c = p.state.constraint
+    rows = [process_logits(p.logits[j], p.state, p.drafts[:j], c.allowed(j, p.drafts) if c else None)
+            for j in range(k + 1)]
     params = p.state.params
     if params.greedy:
         return _Greedy(mx.argmax(mx.stack(rows), axis=-1), rows)

@@ -65,13 +65,18 @@ class Speculator:
                 candidates.append((seq, k))
         if self.draft is not None:
             return self._propose_draft(candidates, len(decoding), sampling)
-        return self._propose_ngram(candidates, len(decoding))
+        return self._propose_ngram(candidates, len(decoding), sampling)
 
-    def _propose_ngram(self, candidates: list[tuple[Sequence, int]], rows: int) -> dict[int, tuple[int, ...]]:
+    def _propose_ngram(self, candidates: list[tuple[Sequence, int]], rows: int,
+                       sampling: Callable[[int], SeqSampling | None]) -> dict[int, tuple[int, ...]]:
         ratio = self.cost.slope_ratio()
         drafts: dict[int, tuple[int, ...]] = {}
         for seq, k in candidates:
             proposal = tuple(self.proposer.propose(seq.uid, seq.tokens, k))
+            state = sampling(seq.uid) if proposal else None
+            if state is not None and state.constraint is not None:
+                # A point-mass draft the grammar forbids is surely rejected: verifying it is wasted work.
+                proposal = proposal[: state.constraint.valid_prefix(proposal)]
             if not proposal:
                 continue
             acc = self._seqs.setdefault(seq.uid, Acceptance())

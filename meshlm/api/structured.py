@@ -1,0 +1,78 @@
+"""A request's output constraint -> one llguidance grammar, compiled (and cached) before it is queued.
+
+Sources, at most one per request (two is a 400: which should win is not ours to guess):
+- `response_format`: `json_object` (any JSON object) or `json_schema` (OpenAI's, `strict` or not:
+  the output is held to the schema either way);
+- `structured_outputs` (vLLM's extension): `json` (a schema), `regex`, `choice` (one of the strings),
+  `grammar` (a Lark grammar in llguidance's dialect);
+- tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py).
+
+Compiling runs on a worker thread, so a slow grammar never stalls the event loop, and llguidance's
+fuel limits bound it; whatever llguidance refuses (invalid schema, unsupported keywords, too complex)
+is a 400 that quotes its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from meshlm.api.errors import bad_request
+from meshlm.api.schemas import ChatCompletionRequest, _Request
+from meshlm.api.tools import ToolPlan
+from meshlm.engine.grammar import GrammarError, Grammars
+
+
+async def request_grammar(grammars: Grammars | None, req: _Request, tools: ToolPlan | None = None) -> str | None:
+    """The llguidance grammar the request's output must match (checked to compile), or None."""
+    sources = _sources(req, tools)
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise bad_request(f"{' and '.join(p for p, _ in sources)} both constrain the output; give one",
+                          param=sources[1][0])
+    param, build = sources[0]
+    if grammars is None:
+        raise bad_request("this server was started without constrained output support", param=param)
+    try:
+        grammar = build(grammars)
+        await asyncio.to_thread(grammars.check, grammar)
+    except GrammarError as exc:
+        raise bad_request(f"{param}: {exc}", param=param)
+    return grammar
+
+
+def _sources(req: _Request, tools: ToolPlan | None) -> list[tuple[str, object]]:
+    out = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        out.append(("response_format", lambda g: g.from_json_schema({"type": "object"})))
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_
+        schema = {} if schema is None or schema is True else schema
+        if schema is False:
+            raise bad_request("response_format: a `false` schema matches nothing", param="response_format")
+        out.append(("response_format", lambda g: g.from_json_schema(schema)))
+    so = req.structured_outputs
+    if so is not None:
+        out.append(("structured_outputs", lambda g: _structured(g, so)))
+    if isinstance(req, ChatCompletionRequest) and tools is not None and tools.schema is not None:
+        out.append(("tool_choice", lambda g: g.from_json_schema(tools.schema)))
+    return out
+
+
+def _structured(g: Grammars, so) -> str:
+    if so.json_ is not None:
+        schema = so.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(f"json is not valid JSON: {exc}") from None
+        return g.from_json_schema(schema)
+    if so.regex is not None:
+        return g.from_regex(so.regex)
+    if so.choice is not None:
+        return g.from_regex("|".join(f"(?:{re.escape(c)})" for c in so.choice))
+    return g.from_lark(so.grammar)

@@ -1,0 +1,224 @@
+"""Tool calling: what the model is shown, what its output is held to, and how calls are read back.
+
+`tool_choice`:
+- `none` (or no tools): plain chat; the tools are not rendered.
+- `auto` (the default when tools are given): the tools go through the model's chat template and the
+  model's own tool-call syntax is parsed out of its text with mlx-lm's parser for that template
+  (`mlx_lm.tool_parsers`). A template that cannot render tools gets the FALLBACK_PROMPT as a
+  system message instead, and its calls are read in that prompt's `<tool_call>{json}</tool_call>`
+  syntax.
+- `required`: the output is grammar-constrained to a JSON array of calls
+  `[{"name": ..., "arguments": {...}}]`, each valid against its function's parameters (one call
+  unless `parallel_tool_calls`), as vLLM does.
+- a named function: the output is constrained to that function's arguments object.
+
+A response that made calls has `tool_calls` and `finish_reason: "tool_calls"`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
+
+log = logging.getLogger(__name__)
+
+FALLBACK_START, FALLBACK_END = "<tool_call>", "</tool_call>"
+FALLBACK_PROMPT = (
+    "You can call the functions described below. To call one, answer with nothing but\n"
+    f'{FALLBACK_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{FALLBACK_END}\n'
+    "(one such block per call). Otherwise answer normally.\n\nFunctions:\n{tools}"
+)
+
+
+def _any_object() -> dict:
+    return {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    tools: tuple[dict, ...]  # OpenAI tool objects, as the template receives them
+    named: str | None = None
+    parallel: bool = True
+    start: str | None = None  # the tool-call syntax parsed in `auto` mode (None: no parser)
+    end: str | None = None
+    parser: Callable | None = field(default=None, compare=False)
+
+    @property
+    def schema(self) -> dict | None:
+        """The JSON schema the output is held to (None: free text, `auto`)."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or _any_object() for t in self.tools}
+        if self.mode == "named":
+            return params[self.named]
+        if self.mode != "required":
+            return None
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for n, p in params.items()]}
+        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+
+    # -- reading calls back ------------------------------------------------
+    def calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls in OpenAI's shape) from the whole output of one choice."""
+        if self.mode == "named":
+            return None, [_call(self.named, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:  # cut off by max_tokens: nothing valid to hand back as a call
+                return text, []
+            return None, [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+        if self.start is None or self.start not in text:
+            return text, []
+        content, calls, rest = text[: text.index(self.start)], [], text
+        while self.start in rest:
+            body = rest[rest.index(self.start) + len(self.start):]
+            cut = body.find(self.end) if self.end else -1
+            segment, rest = (body, "") if cut < 0 else (body[:cut], body[cut + len(self.end):])
+            try:
+                parsed = self.parser(segment, list(self.tools))
+            except Exception as exc:  # the model's own text: anything can be wrong with it
+                log.info("unparsable tool call left as text (%s: %s)", type(exc).__name__, exc)
+                return text, []
+            for c in parsed if isinstance(parsed, list) else [parsed]:
+                args = c.get("arguments", {})
+                calls.append(_call(str(c.get("name")), args if isinstance(args, str)
+                                   else json.dumps(args, ensure_ascii=False)))
+        return (content.strip() or None), calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
+    """None when the request has no tools or `tool_choice` is none."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return ToolPlan("named", tools, named=req.tool_choice.function.name, parallel=parallel)
+    if req.tool_choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    if template_renders_tools(tokenizer) and getattr(tokenizer, "tool_parser", None) is not None:
+        return ToolPlan("auto", tools, parallel=parallel, start=tokenizer.tool_call_start,
+                        end=tokenizer.tool_call_end, parser=tokenizer.tool_parser)
+    return ToolPlan("auto", tools, parallel=parallel, start=FALLBACK_START, end=FALLBACK_END,
+                    parser=_fallback_parser)
+
+
+def _fallback_parser(text: str, tools) -> dict:
+    return json.loads(text.strip())
+
+
+def template_renders_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:
+    """Messages (and extra template arguments) for the chat template."""
+    native = plan is not None and plan.mode == "auto" and plan.start != FALLBACK_START
+    messages = []
+    for m in req.messages:
+        msg: dict = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                     for c in m.tool_calls]
+            if native or template_renders_tools(tokenizer):
+                msg["tool_calls"] = calls
+            else:  # a template without tools support sees the calls in the fallback syntax
+                msg["content"] += "".join(
+                    f"{FALLBACK_START}{json.dumps(c['function'], ensure_ascii=False)}{FALLBACK_END}" for c in calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    if plan is None:
+        return messages, {}
+    if native or template_renders_tools(tokenizer):
+        return messages, {"tools": list(plan.tools)}
+    prompt = FALLBACK_PROMPT.replace("{tools}", "\n".join(json.dumps(t["function"], ensure_ascii=False)
+                                                          for t in plan.tools))
+    if messages and messages[0]["role"] in ("system", "developer"):
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return messages, {}
+
+
+def _arguments(text: str):
+    """Templates expect arguments as an object; a client may send any string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class ToolStream:
+    """One streamed choice's deltas: a named call streams its arguments as they come; `required`
+    calls are sent once the array is complete; `auto` streams text until the tool-call syntax starts
+    (a possible start of it is held back), then sends the parsed calls at the end."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.buffer = ""  # text not sent yet
+        self.sent_text = False
+        self.in_call = False
+        self.calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        p = self.plan
+        if p.mode == "named":
+            if not self.calls:
+                self.calls = 1
+                head = _call(p.named, "")
+                return [{"tool_calls": [{"index": 0, **head, "function": {"name": p.named, "arguments": text}}]}]
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+        self.buffer += text
+        if p.mode == "required" or self.in_call or p.start is None:
+            return self._text_if_free()
+        at = self.buffer.find(p.start)
+        if at >= 0:
+            self.in_call = True
+            head, self.buffer = self.buffer[:at], self.buffer[at:]
+            return [{"content": head}] if head else []
+        keep = _partial_suffix(self.buffer, p.start)
+        head, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return [{"content": head}] if head else []
+
+    def _text_if_free(self) -> list[dict]:
+        if self.plan.mode == "auto" and self.plan.start is None:
+            head, self.buffer = self.buffer, ""
+            return [{"content": head}] if head else []
+        return []
+
+    def finish(self) -> list[dict]:
+        """Deltas for what was held back; sets `calls` to the number of calls made."""
+        if self.plan.mode == "named":
+            return []
+        content, calls = self.plan.calls(self.buffer) if self.plan.mode == "required" or self.in_call \
+            else (self.buffer or None, [])
+        out = [{"content": content}] if content else []
+        if calls:
+            out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        self.calls = len(calls)
+        self.buffer = ""
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -1,0 +1,177 @@
+"""Grammar-constrained sampling (leader only): llguidance matchers and the token masks they allow.
+
+A constrained request carries an llguidance grammar (JSON Schema, regex, Lark
+or a choice list, compiled to llguidance's own JSON form by the API). The
+`Grammars` object owns the tokenizer llguidance needs and a cache of
+validated grammars, so a schema that many requests share is compiled once;
+each sequence gets a copy of the cached matcher (`Constraint`).
+
+Sampling only happens on the leader, so constraints work unchanged whatever
+the layout of the ranks (tensor, pipeline, context parallel). The engine asks
+each constrained sequence for its next mask right after it launches a forward
+(`prefetch`), so the mask is computed while the ranks compute logits.
+
+Speculative decoding: row j of a verified chunk is masked with the grammar's
+state after drafts[:j]; a draft the grammar forbids has probability 0 under
+the masked target, so it is rejected like any other, and the rows after it
+are never reached. Masks along the drafts are computed by consuming them and
+rolling back.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar text larger than this is refused before compiling
+CACHE_SIZE = 256  # validated grammars kept (LRU), each with a compiled matcher to copy
+# llguidance's own fuel limits bound compile and mask time (its defaults are generous: ~20 ms of
+# lexer work to build a grammar, ~15 ms per mask step at most); these are tighter.
+LIMITS = dict(initial_lexer_fuel=500_000, step_lexer_fuel=100_000, step_max_items=40_000,
+              max_lexer_states=100_000, max_grammar_size=200_000)
+
+
+# JSON as json.dumps writes it: no free whitespace, which a model (a random one above all) could spend
+# its whole budget on. A schema's own "x-guidance" options still override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance refuses (invalid, unsupported features, too complex): a client error."""
+
+
+@dataclass
+class _Compiled:
+    matcher: object  # an llguidance LLMatcher at its start state: copied for each sequence
+    warnings: tuple[str, ...] = ()
+
+
+class Grammars:
+    """llguidance's view of the tokenizer plus the cache of compiled grammars (thread-safe: the API
+    validates on worker threads while the engine thread creates constraints)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        backend = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
+        eos = sorted(eos_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(backend, n_vocab=vocab_size, eos_token=eos)
+        self._limits = llguidance.LLParserLimits(**LIMITS)
+        self._cache: collections.OrderedDict[str, _Compiled | GrammarError] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- grammar sources -> llguidance grammars (no compile yet) -----------
+    def from_json_schema(self, schema: dict | str) -> str:
+        try:
+            return self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+
+    def from_regex(self, regex: str) -> str:
+        return self._ll.LLMatcher.grammar_from_regex(regex)
+
+    def from_lark(self, lark: str) -> str:
+        return self._ll.LLMatcher.grammar_from_lark(lark)
+
+    # -- compile and cache -------------------------------------------------
+    def check(self, grammar: str) -> None:
+        """Compile (or find cached) `grammar`; GrammarError saying why it cannot be used."""
+        self._compiled(grammar)
+
+    def constraint(self, grammar: str) -> "Constraint":
+        return Constraint(self._compiled(grammar).matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
+
+    def _compiled(self, grammar: str) -> _Compiled:
+        with self._lock:
+            hit = self._cache.get(grammar)
+            if hit is not None:
+                self._cache.move_to_end(grammar)
+        if hit is None:
+            hit = self._compile(grammar)  # outside the lock: compiling can take a while (it drops the GIL)
+            with self._lock:
+                self._cache[grammar] = hit
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise hit
+        return hit
+
+    def _compile(self, grammar: str) -> _Compiled | GrammarError:
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            return GrammarError(f"the grammar is too large ({len(grammar)} characters after compilation to "
+                                f"llguidance's form; at most {MAX_GRAMMAR_CHARS})")
+        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
+                                                                               limits=self._limits)
+        if is_error:
+            return GrammarError(messages[0] if messages else "invalid grammar")
+        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            return GrammarError(matcher.get_error())
+        return _Compiled(matcher, tuple(messages))
+
+
+class Constraint:
+    """One sequence's grammar state and the masks it allows (bool arrays over the model's vocabulary)."""
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._words = (vocab_size + 31) // 32
+        self._ahead: tuple[int, ...] = ()  # drafts the cached masks were computed along
+        self._masks: list[tuple[mx.array, bool]] = []  # per position: (allowed, only EOS/end allowed)
+
+    def prefetch(self, drafts: tuple[int, ...] = ()) -> None:
+        """Compute the masks for the next token and along `drafts` (rows of a verified chunk)."""
+        if self._masks and self._ahead == drafts:
+            return
+        masks, consumed = [], 0
+        for j in range(len(drafts) + 1):
+            masks.append(self._mask())
+            if j == len(drafts) or not self.matcher.consume_token(drafts[j]):
+                break
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        # Positions after a forbidden draft are never reached (it is rejected); they reuse its mask.
+        masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
+        self._ahead, self._masks = drafts, masks
+
+    def allowed(self, position: int = 0, drafts: tuple[int, ...] = ()) -> tuple[mx.array, bool]:
+        """(mask, ends) for row `position` of a chunk with `drafts`; `ends`: the grammar is complete and
+        allows nothing but ending (so a min_tokens ban on EOS must yield)."""
+        self.prefetch(drafts)
+        return self._masks[position]
+
+    def valid_prefix(self, drafts: tuple[int, ...]) -> int:
+        """How many leading drafts the grammar allows (n-gram drafts are cut there: they are a point mass,
+        so cutting changes nothing but the wasted work)."""
+        return self.matcher.validate_tokens(list(drafts)) if drafts else 0
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume the tokens a step took. A refused token cannot happen (it was masked); if it does,
+        the matcher stops and every later mask allows only ending."""
+        self._ahead, self._masks = (), []
+        for t in tokens:
+            if not self.matcher.consume_token(t):
+                log.error("grammar refused sampled token %d: %s", t, self.matcher.get_error())
+                break
+
+    def _mask(self) -> tuple[mx.array, bool]:
+        words = np.full(self._words, -1, dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size].astype(np.bool_)
+        if not bits.any():  # a matcher in its error state allows nothing: end the sequence instead
+            bits[list(self.eos_token_ids)] = True
+        return mx.array(bits), self.matcher.is_stopped()
