@@ -220,17 +220,23 @@ class ChatCompletionRequest(_Request):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
 
-    @model_validator(mode="after")
-    def _tools_consistent(self) -> "ChatCompletionRequest":
-        names = [t.function.name for t in self.tools or ()]
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or ()]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
-        choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("function names must be unique")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, value, info):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if value not in (None, "none", "auto") and not names:
             raise ValueError("tool_choice needs `tools`")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names function {choice.function.name[:64]!r}, which is not in `tools`")
-        return self
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names function {value.function.name[:64]!r}, which is not in `tools`")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,6 +32,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar text larger than this is refused before compiling
+MAX_FIRST_MASK_SECONDS = 0.1  # a grammar whose first token mask takes longer is refused
 CACHE_SIZE = 256  # validated grammars kept (LRU), each with a compiled matcher to copy
 # llguidance's own fuel limits bound compile and mask time (its defaults are generous: ~20 ms of
 # lexer work to build a grammar, ~15 ms per mask step at most); these are tighter.
@@ -45,6 +47,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class GrammarError(ValueError):
     """A grammar llguidance refuses (invalid, unsupported features, too complex): a client error."""
+
+
+class _Slow(GrammarError):
+    pass
 
 
 @dataclass
@@ -75,7 +81,7 @@ class Grammars:
     def from_json_schema(self, schema: dict | str) -> str:
         try:
             return self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as exc:
+        except Exception as exc:  # llguidance raises ValueError, but a schema is anything a client sent
             raise GrammarError(f"invalid JSON schema: {exc}") from None
 
     def from_regex(self, regex: str) -> str:
@@ -99,6 +105,8 @@ class Grammars:
                 self._cache.move_to_end(grammar)
         if hit is None:
             hit = self._compile(grammar)  # outside the lock: compiling can take a while (it drops the GIL)
+            if isinstance(hit, _Slow):  # timed on a possibly busy machine: refused now, not remembered
+                raise GrammarError(str(hit))
             with self._lock:
                 self._cache[grammar] = hit
                 while len(self._cache) > CACHE_SIZE:
@@ -111,13 +119,25 @@ class Grammars:
         if len(grammar) > MAX_GRAMMAR_CHARS:
             return GrammarError(f"the grammar is too large ({len(grammar)} characters after compilation to "
                                 f"llguidance's form; at most {MAX_GRAMMAR_CHARS})")
-        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
-                                                                               limits=self._limits)
+        try:
+            is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
+                                                                                   limits=self._limits)
+        except Exception as exc:
+            return GrammarError(f"invalid grammar: {exc}")
         if is_error:
             return GrammarError(messages[0] if messages else "invalid grammar")
         matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            return GrammarError(matcher.get_error())
+        # llguidance builds its lexer lazily: the first mask is where a pathological grammar costs.
+        # Computing it here (on the API's worker thread, not the engine's) bounds that cost per request.
+        probe = matcher.deep_copy()
+        t0 = time.perf_counter()
+        probe.compute_bitmask()
+        took = time.perf_counter() - t0
+        if matcher.is_error() or probe.is_error():
+            return GrammarError(matcher.get_error() or probe.get_error())
+        if took > MAX_FIRST_MASK_SECONDS:
+            return _Slow(f"the grammar is too complex: its first step took {took * 1000:.0f} ms "
+                                f"(at most {MAX_FIRST_MASK_SECONDS * 1000:.0f} ms)")
         return _Compiled(matcher, tuple(messages))
 
 
@@ -136,14 +156,15 @@ class Constraint:
         """Compute the masks for the next token and along `drafts` (rows of a verified chunk)."""
         if self._masks and self._ahead == drafts:
             return
-        masks, consumed = [], 0
-        for j in range(len(drafts) + 1):
+        # A refused token would put the matcher in its error state for good: consume only valid ones.
+        valid = self.valid_prefix(drafts)
+        masks = []
+        for j in range(valid + 1):
             masks.append(self._mask())
-            if j == len(drafts) or not self.matcher.consume_token(drafts[j]):
-                break
-            consumed += 1
-        if consumed:
-            self.matcher.rollback(consumed)
+            if j < valid:
+                self.matcher.consume_token(drafts[j])
+        if valid:
+            self.matcher.rollback(valid)
         # Positions after a forbidden draft are never reached (it is rejected); they reuse its mask.
         masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
         self._ahead, self._masks = drafts, masks

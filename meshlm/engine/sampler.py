@@ -122,9 +122,15 @@ def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     for j, i in enumerate(want_lp):
         chosen, top_ids, top_vals = lp_parts[3 * j : 3 * j + 3]
-        top = tuple(zip(top_ids.tolist(), top_vals.tolist()))
+        top = top_alternatives(top_ids.tolist(), top_vals.tolist())
         logprobs[i] = TokenLogprob(ids[i], chosen.item(), top)
     return ids, logprobs
+
+
+def top_alternatives(ids: list[int], values: list[float]) -> tuple[tuple[int, float], ...]:
+    """The top-k (id, logprob) pairs, without tokens a mask made impossible (-inf is not JSON, and a
+    token the grammar or the bias forbids is no alternative)."""
+    return tuple((i, v) for i, v in zip(ids, values) if v != float("-inf"))
 
 
 def _logprob_graph(rows, tokens, states, want):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from meshlm.engine.request import TokenLogprob
-from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits
+from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits, top_alternatives
 
 
 @dataclass(frozen=True)
@@ -142,5 +142,5 @@ def _logprobs(rows: list[mx.array], tokens: list[int], state: SeqSampling) -> li
         top = mx.argsort(-lp)[:k] if k else mx.array([], dtype=mx.uint32)
         parts.append((lp[tok], top, lp[top] if k else mx.array([])))
     mx.eval(parts)
-    return [TokenLogprob(tok, chosen.item(), tuple(zip(top.tolist(), vals.tolist())))
+    return [TokenLogprob(tok, chosen.item(), top_alternatives(top.tolist(), vals.tolist()))
             for tok, (chosen, top, vals) in zip(tokens, parts)]

@@ -143,10 +143,11 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"stop_token_ids": [VOCAB + 3]}, "stop_token_ids"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": "x" * 1001}, "stop"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])
@@ -232,7 +233,7 @@ def test_long_stop_strings_do_not_slow_other_streams(server):
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "user", "ignore_eos", "echo",
-          "best_of", "suffix", "tools", "response_format", "min_tokens", "stop_token_ids", "role", "content"]
+          "best_of", "suffix", "tools", "tool_choice", "response_format", "structured_outputs", "min_tokens", "stop_token_ids", "role", "content"]
 
 
 def _value(rng: random.Random, depth: int = 0):

@@ -1,0 +1,289 @@
+"""Structured outputs and tool calls over a real socket, with the official client where it has a helper.
+
+On a random-weight model only the grammar can make output valid, so every check here is a check of
+the constraint. Schemas bound their strings and numbers: a random model would otherwise write one
+string until max_tokens (the output would be a valid prefix, cut off with finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel, Field
+
+from tests.integration.conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+Word = Annotated[str, Field(max_length=8)]
+
+
+class Owner(BaseModel):
+    id: int = Field(ge=1, le=999)
+    email: str = Field(pattern=r"^[a-z]{1,6}@[a-z]{1,6}\.(com|org)$")
+
+
+class Pet(BaseModel):
+    name: Word
+    kind: Literal["cat", "dog", "bird"]
+    age: int = Field(ge=0, le=30)
+    tags: list[Word] = Field(min_length=1, max_length=3)
+    owner: Owner
+
+
+PET_SCHEMA = to_strict_json_schema(Pet)  # what the official client sends for `parse`
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+CONTEXT = ("--max-model-len", "2048")  # the fallback tools prompt alone is ~450 tokens of the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = ServerProcess(tiny_model, *CONTEXT, "--max-batch-size", "16", log_dir=tmp_path_factory.mktemp("so"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def parse_pets(url: str, n: int, temperature: float = 1.0) -> list:
+    c = openai_client(url)
+    model = c.models.list().data[0].id
+
+    def one(seed: int):
+        r = c.beta.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Describe a pet."}],
+                                          response_format=Pet, max_tokens=200, temperature=temperature, seed=seed)
+        return r.choices[0].message.parsed
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_openai_parse_returns_a_valid_object_20_of_20(server):
+    pets = parse_pets(server.url, 20)
+    assert all(isinstance(p, Pet) for p in pets)
+    assert len({p.model_dump_json() for p in pets}) > 1  # sampled, not one canned answer
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+COMPLEX = {"type": "object", "properties": {
+    "mode": {"enum": ["fast", "slow", 42]},
+    "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5},
+                                               "y": {"type": "number", "minimum": 0, "maximum": 1}},
+              "required": ["x", "y"], "additionalProperties": False},
+    "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4},
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+    "note": {"type": ["string", "null"], "maxLength": 6}},
+    "required": ["mode", "point", "ids", "code", "note"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_with_enum_nesting_bounded_arrays_and_a_pattern_is_honoured(client, stream):
+    for seed in range(4):
+        body = {"messages": ASK, "response_format": json_schema_format(COMPLEX), "max_tokens": 200,
+                "temperature": 1.0, "seed": seed, "stream": stream}
+        text = chat_text(client, body)
+        jsonschema.validate(json.loads(text), COMPLEX)
+
+
+def chat_text(client: httpx.Client, body: dict) -> str:
+    if not body.get("stream"):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        return choice["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["stop"]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+
+
+def test_completions_take_structured_outputs_regex_choice_and_grammar(client):
+    def text(so: dict, **kw) -> list[str]:
+        r = client.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 40, "structured_outputs": so,
+                                                  "temperature": 1.0, "seed": 3, **kw})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+
+    assert all(re.fullmatch(r"[a-z]{2,6}@[a-z]{2,5}\.(com|net)", t)
+               for t in text({"regex": r"[a-z]{2,6}@[a-z]{2,5}\.(com|net)"}, n=3))
+    assert all(t in ("red pill", "blue (pill)?", "none") for t in text({"choice": ["red pill", "blue (pill)?", "none"]}, n=4))
+    assert text({"grammar": 'start: "x" NUM\nNUM: /[0-9]{1,3}/'})[0][0] == "x"
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    assert json.loads(text({"json": schema})[0]) in ({"a": True}, {"a": False})
+
+
+def test_constrained_and_free_rows_share_batches_with_logprobs_stops_and_seeds(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            free = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+            bound = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 7, "logprobs": 2,
+                     "structured_outputs": {"regex": "(ab|cd){1,12}"}}
+            stopped = {**bound, "seed": 8, "stop": ["cd"]}
+            return await asyncio.gather(*[c.post("/v1/completions", json=b)
+                                          for b in (free, bound, stopped, free, bound, stopped)])
+
+    rs = asyncio.run(run())
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    texts = [r.json()["choices"][0]["text"] for r in rs]
+    assert texts[0] == texts[3] and texts[1] == texts[4] and texts[2] == texts[5]  # greedy, seeded
+    assert re.fullmatch("(ab|cd){1,12}", texts[1])
+    assert "cd" not in texts[2] and re.fullmatch("(ab)*", texts[2])  # cut at the stop string
+    lp = rs[1].json()["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]).startswith(texts[1]) and all(v <= 0 for v in lp["token_logprobs"])  # + EOS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_are_well_formed(server, stream, choice):
+    c = openai_client(server.url)
+    model = c.models.list().data[0].id
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        # One call: a random model given an unbounded array of calls may not close it within max_tokens.
+        kw = dict(model=model, messages=ASK, tools=[WEATHER, NOOP], tool_choice=tool_choice, max_tokens=120,
+                  temperature=1.0, seed=seed, parallel_tool_calls=False)
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in c.chat.completions.create(**kw, stream=True):
+                d = chunk.choices[0].delta
+                for tc in d.tool_calls or ():
+                    call = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+                    call["id"] = call["id"] or tc.id
+                    call["name"] += (tc.function.name or "") if tc.function else ""
+                    call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                finish = chunk.choices[0].finish_reason or finish
+            got = [(v["name"], v["arguments"], v["id"]) for _, v in sorted(calls.items())]
+        else:
+            r = c.chat.completions.create(**kw)
+            finish = r.choices[0].finish_reason
+            got = [(t.function.name, t.function.arguments, t.id) for t in r.choices[0].message.tool_calls]
+        assert finish == "tool_calls" and got
+        for name, arguments, call_id in got:
+            assert call_id
+            schema = {"get_weather": WEATHER, "noop": NOOP}[name]["function"]["parameters"]
+            jsonschema.validate(json.loads(arguments), schema)
+            if choice == "named":
+                assert name == "get_weather"
+
+
+def test_a_tool_round_trip_is_templated(client):
+    first = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                                                      "max_tokens": 100, "temperature": 0}).json()
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    history = ASK + [first["choices"][0]["message"],
+                     {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 21}'}]
+    second = client.post("/v1/chat/completions", json={"messages": history, "tools": [WEATHER], "max_tokens": 8,
+                                                       "temperature": 0})
+    assert second.status_code == 200, second.text
+    grew = second.json()["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    assert grew > len(call["function"]["arguments"]) // 4  # the call and the tool's answer are in the prompt
+
+
+def test_tool_choice_auto_on_a_template_without_tools_falls_back(client):
+    """The tiny model's ChatML template cannot render tools: the fallback prompt is used, and free text
+    comes back as content (a random model does not call tools on its own)."""
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "max_tokens": 8,
+                                                  "temperature": 0, "logprobs": True})
+    plain = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 20
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": json_schema_format({"type": "strin"})}, "response_format", "strin"),
+    ({"response_format": json_schema_format({"type": "object", "if": {}, "then": {}})}, "response_format", "if"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", ""),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "((a{1000}){1000}){1000}"}}, "structured_outputs", "too complex"),
+    ({"structured_outputs": {"choice": ["x" * 300_000]}}, "structured_outputs", "too large"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "both"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", ""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "nope"),
+    ({"tool_choice": "required"}, None, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, None, "unique"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "both"),
+])
+def test_bad_constraints_are_400(client, body, param, words):
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"]
+    if param:
+        assert (err["param"] or "").startswith(param)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--tensor-parallel", "2", "--worker-timeout", "5"),
+    ("--speculative", "ngram", "--no-adaptive-speculation", "--num-speculative-tokens", "4", "--ngram-min", "1"),
+], ids=["tp2", "ngram-speculation"])
+def test_constrained_greedy_output_is_identical_to_one_process(server, tiny_model, tmp_path, flags):
+    bodies = [{"messages": [{"role": "user", "content": f"Pet number {i}"}], "max_tokens": 160, "temperature": 0,
+               "response_format": json_schema_format(PET_SCHEMA)} for i in range(3)]
+    bodies += [{"messages": ASK, "tools": [WEATHER, NOOP], "tool_choice": "required", "max_tokens": 120,
+                "temperature": 0, "parallel_tool_calls": False}]
+
+    def answers(url: str) -> list:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            rs = [c.post("/v1/chat/completions", json=b).json()["choices"][0] for b in bodies]
+        return [(r["message"]["content"], [t["function"] for t in r["message"].get("tool_calls") or []]) for r in rs]
+
+    want = answers(server.url)
+    other = ServerProcess(tiny_model, *CONTEXT, *flags, log_dir=tmp_path)
+    try:
+        got = answers(other.url)
+    finally:
+        other.stop()
+    assert got == want
+    for content, _ in want[:3]:
+        Pet.model_validate_json(content)
+
+
+def test_demo_model_parses_and_answers_json_mode(tmp_path_factory):
+    from meshlm.model.demo import demo_model_dir
+
+    srv = ServerProcess(demo_model_dir(), "--max-model-len", "1024", log_dir=tmp_path_factory.mktemp("demo"))
+    try:
+        assert all(isinstance(p, Pet) for p in parse_pets(srv.url, 20))
+        c = openai_client(srv.url)
+        r = c.chat.completions.create(model=c.models.list().data[0].id, response_format={"type": "json_object"},
+                                      messages=[{"role": "user", "content": "Reply with a JSON object with the "
+                                                 "keys city and country, for Paris."}], max_tokens=200, temperature=0)
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    finally:
+        srv.stop()

@@ -1,0 +1,137 @@
+"""Grammar-constrained sampling on a real tokenizer: masks, sampling, verification of drafts, refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from meshlm.engine.grammar import GrammarError, Grammars
+from meshlm.engine.request import SamplingParams
+from meshlm.engine.sampler import SeqSampling, sample
+from meshlm.model import demo
+from meshlm.spec.rejection import Proposal, verify
+
+EOS = 2
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "kind": {"enum": ["cat", "dog"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"}, "minItems": 1, "maxItems": 2},
+    "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["id"], "additionalProperties": False}},
+    "required": ["name", "kind", "age", "tags", "owner"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(demo.make_tiny(tmp_path_factory.mktemp("tiny"), "llama", layers=1, hidden=32,
+                                         heads=2, kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, 520, frozenset({EOS}))  # 520 > the tokenizer's 512: padding rows are masked
+
+
+def state(grammars, grammar: str, **kw) -> SeqSampling:
+    params = SamplingParams(max_tokens=400, seed=kw.pop("seed", 0), grammar=grammar, **kw)
+    return SeqSampling.create(params, eos_token_ids=frozenset({EOS}), constraint=grammars.constraint(grammar))
+
+
+def generate(s: SeqSampling, rng: np.random.Generator, limit: int = 400) -> list[int]:
+    """Sample from random logits until EOS: only the grammar can make the text valid."""
+    out: list[int] = []
+    while len(out) < limit:
+        [tok], _ = sample(mx.array(rng.normal(size=(1, 520)).astype(np.float32) * 3), [s])
+        if tok == EOS:
+            return out
+        out.append(tok)
+    raise AssertionError("no EOS within the limit")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_logits_give_json_that_matches_the_schema(grammars, tokenizer, seed):
+    g = grammars.from_json_schema(SCHEMA)
+    text = tokenizer.decode(generate(state(grammars, g, seed=seed), np.random.default_rng(seed)))
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_regex_choice_and_lark(grammars, tokenizer):
+    rng = np.random.default_rng(1)
+    text = tokenizer.decode(generate(state(grammars, grammars.from_regex(r"[a-z]{2,5}@[a-z]{2,4}\.com")), rng))
+    assert re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.com", text)
+    lark = 'start: "yes" | "no" | "a-b (c)?"'
+    assert tokenizer.decode(generate(state(grammars, grammars.from_lark(lark)), rng)) in ("yes", "no", "a-b (c)?")
+
+
+def test_greedy_masks_the_argmax_away(grammars):
+    """The unconstrained argmax is forbidden: the constrained choice is the best allowed token."""
+    s = state(grammars, grammars.from_regex("b+"), temperature=0)
+    allowed, _ = s.constraint.allowed()
+    ok = np.flatnonzero(np.array(allowed))
+    logits = np.arange(520, dtype=np.float32)[None]  # the highest ids lead, most of them forbidden
+    [tok], _ = sample(mx.array(logits), [s])
+    assert tok == ok.max()
+
+
+def test_verification_rejects_a_forbidden_draft(grammars, tokenizer):
+    """Greedy verification under a grammar gives the tokens plain constrained greedy decoding gives."""
+    g = grammars.from_regex("(ab)+c")
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b", "c")]
+    assert all(len(i) == 1 for i in ids)
+    a, b, c = (i[0] for i in ids)
+    logits = np.zeros((4, 520), dtype=np.float32)
+    logits[:, c] = 5.0  # the model wants "c" everywhere; the grammar allows it only after "ab"
+    logits[:, a] = 4.0
+    logits[:, b] = 3.0
+    plain_state, plain = state(grammars, g, temperature=0), []
+    for j in range(4):
+        [t], _ = sample(mx.array(logits[j : j + 1]), [plain_state])
+        plain.append(t)
+    s = state(grammars, g, temperature=0)
+    [v] = verify([Proposal(mx.array(logits), (a, c, c), s)])  # "c" after "a" is forbidden: rejected
+    assert v.tokens == plain[:2] and v.accepted == 1
+    assert s.constraint.valid_prefix((c,)) == 1  # the state advanced past "ab": "c" may end it now
+
+
+def test_ngram_drafts_are_cut_where_the_grammar_forbids(grammars, tokenizer):
+    s = state(grammars, grammars.from_regex("[ab]+"))
+    a, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "c"))
+    assert s.constraint.valid_prefix((a, a, c, a)) == 2
+
+
+def test_min_tokens_yields_to_a_complete_grammar(grammars, tokenizer):
+    """The grammar allows only EOS once "x" is out; min_tokens would ban EOS: the grammar wins."""
+    s = state(grammars, grammars.from_regex("x"), temperature=0, min_tokens=5)
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    logits = mx.zeros((1, 520))
+    assert sample(logits, [s])[0] == [x]
+    assert sample(logits, [s])[0] == [EOS]
+
+
+def test_compiled_grammars_are_cached(grammars):
+    g = grammars.from_json_schema({"type": "object", "properties": {"q": {"type": "integer"}}})
+    grammars.check(g)
+    assert grammars._compiled(g) is grammars._compiled(g)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda g: g.from_json_schema({"type": "strin"}), "strin"),
+    (lambda g: g.from_json_schema({"type": "object", "if": {"type": "object"}, "then": {}}), "if"),
+    (lambda g: g.from_json_schema({"$ref": "#/nowhere"}), "nowhere"),
+    (lambda g: g.from_regex("(unclosed"), ""),
+    (lambda g: g.from_lark("start: nothing_defined"), "nothing_defined"),
+    # llguidance builds lexers lazily: a grammar whose first step alone is slow is refused at the door
+    (lambda g: g.from_regex("((a{1000}){1000}){1000}"), "too complex"),
+    (lambda g: g.from_json_schema({"enum": [f"v{i}" for i in range(100_000)]}), "too large"),
+])
+def test_bad_grammars_are_refused(grammars, make, words):
+    with pytest.raises(GrammarError) as info:
+        grammars.check(make(grammars))
+    assert words in str(info.value)
