@@ -143,7 +143,7 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"stop_token_ids": [VOCAB + 3]}, "stop_token_ids"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": "x" * 1001}, "stop"),
-    ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools.0.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
