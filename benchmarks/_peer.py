@@ -602,6 +602,14 @@ def resolve_model_dir(model: str, dtype: str) -> Path:
     return path
 
 
+def add_run_args(p) -> None:
+    """The flags every server benchmark takes: readiness, retries, logs, output file."""
+    p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    p.add_argument("--retries", type=int, default=2, help="retries of a request whose connection fails early")
+    p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
+    p.add_argument("--out", help="also write the JSON here")
+
+
 def parse_levels(parser, text: str) -> list[int]:
     """`--streams 1,8,16` -> [1, 8, 16]; a parser error for anything else."""
     try:

@@ -604,11 +604,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-dir", help="where to build (and keep, and reuse) the draft; default: temp dir")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="mlx_lm.server --num-draft-tokens")
     p.add_argument("--no-openblas", action="store_true", help="don't LD_PRELOAD OpenBLAS into the peer")
-    p.add_argument("--ready-timeout", type=float, default=_peer.READY_TIMEOUT_S)
-    p.add_argument("--retries", type=int, default=2, help="retries of a request whose connection fails early")
+    _peer.add_run_args(p)
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
-    p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
-    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.levels = _peer.parse_levels(p, args.streams)
     if args.requests_per_stream < 1 or args.max_tokens < 1 or args.draft_layers < 1:

@@ -295,11 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-cache", action="store_true",
                    help="keep meshlm's prefix cache (default: --no-prefix-cache, as the modes share prompts)")
     p.add_argument("--meshlm-args", default="", help="extra `meshlm serve` flags, e.g. '--speculative ngram'")
-    p.add_argument("--ready-timeout", type=float, default=_peer.READY_TIMEOUT_S)
-    p.add_argument("--retries", type=int, default=2, help="retries of a request whose connection fails early")
+    _peer.add_run_args(p)
     p.add_argument("--seed", type=int, default=0, help="prompt seed (and sampling seed when temperature > 0)")
-    p.add_argument("--keep-logs", action="store_true", help="keep the server log even when all went well")
-    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.levels = _peer.parse_levels(p, ",".join(args.streams))
     if args.rounds < 1 or args.max_tokens < 1 or (args.requests is not None and args.requests < 1):
