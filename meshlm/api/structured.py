@@ -57,8 +57,9 @@ def _sources(req: _Request, tools: ToolPlan | None) -> list[tuple[str, object]]:
     so = req.structured_outputs
     if so is not None:
         out.append(("structured_outputs", lambda g: _structured(g, so)))
-    if isinstance(req, ChatCompletionRequest) and tools is not None and tools.schema is not None:
-        out.append(("tool_choice", lambda g: g.from_json_schema(tools.schema)))
+    calls = tools.schema if isinstance(req, ChatCompletionRequest) and tools is not None else None
+    if calls is not None:
+        out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
     return out
 
 

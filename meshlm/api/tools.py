@@ -23,11 +23,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mlx_lm.tool_parsers import json_tools
+
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
 
 log = logging.getLogger(__name__)
 
-FALLBACK_START, FALLBACK_END = "<tool_call>", "</tool_call>"
+# The fallback syntax is mlx-lm's `json_tools` one (Hermes-style), so its parser reads it.
+FALLBACK_START, FALLBACK_END = json_tools.tool_call_start, json_tools.tool_call_end
 FALLBACK_PROMPT = (
     "You can call the functions described below. To call one, answer with nothing but\n"
     f'{FALLBACK_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{FALLBACK_END}\n'
@@ -45,7 +48,7 @@ class ToolPlan:
     tools: tuple[dict, ...]  # OpenAI tool objects, as the template receives them
     named: str | None = None
     parallel: bool = True
-    start: str | None = None  # the tool-call syntax parsed in `auto` mode (None: no parser)
+    start: str | None = None  # the tool-call syntax parsed in `auto` mode
     end: str | None = None
     parser: Callable | None = field(default=None, compare=False)
 
@@ -111,11 +114,7 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
         return ToolPlan("auto", tools, parallel=parallel, start=tokenizer.tool_call_start,
                         end=tokenizer.tool_call_end, parser=tokenizer.tool_parser)
     return ToolPlan("auto", tools, parallel=parallel, start=FALLBACK_START, end=FALLBACK_END,
-                    parser=_fallback_parser)
-
-
-def _fallback_parser(text: str, tools) -> dict:
-    return json.loads(text.strip())
+                    parser=json_tools.parse_tool_call)
 
 
 def template_renders_tools(tokenizer) -> bool:
@@ -125,7 +124,7 @@ def template_renders_tools(tokenizer) -> bool:
 
 def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:
     """Messages (and extra template arguments) for the chat template."""
-    native = plan is not None and plan.mode == "auto" and plan.start != FALLBACK_START
+    native = template_renders_tools(tokenizer)
     messages = []
     for m in req.messages:
         msg: dict = {"role": m.role, "content": m.text()}
@@ -133,7 +132,7 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
             calls = [{"id": c.id, "type": "function",
                       "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                      for c in m.tool_calls]
-            if native or template_renders_tools(tokenizer):
+            if native:
                 msg["tool_calls"] = calls
             else:  # a template without tools support sees the calls in the fallback syntax
                 msg["content"] += "".join(
@@ -145,7 +144,7 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
         messages.append(msg)
     if plan is None:
         return messages, {}
-    if native or template_renders_tools(tokenizer):
+    if native:
         return messages, {"tools": list(plan.tools)}
     prompt = FALLBACK_PROMPT.replace("{tools}", "\n".join(json.dumps(t["function"], ensure_ascii=False)
                                                           for t in plan.tools))
@@ -172,7 +171,6 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.buffer = ""  # text not sent yet
-        self.sent_text = False
         self.in_call = False
         self.calls = 0
 
@@ -185,8 +183,8 @@ class ToolStream:
                 return [{"tool_calls": [{"index": 0, **head, "function": {"name": p.named, "arguments": text}}]}]
             return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
         self.buffer += text
-        if p.mode == "required" or self.in_call or p.start is None:
-            return self._text_if_free()
+        if p.mode == "required" or self.in_call:  # held back until finish()
+            return []
         at = self.buffer.find(p.start)
         if at >= 0:
             self.in_call = True
@@ -195,12 +193,6 @@ class ToolStream:
         keep = _partial_suffix(self.buffer, p.start)
         head, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return [{"content": head}] if head else []
-
-    def _text_if_free(self) -> list[dict]:
-        if self.plan.mode == "auto" and self.plan.start is None:
-            head, self.buffer = self.buffer, ""
-            return [{"content": head}] if head else []
-        return []
 
     def finish(self) -> list[dict]:
         """Deltas for what was held back; sets `calls` to the number of calls made."""

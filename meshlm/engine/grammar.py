@@ -24,7 +24,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -53,12 +52,6 @@ class _Slow(GrammarError):
     pass
 
 
-@dataclass
-class _Compiled:
-    matcher: object  # an llguidance LLMatcher at its start state: copied for each sequence
-    warnings: tuple[str, ...] = ()
-
-
 class Grammars:
     """llguidance's view of the tokenizer plus the cache of compiled grammars (thread-safe: the API
     validates on worker threads while the engine thread creates constraints)."""
@@ -71,10 +64,11 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         backend = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
-        eos = sorted(eos_token_ids) or None
-        self.tokenizer = llguidance.hf.from_tokenizer(backend, n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = llguidance.hf.from_tokenizer(backend, n_vocab=vocab_size,
+                                                      eos_token=list(self.eos_token_ids) or None)
         self._limits = llguidance.LLParserLimits(**LIMITS)
-        self._cache: collections.OrderedDict[str, _Compiled | GrammarError] = collections.OrderedDict()
+        # grammar text -> an LLMatcher at its start state (copied for each sequence), or why it was refused
+        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     # -- grammar sources -> llguidance grammars (no compile yet) -----------
@@ -96,9 +90,9 @@ class Grammars:
         self._compiled(grammar)
 
     def constraint(self, grammar: str) -> "Constraint":
-        return Constraint(self._compiled(grammar).matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
+        return Constraint(self._compiled(grammar).deep_copy(), self.vocab_size, self.eos_token_ids)
 
-    def _compiled(self, grammar: str) -> _Compiled:
+    def _compiled(self, grammar: str):
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
@@ -115,7 +109,8 @@ class Grammars:
             raise hit
         return hit
 
-    def _compile(self, grammar: str) -> _Compiled | GrammarError:
+    def _compile(self, grammar: str):
+        """An LLMatcher, or the GrammarError saying why not (returned, so that refusals are cached too)."""
         if len(grammar) > MAX_GRAMMAR_CHARS:
             return GrammarError(f"the grammar is too large ({len(grammar)} characters after compilation to "
                                 f"llguidance's form; at most {MAX_GRAMMAR_CHARS})")
@@ -124,7 +119,7 @@ class Grammars:
                                                                                    limits=self._limits)
         except Exception as exc:
             return GrammarError(f"invalid grammar: {exc}")
-        if is_error:
+        if is_error:  # without an error, `messages` holds warnings only
             return GrammarError(messages[0] if messages else "invalid grammar")
         matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         # llguidance builds its lexer lazily: the first mask is where a pathological grammar costs.
@@ -137,8 +132,8 @@ class Grammars:
             return GrammarError(matcher.get_error() or probe.get_error())
         if took > MAX_FIRST_MASK_SECONDS:
             return _Slow(f"the grammar is too complex: its first step took {took * 1000:.0f} ms "
-                                f"(at most {MAX_FIRST_MASK_SECONDS * 1000:.0f} ms)")
-        return _Compiled(matcher, tuple(messages))
+                         f"(at most {MAX_FIRST_MASK_SECONDS * 1000:.0f} ms)")
+        return matcher
 
 
 class Constraint:

@@ -45,6 +45,13 @@ class SeqSampling:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    def record(self, tokens: list[int]) -> None:
+        """The tokens a step took: counted for the penalties, consumed by the grammar."""
+        for t in tokens:
+            self.counts[t] += 1
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
+
     @property
     def generated(self) -> int:
         return sum(self.counts.values())
@@ -116,9 +123,7 @@ def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list
     mx.eval(tokens_arr, *lp_parts)
     ids = tokens_arr.tolist()
     for tok, s in zip(ids, states):
-        s.counts[tok] += 1
-        if s.constraint is not None:
-            s.constraint.advance([tok])
+        s.record([tok])
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     for j, i in enumerate(want_lp):
         chosen, top_ids, top_vals = lp_parts[3 * j : 3 * j + 3]

@@ -56,10 +56,7 @@ def verify(proposals: list[Proposal]) -> list[Verified]:
     out = []
     for p, g in zip(proposals, graphs):
         tokens, accepted = g.decide(p.drafts)
-        for t in tokens:
-            p.state.counts[t] += 1
-        if p.state.constraint is not None:
-            p.state.constraint.advance(tokens)
+        p.state.record(tokens)
         out.append(Verified(tokens, accepted, _logprobs(g.rows, tokens, p.state) if p.state.params.logprobs
                             is not None else None))
     return out
