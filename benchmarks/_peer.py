@@ -602,6 +602,38 @@ def resolve_model_dir(model: str, dtype: str) -> Path:
     return path
 
 
+def prepare_model(model: str | None, tiny_dir: Path, tiny_flags: list[str]) -> tuple[Path, dict[str, Any]]:
+    """`model` (a directory or 'demo'), or else a tiny random model made in `tiny_dir` with
+    `meshlm demo-model --tiny <tiny_flags>`; with what the report says of it (shape, size, origin)."""
+    if model:
+        path = resolve_model_dir(model, "float32")
+        source = "--model"
+    else:
+        path = tiny_dir
+        cmd = [*meshlm_command(), "demo-model", "--tiny", str(path), *tiny_flags]
+        subprocess.run(cmd, check=True, capture_output=True)
+        source = "meshlm " + " ".join(cmd[len(meshlm_command()):]).replace(str(path), "OUT")
+    config = json.loads((path / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    info = {
+        "dir": str(path),
+        "made_by": source,
+        "model_type": config.get("model_type"),
+        "layers": int(config["num_hidden_layers"]),
+        "hidden": config.get("hidden_size"),
+        "intermediate": config.get("intermediate_size"),
+        "heads": heads,
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
+        "vocab": config.get("vocab_size"),
+        "max_position_embeddings": config.get("max_position_embeddings"),
+        "tie_word_embeddings": config.get("tie_word_embeddings"),
+        "stored_dtype": config.get("torch_dtype"),
+        "weights_mb": round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20, 1),
+    }
+    return path, info
+
+
 def add_run_args(p) -> None:
     """The flags every server benchmark takes: readiness, retries, logs, output file."""
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)

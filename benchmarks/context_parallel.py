@@ -58,7 +58,6 @@ import json
 import os
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -149,33 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    if args.model:
-        path = _peer.resolve_model_dir(args.model, "float32")
-        source = "--model"
-    else:
-        path = workdir / "tiny-llama-long"
-        cmd = [*_peer.meshlm_command(), "demo-model", "--tiny", str(path), "--model-type", "llama", "--layers", "2",
-               "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--max-position", str(MAX_POSITION),
-               "--seed", str(args.seed)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        source = "meshlm " + " ".join(cmd[len(_peer.meshlm_command()):]).replace(str(path), "OUT")
-    config = json.loads((path / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    info = {
-        "dir": str(path),
-        "made_by": source,
-        "model_type": config.get("model_type"),
-        "layers": int(config["num_hidden_layers"]),
-        "hidden": config.get("hidden_size"),
-        "heads": heads,
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
-        "vocab": config.get("vocab_size"),
-        "max_position_embeddings": config.get("max_position_embeddings"),
-        "stored_dtype": config.get("torch_dtype"),
-        "weights_mb": round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20, 1),
-    }
-    return path, info
+    return _peer.prepare_model(args.model, workdir / "tiny-llama-long", [
+        "--model-type", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+        "--max-position", str(MAX_POSITION), "--seed", str(args.seed)])
 
 
 def plan_sizes(args: argparse.Namespace, model_info: dict[str, Any]) -> int:

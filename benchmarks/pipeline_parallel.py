@@ -46,7 +46,6 @@ import gc
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -117,34 +116,10 @@ def parse_split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int,
 
 
 def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    if args.model:
-        path = _peer.resolve_model_dir(args.model, "float32")
-        source = "--model"
-    else:
-        path = workdir / f"tiny-{args.model_type}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}"
-        cmd = [*_peer.meshlm_command(), "demo-model", "--tiny", str(path), "--model-type", args.model_type,
-               "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
-               "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        source = "meshlm " + " ".join(cmd[len(_peer.meshlm_command()):]).replace(str(path), "OUT")
-    config = json.loads((path / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    info = {
-        "dir": str(path),
-        "made_by": source,
-        "model_type": config.get("model_type"),
-        "layers": config.get("num_hidden_layers"),
-        "hidden": config.get("hidden_size"),
-        "intermediate": config.get("intermediate_size"),
-        "heads": heads,
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
-        "vocab": config.get("vocab_size"),
-        "tie_word_embeddings": config.get("tie_word_embeddings"),
-        "stored_dtype": config.get("torch_dtype"),
-        "weights_mb": round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20, 1),
-    }
-    return path, info
+    return _peer.prepare_model(
+        args.model, workdir / f"tiny-{args.model_type}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}",
+        ["--model-type", args.model_type, "--layers", str(args.layers), "--hidden", str(args.hidden),
+         "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)])
 
 
 def stage_layout(model_info: dict[str, Any], split: tuple[int, ...] | None):

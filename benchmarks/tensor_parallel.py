@@ -93,33 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    if args.model:
-        path = Path(args.model).expanduser().resolve()
-        source = "--model"
-    else:
-        path = workdir / f"tiny-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}"
-        cmd = [*_peer.meshlm_command(), "demo-model", "--tiny", str(path), "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-               "--seed", str(args.seed)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        source = "meshlm " + " ".join(cmd[len(_peer.meshlm_command()):]).replace(str(path), "OUT")
-    config = json.loads((path / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    info = {
-        "dir": str(path),
-        "made_by": source,
-        "model_type": config.get("model_type"),
-        "layers": config.get("num_hidden_layers"),
-        "hidden": config.get("hidden_size"),
-        "intermediate": config.get("intermediate_size"),
-        "heads": heads,
-        "kv_heads": kv,
-        "vocab": config.get("vocab_size"),
-        "stored_dtype": config.get("torch_dtype"),
-        "weights_mb": round(weights / 2**20, 1),
-    }
+    path, info = _peer.prepare_model(
+        args.model, workdir / f"tiny-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}",
+        ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+         "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)])
+    heads, kv = info["heads"], info["kv_heads"]
     if heads % 2 or kv % 2:
         raise SystemExit(f"{path}: TP=2 must divide the heads ({heads}) and KV heads ({kv})")
     return path, info
