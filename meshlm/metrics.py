@@ -32,6 +32,15 @@ class Metrics:
                                     "plus the target's own token); / verify steps = mean accepted length", registry=r)
         self.spec_accepted_at = Counter("meshlm_spec_accepted_per_position", "Drafts accepted, by draft position "
                                         "(0: the first draft)", ["position"], registry=r)
+        self.disagg_handoffs = Counter("meshlm_disagg_handoffs", "Prompts handed to a prefill server", registry=r)
+        self.disagg_fallbacks = Counter("meshlm_disagg_fallbacks", "Handoffs that ended early, by why: the rest of the "
+                                        "prompt was prefilled here", ["reason"], registry=r)
+        self.disagg_kv_bytes = Counter("meshlm_disagg_kv_bytes", "KV bytes exchanged with other servers",
+                                       ["direction"], registry=r)
+        self.disagg_transfer_time = Histogram("meshlm_disagg_transfer_seconds", "Handoff time, from the request "
+                                              "to its last KV block", buckets=_LATENCY_BUCKETS, registry=r)
+        self.disagg_jobs = Counter("meshlm_disagg_prefill_jobs", "Prefill jobs this server took, by outcome",
+                                   ["outcome"], registry=r)
         self.spec_verify_step_time = Histogram("meshlm_spec_verify_step_seconds", "Duration of steps that verified "
                                                "drafts", buckets=_LATENCY_BUCKETS, registry=r)
 

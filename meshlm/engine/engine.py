@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 
@@ -67,6 +67,25 @@ class PromptTooLong(ValueError):
     pass
 
 
+class Handoff(Protocol):
+    """Disaggregated prefill, decode side (disagg/prefill_client.py): long prompts' KV computed elsewhere."""
+
+    def plan(self, prompt_ids: list[int], cached: Callable[[list[bytes]], int]): ...
+
+    def start(self, handoff, done: Callable[[], None]):
+        """Runs the handoff on another thread; returns something with `cancel()`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Export:
+    """Disaggregated prefill, prefill side: hand the prompt's blocks from `first_block` on to `sink(index,
+    block data)` as they become final (on the engine thread, before the step that follows them runs)."""
+
+    first_block: int
+    sink: Callable[[int, object], None]
+
+
 @dataclass
 class _Pending:
     """A step's results waiting to be streamed while the next step computes."""
@@ -85,6 +104,7 @@ class _Tracked:
     emit: OutputCallback
     last_token_time: float | None = None
     logprobs: list = field(default_factory=list)
+    export: Export | None = None
 
 
 class Engine:
@@ -103,6 +123,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         grammars: Grammars | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -135,11 +156,15 @@ class Engine:
         # Plans submitted but not yet computed: a pipeline keeps one per stage in flight (micro-batches).
         self._depth = max(1, getattr(executor, "depth", 1))
         self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self.handoff = handoff
+        self._handing_off: dict[int, tuple[Sequence, Any]] = {}  # uid -> (sequence, its transfer)
 
     # -- public, thread-safe ----------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback) -> int:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback,
+               export: Export | None = None) -> int:
         """Queue a sequence. Raises PromptTooLong, QueueFull, ValueError (an id outside the vocabulary:
-        the API checks first, this is the last line before the model), or RuntimeError when unhealthy."""
+        the API checks first, this is the last line before the model), or RuntimeError when unhealthy.
+        A long prompt may first go to a prefill server (`handoff`); it joins the queue once its KV is here."""
         if self.problem:
             raise RuntimeError(f"engine unavailable: {self.problem}")
         self._check_vocab(prompt_ids, "prompt")
@@ -157,13 +182,47 @@ class Engine:
         with self._wake:
             uid = next(self._uids)
             seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
+            if export is not None:
+                seq.export_from = export.first_block
             sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids, constraint)
-            tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit)
-            self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
+            tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), emit,
+                               export=export)
+            handoff = self._plan_handoff(seq) if export is None else None
+            if handoff is None:
+                self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
+            else:  # its end waits for this lock, so the entry is in place before it is looked for
+                self._handing_off[uid] = (seq, self.handoff.start(handoff, lambda: self._handed_back(uid)))
             self._tracked[uid] = tracked
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self._wake.notify()
         return uid
+
+    def _plan_handoff(self, seq: Sequence):
+        """Under the lock: a handoff for this prompt, or None to prefill it here. A handoff takes a place
+        in the waiting queue from now on (QueueFull when there is none)."""
+        if self.handoff is None:
+            return None
+        handoff = self.handoff.plan(seq.prompt_ids, self.scheduler.blocks.cached_prefix)
+        waiting = len(self.scheduler.waiting) + len(self._handing_off)
+        if handoff is not None and waiting >= self.scheduler.config.max_waiting:
+            raise QueueFull(f"{waiting} requests already waiting")
+        return handoff
+
+    def _handed_back(self, uid: int) -> None:
+        """A handoff ended (its blocks are in the received tier, or it failed): the sequence queues to be
+        admitted, finding the received blocks like prefix-cache hits. Called from the transfer's thread."""
+        with self._wake:
+            entry = self._handing_off.pop(uid, None)
+            if entry is None:  # the engine failed meanwhile: the request has its error already
+                return
+            self.scheduler.add(entry[0], reserved=True)
+            self._wake.notify()
+
+    def deliver(self, uid: int, index: int, data) -> None:
+        """The runner's KV exporter: block `index` of `uid` is final (on the engine thread)."""
+        t = self._tracked.get(uid)
+        if t is not None and t.export is not None:
+            t.export.sink(index, data)
 
     def _check_vocab(self, ids: list[int], what: str) -> None:
         if ids and self.vocab_size is not None and not (0 <= min(ids) and max(ids) < self.vocab_size):
@@ -172,6 +231,10 @@ class Engine:
     def abort(self, uid: int) -> None:
         with self._wake:
             self.scheduler.abort(uid)
+            entry = self._handing_off.get(uid)
+            if entry is not None:  # it is reaped as an abort once its transfer has ended
+                entry[0].aborted = True
+                entry[1].cancel()
             self._wake.notify()
 
     def start(self) -> None:
@@ -430,6 +493,10 @@ class Engine:
             self.error = self.error or message
             with self._lock:
                 seqs = self.scheduler.fail_all()
+                handing_off, self._handing_off = list(self._handing_off.values()), {}
+            for seq, transfer in handing_off:
+                transfer.cancel()
+                seqs.append(seq)
             for seq in seqs:
                 self._finish(seq.uid, FinishReason.ERROR, error=message)
             if recover:

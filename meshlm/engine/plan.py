@@ -75,6 +75,13 @@ class BlockSave:
 
 
 @dataclass(frozen=True)
+class BlockExport:
+    uid: int
+    index: int  # the block's place in the sequence's table
+    block: int  # before the forward, hand a copy of `block` to this rank's KV exporter (disaggregated prefill)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step_id: int
     new: tuple[NewSequence, ...] = ()
@@ -85,6 +92,7 @@ class StepPlan:
     copies: tuple[BlockCopy, ...] = ()
     loads: tuple[BlockLoad, ...] = ()
     saves: tuple[BlockSave, ...] = ()
+    exports: tuple[BlockExport, ...] = ()
     num_blocks: int = 0  # block ids below this may appear: every rank's pools must hold them
     fingerprint: int = 0
 
@@ -94,7 +102,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.new or self.chunks or self.removed or self.trims or self.saves)
+        return not (self.new or self.chunks or self.removed or self.trims or self.saves or self.exports)
 
 
 def batch_fingerprint(lengths: dict[int, int]) -> int:

@@ -85,6 +85,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     aborted: bool = False
     num_preemptions: int = 0
+    # Disaggregated prefill, on the prefill server: the prompt's blocks from this index on are handed
+    # to the KV exporter as they become final (None: nothing is exported); `exported`: blocks handed so far.
+    export_from: int | None = None
+    exported: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -21,8 +21,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from meshlm.config import SchedulerConfig
-from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk,
-                                NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint)
+from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockExport, BlockLoad, BlockSave,
+                                Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint)
 from meshlm.engine.request import FinishReason, Sequence, SeqStatus
 from meshlm.kv.blocks import BlockManager
 
@@ -65,8 +65,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- intake -----------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+    def add(self, seq: Sequence, reserved: bool = False) -> None:
+        """`reserved`: the sequence held a place in the queue already (a prefill handoff)."""
+        if not reserved and len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         self.waiting.append(seq)
 
@@ -88,6 +89,7 @@ class Scheduler:
         flight (a pipeline's other micro-batches), which wait for its results; `max_rows`: at most this
         many sequences in the plan, so a pipeline's micro-batches stay even. Returns the plan and
         sequences that ended without running (aborts)."""
+        exports = self._exports()  # before the reap: a sequence that just finished still holds its blocks
         ended = self._reap()
         drafts = drafts or {}
         draft = _Draft()
@@ -111,6 +113,7 @@ class Scheduler:
             copies=tuple(draft.copies),
             loads=tuple(draft.loads),
             saves=tuple(self._saves),
+            exports=exports,
             num_blocks=self.blocks.high_water,
             fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )
@@ -119,6 +122,20 @@ class Scheduler:
             self._in_flight[c.uid] = (plan.step_id, c.start + len(c.token_ids))
         self.blocks.end_step()
         return plan, ended
+
+    def _exports(self) -> tuple[BlockExport, ...]:
+        """Prompt blocks of exporting sequences that became final in the steps run so far (the plan's
+        ranks copy them before anything in the plan writes the pools)."""
+        out: list[BlockExport] = []
+        bs = self.blocks.block_size
+        for seq in self.running:
+            if seq.export_from is None or seq.aborted:
+                continue
+            final = min(seq.num_computed_tokens, len(seq.prompt_ids)) // bs
+            table = self.blocks.table(seq.uid)
+            out.extend(BlockExport(seq.uid, i, table[i]) for i in range(max(seq.exported, seq.export_from), final))
+            seq.exported = max(seq.exported, final)
+        return tuple(out)
 
     def _continue(self, seq: Sequence, budget: int, draft: _Draft, drafts: tuple[int, ...] = ()) -> int:
         """Plan the next chunk of a running sequence; returns the tokens it takes."""

@@ -42,7 +42,18 @@ class RankState:
         self.vocab_size = vocab_size
         self.salt = salt  # None: the prefix cache is off
         self.ring = ring
-        self.runner = Runner(parts, store, backend, ssd, vocab_size, ring)
+        self.received = None  # disaggregated prefill: blocks a prefill server sent (kv/received.py)
+        self.exporter = None  # ... or, on a prefill server, where exported blocks go
+        self.runner = self._new_runner()
+
+    def _new_runner(self) -> Runner:
+        return Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size, self.ring,
+                      self.received, self.exporter)
+
+    def attach(self, received=None, exporter=None) -> None:
+        """Disaggregated prefill: where received blocks are looked up, and where exported blocks go."""
+        self.received, self.exporter = received, exporter
+        self.runner.received, self.runner.exporter = received, exporter
 
     @property
     def block_size(self) -> int:
@@ -62,7 +73,7 @@ class RankState:
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""
-        self.runner = Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size, self.ring)
+        self.runner = self._new_runner()
 
     def flush(self, timeout: float = 5.0) -> None:
         """Blocks saved so far reach the SSD tier."""

@@ -230,6 +230,16 @@ class BlockManager:
             del self._children[parent]
 
     # -- the prefix cache ------------------------------------------------------
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many leading blocks of `keys` (a prompt's chain) a lookup would find now, in RAM or listed
+        on the SSD tier (counting only: nothing is read or held)."""
+        n = 0
+        for key in keys:
+            if key not in self._by_key and (self.ssd is None or key not in self.ssd):
+                break
+            n += 1
+        return n
+
     def match(self, uid: int, token_ids: list[int]) -> Match:
         """Map the longest cached prefix of `token_ids` into a new sequence's table.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -53,13 +54,28 @@ class StepResult:
     hidden: mx.array | None = None  # a pipeline stage's output instead of logits
 
 
+class KVExporter(Protocol):
+    """Where a prefill server's rank hands the blocks a plan exports (disaggregated prefill)."""
+
+    def deliver(self, uid: int, index: int, data: BlockData) -> None: ...
+
+
+class BlockSource(Protocol):
+    """A tier of blocks a plan may load by key (the SSD tier; blocks received from a prefill server)."""
+
+    def load(self, key: bytes) -> BlockData | None: ...
+
+
 class Runner:
     def __init__(self, parts: ModelParts, store: KVStore, backend: AttentionBackend, ssd=None,
-                 vocab_size: int | None = None, ring: RingContext | None = None) -> None:
+                 vocab_size: int | None = None, ring: RingContext | None = None,
+                 received: BlockSource | None = None, exporter: KVExporter | None = None) -> None:
         self.parts = parts
         self.store = store
         self.backend = backend
         self.ssd = ssd  # this rank's SSD tier, or None
+        self.received = received  # blocks a prefill server sent, looked up before the SSD tier
+        self.exporter = exporter
         self.vocab_size = vocab_size
         self.ring = ring  # context parallelism: this rank holds its share of every block's positions
         # Positions per block id in the plans: a context-parallel rank's pool holds its share of each.
@@ -84,6 +100,7 @@ class Runner:
         mx.eval(self._pending)
         self._check(plan)
         self._save(plan)
+        self._export(plan)
         self._apply_tables(plan)
         self.store.ensure(plan.num_blocks)
         # Loads first: a partial prefix hit may lend from a block this same plan loads from SSD.
@@ -144,6 +161,16 @@ class Runner:
         for key, block in saves:
             self.ssd.save(key, block)
 
+    def _export(self, plan: StepPlan) -> None:
+        """Copy the blocks the plan exports and hand them to the exporter; taken before anything writes
+        the pools, for the reason `_save` gives."""
+        if self.exporter is None or not plan.exports:
+            return
+        blocks = [(x, self.store.extract(x.block)) for x in plan.exports]
+        mx.eval([a for _, b in blocks for a in (*b.keys, *b.values)])
+        for x, data in blocks:
+            self.exporter.deliver(x.uid, x.index, data)
+
     # -- applying a plan ----------------------------------------------------
     def _check(self, plan: StepPlan) -> None:
         """Everything the plan names must exist (or not yet exist) and fit, before anything changes."""
@@ -158,7 +185,7 @@ class Runner:
             if n.uid in self.seqs and n.uid not in removed:
                 raise SplitBrain(f"{step}: uid {n.uid} is new but this rank already holds it")
         ids = [b for t in plan.tables for b in t.blocks] + [b for c in plan.copies for b in (c.src, c.dst)]
-        ids += [x.block for x in plan.loads] + [x.block for x in plan.saves]
+        ids += [x.block for x in plan.loads] + [x.block for x in plan.saves] + [x.block for x in plan.exports]
         if ids and not (0 <= min(ids) and max(ids) < plan.num_blocks):
             raise SplitBrain(f"{step}: a block id outside 0..{plan.num_blocks - 1}")
         if any(not 0 <= c.tokens <= self.block_size for c in plan.copies):
@@ -197,7 +224,9 @@ class Runner:
         return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits)
 
     def _read(self, key: bytes) -> BlockData:
-        data = self.ssd.load(key) if self.ssd is not None else None
+        data = self.received.load(key) if self.received is not None else None
+        if data is None and self.ssd is not None:
+            data = self.ssd.load(key)
         if data is None:
             raise BlockMissing(f"prefix block {key.hex()} is not cached on this rank")
         problem = self.store.check_block(data)

@@ -110,6 +110,16 @@ def stage_proof(secret: ClusterSecret, accepting: bool, own_nonce: bytes, peer_n
     return _mac(secret, _STAGE_ACCEPT_TAG if accepting else _STAGE_CONNECT_TAG, own_nonce, peer_nonce, link)
 
 
+_PREFILL_ACCEPT_TAG = b"meshlm-prefill-accept\x00"
+_PREFILL_CONNECT_TAG = b"meshlm-prefill-connect\x00"
+
+
+def prefill_proof(secret: ClusterSecret, accepting: bool, own_nonce: bytes, peer_nonce: bytes) -> bytes:
+    """One end's proof on a disaggregated-prefill connection (disagg/prefill_wire.py): it holds the secret,
+    for both nonces; a tag per end, and tags no other link uses, so no proof is valid anywhere else."""
+    return _mac(secret, _PREFILL_ACCEPT_TAG if accepting else _PREFILL_CONNECT_TAG, own_nonce, peer_nonce)
+
+
 def proof_matches(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison, so the time taken says nothing about how much of a forgery was right."""
     return hmac.compare_digest(expected, got)

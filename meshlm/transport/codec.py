@@ -55,7 +55,8 @@ import msgspec
 from meshlm.engine.plan import StepPlan
 
 MAGIC = b"MLCP"
-VERSION = 3  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans
+VERSION = 4  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+# 4: plans carry KV exports (disaggregated prefill)
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256

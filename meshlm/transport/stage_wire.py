@@ -208,8 +208,12 @@ def decode_packet(data: bytes | bytearray | memoryview, expect: Expect,
     return header, tensors
 
 
-def read_packet(recv_exactly: Recv, expect: Expect, slots: int = 2) -> tuple[PacketHeader, list[mx.array | None]]:
+def read_packet(recv_exactly: Recv, expect: Expect, slots: int = 2,
+                host: bool = False) -> tuple[PacketHeader, list[mx.array | None]]:
     """Read one packet from a stream; `recv_exactly(n)` returns exactly n bytes or raises.
+
+    `host`: return numpy arrays instead (bfloat16 payloads as uint16), touching no MLX, for a thread
+    other than the one running the model (an MLX op belongs to the stream of the thread that made it).
 
     The header is validated before any tensor byte is read, and each tensor's metadata
     (dtype, shape, size, the running total against `expect.max_bytes`) before its payload.
@@ -217,7 +221,7 @@ def read_packet(recv_exactly: Recv, expect: Expect, slots: int = 2) -> tuple[Pac
     after any error the stream is at an unknown position and should be closed."""
     recv = _exact(recv_exactly)
     header = _parse_header(recv(HEADER.size), expect)
-    return header, _read_tensors(recv, header, expect, slots)
+    return header, _read_tensors(recv, header, expect, slots, host)
 
 
 class _Truncated(Exception):
@@ -273,7 +277,8 @@ def _parse_header(raw: bytes | bytearray | memoryview, expect: Expect) -> Packet
     return header
 
 
-def _read_tensors(recv: Recv, header: PacketHeader, expect: Expect, slots: int) -> list[mx.array | None]:
+def _read_tensors(recv: Recv, header: PacketHeader, expect: Expect, slots: int,
+                  host: bool = False) -> list[mx.array | None]:
     if slots < 0 or (expect.tensors is not None and len(expect.tensors) != slots):
         raise ValueError(f"{slots} tensor slots but {len(expect.tensors or ())} TensorExpects")
     out: list[mx.array | None] = []
@@ -281,14 +286,14 @@ def _read_tensors(recv: Recv, header: PacketHeader, expect: Expect, slots: int) 
     for i in range(slots):
         want = expect.tensors[i] if expect.tensors is not None else None
         where = f"{_origin(header)}, tensor {i}"
-        array, nbytes = _read_tensor(recv, where, want, budget, expect.max_bytes)
+        array, nbytes = _read_tensor(recv, where, want, budget, expect.max_bytes, host)
         out.append(array)
         budget -= nbytes
     return out
 
 
 def _read_tensor(recv: Recv, where: str, want: TensorExpect | None, budget: int,
-                 max_bytes: int) -> tuple[mx.array | None, int]:
+                 max_bytes: int, host: bool = False) -> tuple[mx.array | None, int]:
     """One tensor slot; everything but the payload is read and checked before the payload is."""
     (defined,) = _DEFINED.unpack(recv(1))
     if defined == 0:
@@ -307,7 +312,10 @@ def _read_tensor(recv: Recv, where: str, want: TensorExpect | None, budget: int,
     (nbytes,) = _U64.unpack(recv(_U64.size))
     _check_layout(where, wire, sizes, nbytes, budget, max_bytes)
     _check_expected(where, wire, sizes, want)
-    return _to_array(where, wire, sizes, recv(nbytes) if nbytes else b""), nbytes
+    payload = recv(nbytes) if nbytes else b""
+    if host:
+        return _to_host(where, wire, sizes, payload), nbytes
+    return _to_array(where, wire, sizes, payload), nbytes
 
 
 def _check_layout(where: str, wire: _WireDtype, sizes: tuple[int, ...], nbytes: int, budget: int,
@@ -338,10 +346,15 @@ def _check_expected(where: str, wire: _WireDtype, sizes: tuple[int, ...], want: 
         raise StageWireError(f"{where}: expected shape {shown}, got {sizes}")
 
 
-def _to_array(where: str, wire: _WireDtype, sizes: tuple[int, ...], payload: bytes | memoryview) -> mx.array:
+def _to_host(where: str, wire: _WireDtype, sizes: tuple[int, ...], payload: bytes | memoryview) -> np.ndarray:
     host = np.frombuffer(payload, dtype=wire.np).reshape(sizes)
     if wire.mx == mx.bool_ and host.size and host.view(np.uint8).max() > 1:
         raise StageWireError(f"{where}: bool tensor holds bytes other than 0 and 1")
+    return host
+
+
+def _to_array(where: str, wire: _WireDtype, sizes: tuple[int, ...], payload: bytes | memoryview) -> mx.array:
+    host = _to_host(where, wire, sizes, payload)
     if wire.mx == mx.bfloat16:
         return mx.array(host, dtype=mx.uint16).view(mx.bfloat16)
     return mx.array(host, dtype=wire.mx)  # a copy, and the dtype is explicit: MLX would narrow float64

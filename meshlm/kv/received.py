@@ -1,0 +1,108 @@
+"""Blocks a prefill server sent, waiting to be loaded like prefix-cache hits (disaggregated prefill).
+
+The transfer threads put validated blocks here under their keys (the same hash
+chain as the prefix cache, so a received block is found by the block
+manager's lookup exactly like an SSD block); the engine's plan then loads them
+into the pools and they leave. The tier is bounded in bytes: when a transfer
+would overflow it, the least recently received blocks are dropped (a dropped
+block is recomputed, never wrong). Thread-safe: transfers put, the engine
+thread looks up and loads.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from meshlm.kv.store import BlockData
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    """A received block in host memory: no MLX array is made off the model's thread (an MLX op belongs
+    to the stream of the thread that made it)."""
+
+    keys: np.ndarray  # [layers, 1, kv_heads, block_size, head_dim]; bfloat16 travels as uint16
+    values: np.ndarray
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def to_device(self) -> BlockData:
+        """Per layer (kv_heads, block_size, head_dim) MLX arrays; call on the model's thread."""
+        def arrays(host: np.ndarray) -> list[mx.array]:
+            if self.dtype == mx.bfloat16:
+                return [mx.array(host[i, 0], dtype=mx.uint16).view(mx.bfloat16) for i in range(len(host))]
+            return [mx.array(host[i, 0], dtype=self.dtype) for i in range(len(host))]
+        return BlockData(arrays(self.keys), arrays(self.values))
+
+
+class ReceivedBlocks:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError("the received-block budget must be positive")
+        self.max_bytes = max_bytes
+        self._blocks: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.dropped = 0  # blocks evicted before any plan loaded them
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, key: bytes, data: HostBlock) -> None:
+        size = data.nbytes
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            while self._blocks and self._bytes + size > self.max_bytes:
+                _, gone = self._blocks.popitem(last=False)
+                self._bytes -= gone.nbytes
+                self.dropped += 1
+            if size <= self.max_bytes:
+                self._blocks[key] = data
+                self._bytes += size
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def load(self, key: bytes) -> BlockData | None:
+        """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
+        not here."""
+        with self._lock:
+            data = self._blocks.pop(key, None)
+            if data is not None:
+                self._bytes -= data.nbytes
+        return None if data is None else data.to_device()
+
+    def discard(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                data = self._blocks.pop(key, None)
+                if data is not None:
+                    self._bytes -= data.nbytes
+
+
+class ReceivedThenSSD:
+    """The block manager's view of both tiers (kv/blocks.py KeyIndex): received blocks first."""
+
+    def __init__(self, received: ReceivedBlocks, ssd=None) -> None:
+        self.received = received
+        self.ssd = ssd
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.received or (self.ssd is not None and key in self.ssd)
+
+    def prefetch(self, key: bytes) -> bool:
+        return key in self.received or (self.ssd is not None and self.ssd.prefetch(key))
