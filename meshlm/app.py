@@ -17,7 +17,9 @@ from meshlm.engine.engine import Engine
 from meshlm.engine.grammar import Grammars
 from meshlm.executor.local import LocalExecutor
 from meshlm.executor.rank import RankState, build_rank
+from meshlm.disagg import wiring as disagg
 from meshlm.kv.blocks import BlockManager, CacheStats
+from meshlm.kv.received import ReceivedBlocks, ReceivedThenSSD
 from meshlm.metrics import PrefixCacheCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
@@ -60,10 +62,11 @@ class FatalExit:
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
-                 watchdog=None, on_fatal=None, kv_blocks: int | None = None) -> Engine:
+                 watchdog=None, on_fatal=None, kv_blocks: int | None = None,
+                 received: ReceivedBlocks | None = None) -> Engine:
     """An engine over `executor` (default: this process alone); `rank` is the leader's own share, whose
     block size and SSD tier the block manager plans for; `kv_blocks`: how many blocks every rank can
-    hold (default: the leader's budget)."""
+    hold (default: the leader's budget); `received`: blocks from prefill servers, found like SSD hits."""
     if executor is None:
         rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler))
         executor = LocalExecutor(rank)
@@ -76,8 +79,10 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
              rank.block_size, rank.store.shape.block_bytes, max_len)
     stats = CacheStats()  # one set of counters across engine restarts
 
+    tiers = rank.ssd if received is None else ReceivedThenSSD(received, rank.ssd)
+
     def new_blocks() -> BlockManager:
-        return BlockManager(kv_blocks, rank.block_size, rank.salt, rank.ssd, stats=stats)
+        return BlockManager(kv_blocks, rank.block_size, rank.salt, tiers, stats=stats)
 
     draft = None
     if config.speculative.method == "draft":  # on this process alone, whatever the target's layout
@@ -105,8 +110,19 @@ def load_grammars(loaded: LoadedModel) -> Grammars | None:
 def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
     fatal = FatalExit()
     if not config.parallel.distributed:
+        if config.disagg.enabled:
+            disagg.secret()  # before the model loads: a missing secret is a start-up error
         loaded = load_model(config.model)
-        run_http(config, loaded, build_engine(config, loaded, on_fatal=fatal), fatal)
+        budget = kv_budget_bytes(config.scheduler)
+        rank = build_rank(loaded, config.model, config.cache, budget)
+        received = disagg.received_blocks(config, budget)
+        engine = build_engine(config, loaded, LocalExecutor(rank), rank, on_fatal=fatal, received=received)
+        service = disagg.enable(config, loaded, rank, engine, received)
+        try:
+            run_http(config, loaded, engine, fatal)
+        finally:
+            if service is not None:
+                service.close()
         fatal.exit()
         return
     from meshlm.cluster.ranks import ClusterPorts, start_cluster

@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (DTYPES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig,
-                           ServerConfig, SpeculativeConfig)
+from meshlm.config import (DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                           ServeConfig, ServerConfig, SpeculativeConfig)
 
 log = logging.getLogger("meshlm")
 
@@ -92,6 +92,16 @@ def _serve_parser(sub) -> None:
     g.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched (tried first)")
     g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
                    help="speculate even for sequences whose drafts are not paying off")
+    g = p.add_argument_group("disaggregated prefill (docs/DISAGGREGATED.md)")
+    g.add_argument("--role", default="serve", choices=["serve", "prefill"],
+                   help="prefill: also compute prompts' KV for decode servers, on --prefill-port")
+    g.add_argument("--prefill-port", type=int, default=None, help="--role prefill: port for prefill jobs")
+    g.add_argument("--prefill-peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill server to hand long prompts to (repeat for several)")
+    g.add_argument("--disagg-min-tokens", type=int, default=512,
+                   help="hand off prompts with at least this many tokens not already cached here")
+    g.add_argument("--prefill-timeout", type=float, default=30.0,
+                   help="a prefill peer silent this long within a job is given up (the prompt is prefilled here)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -168,6 +178,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation),
+        disagg=DisaggConfig(args.role, args.prefill_port, tuple(args.prefill_peer), args.disagg_min_tokens,
+                            args.prefill_timeout),
     )
 
 

@@ -184,6 +184,45 @@ class ServerConfig:
             raise ValueError("--default-top-p must be in (0, 1]")
 
 
+ROLES = ("serve", "prefill")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Disaggregated prefill (docs/DISAGGREGATED.md): a prefill server computes long prompts' KV, the
+    user-facing server receives it and decodes."""
+
+    role: str = "serve"  # prefill: also take prefill jobs from decode servers on `prefill_port`
+    prefill_port: int | None = None
+    peers: tuple[str, ...] = ()  # host:port of prefill servers this server hands long prompts to
+    min_tokens: int = 512  # hand off prompts with at least this many tokens not already cached here
+    timeout: float = 30.0  # a prefill peer silent this long within a job is given up (local prefill)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {ROLES}")
+        if self.role == "prefill" and self.prefill_port is None:
+            raise ValueError("--role prefill needs --prefill-port P (where decode servers send prefill jobs)")
+        if self.role != "prefill" and self.prefill_port is not None:
+            raise ValueError("--prefill-port is for --role prefill")
+        if self.prefill_port is not None and not 0 < self.prefill_port < 65536:
+            raise ValueError(f"--prefill-port out of range: {self.prefill_port}")
+        if self.role == "prefill" and self.peers:
+            raise ValueError("a --role prefill server takes prefill jobs; it does not hand them on (--prefill-peer)")
+        for peer in self.peers:
+            host, _, port = peer.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--prefill-peer takes HOST:PORT, got {peer!r}")
+        if self.min_tokens < 1:
+            raise ValueError("--disagg-min-tokens must be >= 1")
+        if self.timeout <= 0:
+            raise ValueError("--prefill-timeout must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return self.role == "prefill" or bool(self.peers)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -192,3 +231,12 @@ class ServeConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    def __post_init__(self) -> None:
+        if self.disagg.enabled and self.parallel.distributed:
+            raise ValueError("disaggregated prefill (--role prefill, --prefill-peer) runs on single-process servers "
+                             "for now; drop --tensor-parallel, --pipeline-parallel or --context-parallel")
+        if self.disagg.peers and not self.cache.enabled:
+            raise ValueError("--prefill-peer needs the prefix cache (received KV is found through it): "
+                             "drop --no-prefix-cache")

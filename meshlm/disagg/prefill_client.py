@@ -1,0 +1,206 @@
+"""The decode server's side of disaggregated prefill: hand a long prompt to a prefill server, receive its
+KV blocks, and stage them where the prefix cache finds them (kv/received.py).
+
+A handoff never costs a request: whatever goes wrong (no peer reachable,
+another model or KV dtype, a peer that dies, hangs or sends a bad packet), the
+transfer ends, the log says why, and the prompt is prefilled here. Blocks that
+arrived whole and checked before the failure are kept: their keys chain from
+the prompt's start, so the local prefill begins after them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+from meshlm.config import DisaggConfig
+from meshlm.kv.keys import CacheSalt, block_keys
+from meshlm.kv.received import ReceivedBlocks
+from meshlm.metrics import Metrics
+from meshlm.disagg.prefill_wire import (Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError, Unreachable,
+                                        WireClosed, WireTimeout, connect, read_block)
+
+log = logging.getLogger(__name__)
+
+CONNECT_SECONDS = 5.0
+# A peer that could not be reached (or failed the handshake) is not tried again for this long. One that
+# answers with another model is tried each time: the answer costs a round trip, and it may be fixed.
+UNREACHABLE_BACKOFF_SECONDS = 5.0
+SMALL_MESSAGE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prompt's whole blocks to be computed elsewhere, from the first one this server lacks."""
+
+    job_id: int
+    token_ids: list[int]
+    first_block: int
+    keys: list[bytes]
+
+
+class _Fallback(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # a metric label: unreachable, refused, busy, timeout, bad_packet, closed
+
+
+@dataclass
+class Transfer:
+    """One running handoff; `cancel` ends it (the request was aborted)."""
+
+    handoff: Handoff
+    cancelled: bool = False
+    blocks: int = 0  # received so far
+    conn: Conn | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        conn = self.conn
+        if conn is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the transfer thread's read at once
+            except OSError:
+                pass
+
+
+class PrefillClient:
+    def __init__(self, config: DisaggConfig, secret, info: PeerInfo, salt: CacheSalt, dtype: mx.Dtype,
+                 received: ReceivedBlocks, metrics: Metrics) -> None:
+        self.config = config
+        self.secret = secret
+        self.info = info
+        self.salt = salt
+        self.dtype = dtype
+        self.received = received
+        self.metrics = metrics
+        self._job_ids = itertools.count(1)
+        self._down_until: dict[str, float] = {}
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def plan(self, prompt_ids: list[int], cached: Callable[[list[bytes]], int]) -> Handoff | None:
+        """A handoff for this prompt, or None to prefill it here: too few uncached tokens, or no peer up.
+        `cached(keys)`: how many leading blocks this server already holds."""
+        bs = self.salt.block_size
+        blocks = (len(prompt_ids) - 1) // bs  # the last token is always computed here: its logits are sampled
+        if len(prompt_ids) < self.config.min_tokens or blocks == 0:
+            return None
+        keys = block_keys(prompt_ids[: blocks * bs], self.salt)
+        first = cached(keys)
+        if len(prompt_ids) - first * bs < self.config.min_tokens or first >= blocks:
+            return None
+        if self._peers_up() == []:
+            self.metrics.disagg_fallbacks.labels(reason="unreachable").inc()
+            return None
+        return Handoff(next(self._job_ids), prompt_ids[: blocks * bs], first, keys)
+
+    def _peers_up(self) -> list[str]:
+        now = time.monotonic()
+        return [p for p in self.config.peers if self._down_until.get(p, 0.0) <= now]
+
+    def _pick(self) -> str:
+        with self._lock:
+            up = self._peers_up()
+            if not up:
+                raise _Fallback("unreachable", "no prefill peer is up")
+            return up[next(self._turn) % len(up)]
+
+    def _down(self, peer: str, seconds: float) -> None:
+        with self._lock:
+            self._down_until[peer] = time.monotonic() + seconds
+
+    def start(self, handoff: Handoff, done: Callable[[], None]) -> Transfer:
+        """Run the handoff on its own thread; `done()` is called once it ended, however it ended."""
+        transfer = Transfer(handoff)
+        threading.Thread(target=self._run, args=(transfer, done), name=f"meshlm-handoff-{handoff.job_id}",
+                         daemon=True).start()
+        return transfer
+
+    def _run(self, transfer: Transfer, done: Callable[[], None]) -> None:
+        h = transfer.handoff
+        t0 = time.monotonic()
+        peer = ""
+        self.metrics.disagg_handoffs.inc()
+        try:
+            peer = self._pick()
+            self._transfer(peer, transfer)
+            self.metrics.disagg_transfer_time.observe(time.monotonic() - t0)
+        except _Fallback as exc:
+            if transfer.cancelled:
+                self.received.discard(h.keys)
+            else:
+                self.metrics.disagg_fallbacks.labels(reason=exc.reason).inc()
+                log.warning("prefill handoff: %s; prefilling locally (%d of %d blocks received)", exc,
+                            transfer.blocks, len(h.keys) - h.first_block)
+        except Exception as exc:  # a bug here must cost latency, never the request
+            self.metrics.disagg_fallbacks.labels(reason="error").inc()
+            log.exception("prefill handoff to %s failed: %s; prefilling locally", peer or "-", exc)
+        finally:
+            done()
+
+    def _transfer(self, peer: str, transfer: Transfer) -> None:
+        """Receive the job's blocks into the received tier. Raises _Fallback."""
+        h = transfer.handoff
+        timeout = self.config.timeout
+        try:
+            conn = connect(peer, self.secret, min(timeout, CONNECT_SECONDS))
+        except Unreachable as exc:
+            self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
+            raise _Fallback("unreachable", str(exc)) from None
+        except PrefillWireError as exc:  # it answered, but not as a prefill server of this cluster
+            self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
+            raise _Fallback("refused", f"handshake failed: {exc}") from None
+        transfer.conn = conn
+        try:
+            if transfer.cancelled:
+                raise _Fallback("cancelled", "the request was aborted")
+            conn.send_message(self.info, time.monotonic() + timeout)
+            theirs = conn.recv_message(time.monotonic() + timeout, SMALL_MESSAGE_BYTES)
+            if isinstance(theirs, Failed):
+                raise _Fallback("refused", f"{peer} refused us: {theirs.reason}")
+            if not isinstance(theirs, PeerInfo):
+                raise _Fallback("bad_packet", f"{peer} sent {type(theirs).__name__} instead of its description")
+            why = self.info.mismatch(theirs)
+            if why is not None:
+                raise _Fallback("refused", f"{peer}'s KV cannot be restored here: {why}")
+            conn.send_message(Job(h.job_id, h.token_ids, h.first_block), time.monotonic() + timeout)
+            index = h.first_block
+            while True:
+                msg = conn.recv_message(time.monotonic() + timeout, SMALL_MESSAGE_BYTES)
+                if isinstance(msg, Block):
+                    if msg.index != index or index >= len(h.keys):
+                        raise _Fallback("bad_packet", f"{peer} sent block {msg.index}, expected {index} "
+                                                      f"of {len(h.keys)}")
+                    if msg.key != h.keys[index]:
+                        raise _Fallback("bad_packet", f"{peer}: block {index} has key {msg.key.hex()[:16]}..., "
+                                                      f"expected {h.keys[index].hex()[:16]}... (other tokens?)")
+                    data = read_block(conn, self.info, self.dtype, h.job_id, index, msg.crc,
+                                      time.monotonic() + timeout)
+                    self.received.put(msg.key, data)
+                    self.metrics.disagg_kv_bytes.labels(direction="received").inc(data.nbytes)
+                    transfer.blocks += 1
+                    index += 1
+                elif isinstance(msg, Done):
+                    if index != len(h.keys) or msg.blocks != transfer.blocks:
+                        raise _Fallback("bad_packet", f"{peer} said done after {transfer.blocks} of "
+                                                      f"{len(h.keys) - h.first_block} blocks")
+                    return
+                elif isinstance(msg, Failed):
+                    raise _Fallback("busy", f"{peer} gave up the job: {msg.reason}")
+                else:
+                    raise _Fallback("bad_packet", f"{peer} sent {type(msg).__name__} during a job")
+        except PrefillWireError as exc:
+            if transfer.cancelled:
+                raise _Fallback("cancelled", "the request was aborted") from None
+            reason = "timeout" if isinstance(exc, WireTimeout) else "closed" if isinstance(exc, WireClosed) else "bad_packet"
+            raise _Fallback(reason, str(exc)) from None
+        finally:
+            conn.close()

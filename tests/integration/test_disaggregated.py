@@ -1,0 +1,215 @@
+"""Disaggregated prefill between real servers: a prefill server, a decode server handing it long prompts,
+and a plain server for reference (parity). Faults are planted by a relay between the decode and prefill
+servers: it forwards the real protocol and, when told, corrupts a KV packet, dies mid-transfer, stalls,
+or claims another model or KV dtype."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import socket
+import threading
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from meshlm.disagg import prefill_wire as pw
+from meshlm.transport import stage_wire
+from meshlm.transport.auth import ClusterSecret
+
+from conftest import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+MIN_TOKENS = 64
+TIMEOUT = 3.0  # the decode server's --prefill-timeout: the stalling relay outlasts it
+
+
+class Relay:
+    """Sits between the decode server and the prefill server; `mode` plants one fault per job."""
+
+    def __init__(self, upstream: str, secret: ClusterSecret) -> None:
+        self.upstream, self.secret = upstream, secret
+        self.mode = "pass"
+        self.jobs = 0
+        self.after_block = lambda sent: None  # called once each block was forwarded
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(sock,), daemon=True).start()
+
+    def _relay(self, sock: socket.socket) -> None:
+        mode = self.mode
+        down = up = None
+        try:
+            down = pw.accept(sock, "decode", self.secret, 5)
+            up = pw.connect(self.upstream, self.secret, 5)
+            dl = lambda: time.monotonic() + 30  # noqa: E731
+            up.send_message(down.recv_message(dl()), dl())
+            info = up.recv_message(dl())
+            if mode == "fingerprint":
+                info = msgspec.structs.replace(info, fingerprint="0" * 16)
+            elif mode == "dtype":
+                info = msgspec.structs.replace(info, kv_dtype="float16")
+            down.send_message(info, dl())
+            up.send_message(down.recv_message(dl()), dl())
+            self.jobs += 1
+            sent = 0
+            while True:
+                msg = up.recv_message(dl())
+                raw = bytearray()
+                if isinstance(msg, pw.Block):
+                    def recv(n: int) -> bytes:
+                        data = up.recv_exactly(n, dl())
+                        raw.extend(data)
+                        return data
+                    stage_wire.read_packet(recv, stage_wire.Expect())
+                    if sent == 2 and mode == "die":
+                        return
+                    if sent == 1 and mode == "corrupt":
+                        raw[-3] ^= 0x40  # one bit of the last value's payload
+                    if sent == 1 and mode == "stall":
+                        time.sleep(TIMEOUT + 1.5)
+                    sent += 1
+                down.send_message(msg, dl())
+                down.send(bytes(raw), dl())
+                if isinstance(msg, pw.Block):
+                    self.after_block(sent)
+                if isinstance(msg, (pw.Done, pw.Failed)):
+                    return
+        except pw.PrefillWireError:
+            pass
+        finally:
+            for conn in (down, up):
+                if conn is not None:
+                    conn.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    secret = secrets.token_hex(32)
+    env = {"MESHLM_CLUSTER_SECRET": secret}
+    logs = tmp_path_factory.mktemp("disagg")
+    common = ("--max-model-len", "4096", "--max-tokens-per-step", "256", "--no-ssd-cache")
+    port = free_port()
+    prefill = ServerProcess(tiny_model, *common, "--role", "prefill", "--prefill-port", str(port),
+                            log_dir=logs, env=env)
+    relay = Relay(f"127.0.0.1:{port}", ClusterSecret(secret))
+    decode = ServerProcess(tiny_model, *common, "--prefill-peer", relay.addr, "--disagg-min-tokens", str(MIN_TOKENS),
+                           "--prefill-timeout", str(TIMEOUT), log_dir=logs, env=env)
+    single = ServerProcess(tiny_model, *common, log_dir=logs)
+    yield prefill, decode, single, relay
+    for s in (decode, single, prefill):
+        s.stop()
+
+
+def words(n: int, seed: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 31) % 997}" for i in range(n))
+
+
+async def _complete(url: str, prompts: list[str], n: int = 12) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 1}) for p in prompts])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    return [r.json() for r in rs]
+
+
+def complete(url: str, prompts: list[str], n: int = 12) -> list[dict]:
+    return asyncio.run(_complete(url, prompts, n))
+
+
+def texts(results: list[dict]) -> list[str]:
+    return [r["choices"][0]["text"] for r in results]
+
+
+def fallbacks(server: ServerProcess, reason: str) -> float:
+    try:
+        return server.metric(f'meshlm_disagg_fallbacks_total{{reason="{reason}"}}')
+    except KeyError:
+        return 0.0
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
+    prefill, decode, single, relay = cluster
+    shared = [words(150, 1), words(300, 2)]
+    complete(decode.url, shared, 2)  # the decode server caches these prefixes (handed off themselves)
+    jobs_before, bytes_before = relay.jobs, metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}')
+    prompts = []
+    for i in range(16):
+        if i % 4 == 0:
+            prompts.append(words(8 + i // 4, 10 + i))  # short: prefilled locally
+        elif i % 4 == 1:
+            prompts.append(shared[i % 2] + " " + words(40 + 5 * i, 30 + i))  # cached prefix, the rest sent
+        else:
+            prompts.append(words(60 + 30 * i, 50 + i))  # long and new
+    got, want = complete(decode.url, prompts), complete(single.url, prompts)
+    assert texts(got) == texts(want)
+    for g, w in zip(got, want):
+        a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert relay.jobs - jobs_before == 12  # every prompt but the 4 short ones
+    assert metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') > bytes_before
+    assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') >= 14
+    assert fallbacks(decode, "bad_packet") + fallbacks(decode, "closed") + fallbacks(decode, "timeout") == 0
+    # A cached prefix is not sent again: the shared prompt's blocks came once.
+    usage = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]
+    assert all(u > 0 for u, i in zip(usage, range(16)) if i % 4 != 0)
+
+
+def test_cached_prompt_is_not_handed_off(cluster):
+    _, decode, _, relay = cluster
+    prompt = words(300, 99)
+    complete(decode.url, [prompt], 2)
+    jobs = relay.jobs
+    complete(decode.url, [prompt + " tail"], 2)  # most of it is held here now: under MIN_TOKENS left
+    assert relay.jobs == jobs
+
+
+@pytest.mark.parametrize("mode, reason, says", [
+    ("corrupt", "bad_packet", "fails its CRC"),
+    ("die", "closed", "connection closed"),
+    ("stall", "timeout", "nothing received in time"),
+    ("fingerprint", "refused", "model fingerprint"),
+    ("dtype", "refused", "KV dtype float16"),
+])
+def test_faults_fall_back_to_local_prefill(cluster, mode, reason, says):
+    _, decode, single, relay = cluster
+    relay.mode = mode
+    try:
+        before = fallbacks(decode, reason)
+        prompt = [words(400, sum(map(ord, mode)))]
+        assert texts(complete(decode.url, prompt)) == texts(complete(single.url, prompt))
+        assert fallbacks(decode, reason) == before + 1
+        assert says in decode.log.read_text()
+    finally:
+        relay.mode = "pass"
+
+
+def test_prefill_server_killed_mid_transfer(cluster):
+    prefill, decode, single, relay = cluster
+    prompts = [words(900, 500 + i) for i in range(3)]
+    relay.after_block = lambda sent: sent == 3 and prefill.proc.kill()  # the 4th block has just gone out
+    got = complete(decode.url, prompts)
+    assert prefill.proc.wait(5) is not None
+    assert texts(got) == texts(complete(single.url, prompts))
+    assert re.search(r"prefilling locally \([1-9]\d* of \d+ blocks received\)", decode.log.read_text())
+    # With the peer gone, long prompts are served locally at once.
+    assert complete(decode.url, [words(800, 777)])
