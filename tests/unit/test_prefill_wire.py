@@ -1,0 +1,205 @@
+"""The disaggregated-prefill protocol against hostile or confused peers, the received-block tier, and
+the scheduler's block exports."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+import pytest
+
+from meshlm.config import SchedulerConfig
+from meshlm.disagg import prefill_wire as pw
+from meshlm.engine.request import SamplingParams, Sequence
+from meshlm.engine.scheduler import Scheduler
+from meshlm.kv.blocks import BlockManager
+from meshlm.kv.keys import CacheSalt, block_keys
+from meshlm.kv.received import HostBlock, ReceivedBlocks, ReceivedThenSSD
+from meshlm.kv.store import BlockData
+from meshlm.transport import stage_wire
+from meshlm.transport.auth import ClusterSecret
+
+INFO = pw.PeerInfo("abc", "float32", "tp1", 4, (0, 2), 2, 8, 100)
+
+
+def pair() -> tuple[pw.Conn, pw.Conn]:
+    """Both ends of one loopback TCP connection."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    return pw.Conn(a, "a"), pw.Conn(b, "b")
+
+
+def soon(seconds: float = 2.0) -> float:
+    return time.monotonic() + seconds
+
+
+def block(seed: int, dtype=mx.float32) -> BlockData:
+    rng = np.random.default_rng(seed)
+    layers = [mx.array(rng.standard_normal((2, 4, 8)).astype(np.float32)).astype(dtype) for _ in range(4)]
+    return BlockData(layers[:2], layers[2:])
+
+
+def test_peer_info_mismatch_names_every_difference():
+    other = msgspec.structs.replace(INFO, fingerprint="xyz", kv_dtype="float16")
+    why = INFO.mismatch(other)
+    assert "model fingerprint xyz (this server: abc)" in why and "KV dtype float16 (this server: float32)" in why
+    assert INFO.mismatch(INFO) is None
+
+
+def test_messages_round_trip_and_strict_decoding():
+    a, b = pair()
+    job = pw.Job(7, [1, 2, 3, 4], 0)
+    a.send_message(job, soon())
+    assert b.recv_message(soon()) == job
+    # An extra field, a wrong type, an unknown tag: refused, never half-read.
+    for bad in ({"type": "job", "job_id": 1, "token_ids": [1], "first_block": 0, "extra": 1},
+                {"type": "job", "job_id": "1", "token_ids": [1], "first_block": 0},
+                {"type": "nope"}):
+        raw = msgspec.msgpack.encode(bad)
+        a.send(struct.pack("!I", len(raw)) + raw, soon())
+        with pytest.raises(pw.PrefillWireError, match="invalid message"):
+            b.recv_message(soon())
+    a.send(struct.pack("!I", 1 << 30), soon())  # announces a gigabyte: refused before reading it
+    with pytest.raises(pw.PrefillWireError, match="limit"):
+        b.recv_message(soon(), max_bytes=1 << 16)
+
+
+def test_silent_and_closed_peers_are_distinct_errors():
+    a, b = pair()
+    with pytest.raises(pw.WireTimeout):
+        b.recv_message(time.monotonic() + 0.2)
+    a.close()
+    with pytest.raises(pw.WireClosed):
+        b.recv_message(soon())
+
+
+def _packet(job: int, index: int, data: BlockData) -> tuple[bytes, int]:
+    return pw.block_packet(job, index, INFO.block_size, data)
+
+
+def test_block_packet_round_trip_on_the_host():
+    data = block(1)
+    packet, crc = _packet(3, 5, data)
+    a, b = pair()
+    a.send(packet, soon())
+    host = pw.read_block(b, INFO, mx.float32, 3, 5, crc, soon())
+    assert isinstance(host.keys, np.ndarray) and host.keys.shape == (2, 1, 2, 4, 8)
+    back = host.to_device()
+    for x, y in zip(data.keys + data.values, back.keys + back.values):
+        assert mx.array_equal(x, y)
+
+
+def test_bfloat16_blocks_survive_the_host_tier():
+    data = block(2, mx.bfloat16)
+    packet, crc = pw.block_packet(1, 0, 4, data)
+    a, b = pair()
+    a.send(packet, soon())
+    back = pw.read_block(b, INFO, mx.bfloat16, 1, 0, crc, soon()).to_device()
+    assert back.keys[0].dtype == mx.bfloat16 and mx.array_equal(back.keys[1], data.keys[1])
+
+
+@pytest.mark.parametrize("fault, match", [
+    ("crc", "fails its CRC"),
+    ("pos", "expected pos"),
+    ("job", "expected step"),
+    ("dtype", "expected dtype"),
+    ("shape", "expected shape"),
+    ("truncated", "closed"),
+])
+def test_bad_block_packets_are_refused(fault, match):
+    data = block(3)
+    job, index = 3, 5
+    if fault == "dtype":
+        data = BlockData([a.astype(mx.float16) for a in data.keys], [a.astype(mx.float16) for a in data.values])
+    if fault == "shape":
+        data = BlockData(data.keys[:1], data.values[:1])  # one layer where two are held
+    packet, crc = _packet(job + (fault == "job"), index + (fault == "pos"), data)
+    if fault == "crc":
+        packet = packet[:-5] + bytes([packet[-5] ^ 1]) + packet[-4:]
+    a, b = pair()
+    a.send(packet[: len(packet) // 2] if fault == "truncated" else packet, soon())
+    if fault == "truncated":
+        a.close()
+    with pytest.raises(pw.PrefillWireError, match=match):
+        pw.read_block(b, INFO, mx.float32, job, index, crc, soon())
+
+
+def test_a_huge_announced_tensor_is_refused_before_its_bytes():
+    a, b = pair()
+    head = stage_wire.HEADER.pack(stage_wire.VERSION, 0, 0, 1, 0)
+    meta = struct.pack("!BiiQQQQQQ", 1, 6, 5, 2, 1, 2, 4, 8, 2**40)  # float32, 5-D, 1 TiB payload
+    a.send(head + meta, soon())
+    with pytest.raises(pw.PrefillWireError, match="bad KV packet"):
+        pw.read_block(b, INFO, mx.float32, 1, 0, 0, soon())
+
+
+def test_handshake_needs_the_same_secret():
+    secret, other = ClusterSecret("a" * 64), ClusterSecret("b" * 64)
+    server = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{server.getsockname()[1]}"
+    errors = []
+
+    def accept_one(key):
+        sock, peer = server.accept()
+        try:
+            pw.accept(sock, "x", key, 2).close()
+        except pw.PrefillWireError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=accept_one, args=(secret,))
+    t.start()
+    pw.connect(addr, secret, 2).close()
+    t.join()
+    assert not errors
+    t = threading.Thread(target=accept_one, args=(other,))
+    t.start()
+    with pytest.raises(pw.PrefillWireError, match="did not prove"):
+        pw.connect(addr, secret, 2)
+    t.join()
+    with pytest.raises(pw.Unreachable):
+        server.close()
+        pw.connect(addr, secret, 1)
+
+
+def test_received_tier_is_bounded_and_found_by_the_block_manager():
+    host = HostBlock(np.zeros((2, 1, 2, 4, 8), np.float32), np.zeros((2, 1, 2, 4, 8), np.float32), mx.float32)
+    tier = ReceivedBlocks(max_bytes=2 * host.nbytes)
+    for key in (b"k1", b"k2", b"k3"):
+        tier.put(key, host)
+    assert b"k1" not in tier and len(tier) == 2 and tier.dropped == 1  # oldest out first
+    salt = CacheSalt("m", "float32", "tp1", 4)
+    tokens = list(range(12))
+    keys = block_keys(tokens, salt)
+    tier.put(keys[0], host)
+    tier.put(keys[1], host)
+    blocks = BlockManager(16, 4, salt, ReceivedThenSSD(tier))
+    assert blocks.cached_prefix(keys) == 2
+    m = blocks.match(0, tokens + [99])
+    assert m.tokens == 8 and [k for k, _ in m.loads] == keys[:2]
+    assert tier.load(keys[0]) is not None and tier.load(keys[0]) is None  # a load takes it out
+
+
+def test_scheduler_exports_every_prompt_block_once_final():
+    bs = 4
+    blocks = BlockManager(64, bs, CacheSalt("m", "float32", "tp1", bs))
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, max_tokens_per_step=8), blocks, 128)
+    seq = Sequence(0, list(range(20)), SamplingParams(max_tokens=1), export_from=1)
+    sched.add(seq)
+    exported, table = [], []
+    for _ in range(6):
+        table = list(blocks.table(0)) if 0 in blocks else table  # the plan that exports the last block frees them
+        plan, _ = sched.schedule()
+        exported += [x.index for x in plan.exports]
+        assert all(x.block == table[x.index] for x in plan.exports)
+        for c in plan.chunks:
+            assert all(x.index < c.start // bs for x in plan.exports if x.uid == c.uid)  # only final blocks
+        sched.update(plan, {c.uid: [5] for c in plan.chunks if c.sample})
+        if seq.finished and not plan.exports and not sched.running:
+            break
+    assert exported == [1, 2, 3, 4]  # from first_block on, each once, the last one after the last chunk
