@@ -110,14 +110,14 @@ def load_grammars(loaded: LoadedModel) -> Grammars | None:
 def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
     fatal = FatalExit()
     if not config.parallel.distributed:
-        if config.disagg.enabled:
-            disagg.secret()  # before the model loads: a missing secret is a start-up error
+        # Before the model loads: a missing secret is a start-up error.
+        secret = disagg.secret() if config.disagg.enabled else None
         loaded = load_model(config.model)
         budget = kv_budget_bytes(config.scheduler)
         rank = build_rank(loaded, config.model, config.cache, budget)
         received = disagg.received_blocks(config, budget)
         engine = build_engine(config, loaded, LocalExecutor(rank), rank, on_fatal=fatal, received=received)
-        service = disagg.enable(config, loaded, rank, engine, received)
+        service = disagg.enable(config, loaded, rank, engine, received, secret)
         try:
             run_http(config, loaded, engine, fatal)
         finally:

@@ -97,7 +97,7 @@ class PrefillClient:
         first = cached(keys)
         if len(prompt_ids) - first * bs < self.config.min_tokens or first >= blocks:
             return None
-        if self._peers_up() == []:
+        if not self._peers_up():
             self.metrics.disagg_fallbacks.labels(reason="unreachable").inc()
             return None
         return Handoff(next(self._job_ids), prompt_ids[: blocks * bs], first, keys)

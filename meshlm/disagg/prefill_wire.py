@@ -31,7 +31,7 @@ from meshlm.kv.received import HostBlock
 from meshlm.kv.store import BlockData
 from meshlm.transport import stage_wire
 from meshlm.transport.auth import ClusterSecret, new_nonce, prefill_proof, proof_matches
-from meshlm.transport.link import remaining, tune
+from meshlm.transport.link import recv_exactly, send_all, tune
 
 MAGIC = b"MLPF"
 VERSION = 1
@@ -111,42 +111,24 @@ class Conn:
         self.sock = sock
         self.peer = peer
         tune(sock, liveness)
-        self.bytes_received = 0
 
     def send(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
         try:
-            while view:
-                left = remaining(deadline)
-                if left == 0:
-                    raise WireTimeout(f"{self.peer}: send timed out (peer not reading)")
-                self.sock.settimeout(left)
-                view = view[self.sock.send(view):]
-        except (TimeoutError, socket.timeout):
+            send_all(self.sock, data, deadline)
+        except TimeoutError:
             raise WireTimeout(f"{self.peer}: send timed out (peer not reading)") from None
         except OSError as exc:
             raise WireClosed(f"{self.peer}: connection failed: {exc}") from None
 
     def recv_exactly(self, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
         try:
-            while got < n:
-                left = remaining(deadline)
-                if left == 0:
-                    raise WireTimeout(f"{self.peer}: nothing received in time")
-                self.sock.settimeout(left)
-                k = self.sock.recv_into(view[got:])
-                if k == 0:
-                    raise WireClosed(f"{self.peer}: connection closed")
-                got += k
-        except (TimeoutError, socket.timeout):
+            return recv_exactly(self.sock, n, deadline)
+        except TimeoutError:
             raise WireTimeout(f"{self.peer}: nothing received in time") from None
+        except EOFError:
+            raise WireClosed(f"{self.peer}: connection closed") from None
         except OSError as exc:
             raise WireClosed(f"{self.peer}: connection failed: {exc}") from None
-        self.bytes_received += n
-        return bytes(buf)
 
     def send_message(self, message: Message, deadline: float) -> None:
         payload = _ENCODER.encode(message)

@@ -42,13 +42,13 @@ def received_blocks(config: ServeConfig, kv_budget: int) -> ReceivedBlocks | Non
     return ReceivedBlocks(kv_budget) if config.disagg.peers else None
 
 
-def enable(config: ServeConfig, loaded, rank: RankState, engine: Engine,
-           received: ReceivedBlocks | None) -> PrefillService | None:
+def enable(config: ServeConfig, loaded, rank: RankState, engine: Engine, received: ReceivedBlocks | None,
+           cluster_secret: ClusterSecret | None) -> PrefillService | None:
     """Attach the decode side (`received` is the engine's staging tier) or start the prefill side."""
     d = config.disagg
     if not d.enabled:
         return None
-    info, key_salt, cluster_secret = peer_info(config, loaded, rank), salt(config, loaded, rank), secret()
+    info, key_salt = peer_info(config, loaded, rank), salt(config, loaded, rank)
     if d.peers:
         rank.attach(received=received)
         engine.handoff = PrefillClient(d, cluster_secret, info, key_salt, getattr(mx, loaded.dtype), received,

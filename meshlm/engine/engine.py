@@ -123,7 +123,6 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         grammars: Grammars | None = None,
-        handoff: Handoff | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -156,7 +155,7 @@ class Engine:
         # Plans submitted but not yet computed: a pipeline keeps one per stage in flight (micro-batches).
         self._depth = max(1, getattr(executor, "depth", 1))
         self._in_flight: collections.deque[StepPlan] = collections.deque()
-        self.handoff = handoff
+        self.handoff: Handoff | None = None  # set by disagg/wiring.py on a server with --prefill-peer
         self._handing_off: dict[int, tuple[Sequence, Any]] = {}  # uid -> (sequence, its transfer)
 
     # -- public, thread-safe ----------------------------------------------

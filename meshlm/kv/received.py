@@ -53,45 +53,41 @@ class ReceivedBlocks:
         self._lock = threading.Lock()
         self.dropped = 0  # blocks evicted before any plan loaded them
 
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
 
     def put(self, key: bytes, data: HostBlock) -> None:
         size = data.nbytes
         with self._lock:
-            old = self._blocks.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+            self._pop(key)
             while self._blocks and self._bytes + size > self.max_bytes:
-                _, gone = self._blocks.popitem(last=False)
-                self._bytes -= gone.nbytes
+                self._pop(next(iter(self._blocks)))
                 self.dropped += 1
             if size <= self.max_bytes:
                 self._blocks[key] = data
                 self._bytes += size
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
     def load(self, key: bytes) -> BlockData | None:
         """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
         not here."""
         with self._lock:
-            data = self._blocks.pop(key, None)
-            if data is not None:
-                self._bytes -= data.nbytes
+            data = self._pop(key)
         return None if data is None else data.to_device()
 
     def discard(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
-                data = self._blocks.pop(key, None)
-                if data is not None:
-                    self._bytes -= data.nbytes
+                self._pop(key)
+
+    def _pop(self, key: bytes) -> HostBlock | None:
+        """Remove a block and its bytes from the count (hold the lock)."""
+        data = self._blocks.pop(key, None)
+        if data is not None:
+            self._bytes -= data.nbytes
+        return data
 
 
 class ReceivedThenSSD:

@@ -156,20 +156,22 @@ class Runner:
         very plan, so the copies are taken (and evaluated) before anything here writes the pools."""
         if self.ssd is None or not plan.saves:
             return
-        saves = [(s.key, self.store.extract(s.block)) for s in plan.saves]
-        mx.eval([a for _, b in saves for a in (*b.keys, *b.values)])
-        for key, block in saves:
-            self.ssd.save(key, block)
+        for s, block in zip(plan.saves, self._copies([s.block for s in plan.saves])):
+            self.ssd.save(s.key, block)
 
     def _export(self, plan: StepPlan) -> None:
         """Copy the blocks the plan exports and hand them to the exporter; taken before anything writes
         the pools, for the reason `_save` gives."""
         if self.exporter is None or not plan.exports:
             return
-        blocks = [(x, self.store.extract(x.block)) for x in plan.exports]
-        mx.eval([a for _, b in blocks for a in (*b.keys, *b.values)])
-        for x, data in blocks:
+        for x, data in zip(plan.exports, self._copies([x.block for x in plan.exports])):
             self.exporter.deliver(x.uid, x.index, data)
+
+    def _copies(self, blocks: list[int]) -> list[BlockData]:
+        """Evaluated copies of these blocks, as they are now."""
+        copies = [self.store.extract(b) for b in blocks]
+        mx.eval([a for c in copies for a in (*c.keys, *c.values)])
+        return copies
 
     # -- applying a plan ----------------------------------------------------
     def _check(self, plan: StepPlan) -> None:

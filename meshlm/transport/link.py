@@ -29,6 +29,35 @@ def remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    """Write all of `data` by `deadline`. Raises TimeoutError when the peer stops reading, OSError when
+    the socket fails; what was written before either is unknown, so the connection is done for."""
+    view = memoryview(data)
+    while view:
+        left = remaining(deadline)
+        if left == 0:
+            raise TimeoutError("send deadline passed")
+        sock.settimeout(left)
+        view = view[sock.send(view):]
+
+
+def recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly `n` bytes by `deadline`. Raises TimeoutError, EOFError when the peer closed, or OSError."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = remaining(deadline)
+        if left == 0:
+            raise TimeoutError("receive deadline passed")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("closed by peer")
+        got += k
+    return bytes(buf)
+
+
 def _set_opt(sock: socket.socket, level: int, name: str, value: int) -> None:
     """Set a platform-specific TCP option when this OS has it (Linux and macOS name them differently)."""
     opt = getattr(socket, name, None)

@@ -32,7 +32,7 @@ import mlx.core as mx
 from meshlm.transport import stage_wire
 from meshlm.transport.auth import ClusterSecret, new_nonce, proof_matches, stage_proof
 from meshlm.transport.codec import ControlError
-from meshlm.transport.link import remaining, tune
+from meshlm.transport.link import recv_exactly, remaining, send_all, tune
 
 MAGIC = b"MLST"
 LINK_VERSION = 1
@@ -81,42 +81,25 @@ class StageLink:
 
     # -- bytes --------------------------------------------------------------------------
     def send(self, data: bytes, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        view = memoryview(data)
         try:
-            while view:
-                left = remaining(deadline)
-                if left == 0:
-                    raise StageLinkError(f"sending to stage {self.peer} timed out after {timeout:.1f} s")
-                self.sock.settimeout(left)
-                sent = self.sock.send(view)
-                view = view[sent:]
-                self.bytes_sent += sent
-        except (TimeoutError, socket.timeout):
+            send_all(self.sock, data, time.monotonic() + timeout)
+        except TimeoutError:
             raise StageLinkError(f"sending to stage {self.peer} timed out after {timeout:.1f} s") from None
         except OSError as exc:
             raise StageLinkError(f"link to stage {self.peer} failed: {exc}") from None
+        self.bytes_sent += len(data)
 
     def _recv_exactly(self, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
         try:
-            while got < n:
-                left = remaining(deadline)
-                if left == 0:
-                    raise StageLinkError(f"stage {self.peer} sent nothing for the step in time")
-                self.sock.settimeout(left)
-                k = self.sock.recv_into(view[got:])
-                if k == 0:
-                    raise StageLinkError(f"stage {self.peer} closed the link")
-                got += k
-        except (TimeoutError, socket.timeout):
+            data = recv_exactly(self.sock, n, deadline)
+        except TimeoutError:
             raise StageLinkError(f"stage {self.peer} sent nothing for the step in time") from None
+        except EOFError:
+            raise StageLinkError(f"stage {self.peer} closed the link") from None
         except OSError as exc:
             raise StageLinkError(f"link from stage {self.peer} failed: {exc}") from None
         self.bytes_received += n
-        return bytes(buf)
+        return data
 
     def close(self) -> None:
         try:
@@ -211,20 +194,12 @@ def _connect_handshake(sock: socket.socket, secret: ClusterSecret, own: int, pee
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        left = remaining(deadline)
-        if left == 0:
-            raise StageLinkError("handshake timed out")
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(n - len(buf))
-        except (TimeoutError, socket.timeout):
-            raise StageLinkError("handshake timed out") from None
-        if not chunk:
-            raise StageLinkError("closed during the handshake")
-        buf += chunk
-    return buf
+    try:
+        return recv_exactly(sock, n, deadline)
+    except TimeoutError:
+        raise StageLinkError("handshake timed out") from None
+    except EOFError:
+        raise StageLinkError("closed during the handshake") from None
 
 
 def _write(sock: socket.socket, data: bytes, deadline: float) -> None:
