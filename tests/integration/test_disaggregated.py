@@ -35,6 +35,7 @@ class Relay:
         self.upstream, self.secret = upstream, secret
         self.mode = "pass"
         self.jobs = 0
+        self.info: pw.PeerInfo | None = None  # what the prefill server last said of itself
         self.after_block = lambda sent: None  # called once each block was forwarded
         self.server = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.server.getsockname()[1]}"
@@ -56,7 +57,7 @@ class Relay:
             up = pw.connect(self.upstream, self.secret, 5)
             dl = lambda: time.monotonic() + 30  # noqa: E731
             up.send_message(down.recv_message(dl()), dl())
-            info = up.recv_message(dl())
+            info = self.info = up.recv_message(dl())
             if mode == "fingerprint":
                 info = msgspec.structs.replace(info, fingerprint="0" * 16)
             elif mode == "dtype":
@@ -181,6 +182,39 @@ def test_cached_prompt_is_not_handed_off(cluster):
     jobs = relay.jobs
     complete(decode.url, [prompt + " tail"], 2)  # most of it is held here now: under MIN_TOKENS left
     assert relay.jobs == jobs
+
+
+@pytest.mark.parametrize("job, says", [
+    (pw.Job(1, [5] * 31, 0), "whole blocks of 32 tokens"),
+    (pw.Job(1, [5] * 64, 2), "first_block 2"),
+    (pw.Job(1, [10**9] * 32, 0), "outside the vocabulary"),
+    (pw.Job(-1, [5] * 32, 0), "job id -1"),
+    (pw.Done(0), "expected a job"),
+])
+def test_prefill_server_refuses_bad_jobs(cluster, job, says):
+    prefill, decode, _, relay = cluster
+    complete(decode.url, [words(200, 3)], 1)  # a handoff, so the relay has seen the prefill server's info
+    conn = pw.connect(relay.upstream, relay.secret, 5)
+    try:
+        conn.send_message(relay.info, time.monotonic() + 5)
+        assert conn.recv_message(time.monotonic() + 5) == relay.info
+        conn.send_message(job, time.monotonic() + 5)
+        answer = conn.recv_message(time.monotonic() + 5)
+    finally:
+        conn.close()
+    assert isinstance(answer, pw.Failed) and says in answer.reason
+    assert httpx.get(prefill.url + "/health").status_code == 200
+
+
+def test_prefill_port_refuses_strangers(cluster):
+    prefill, _, _, relay = cluster
+    with pytest.raises(pw.PrefillWireError, match="did not prove"):
+        pw.connect(relay.upstream, ClusterSecret("x" * 64), 5)
+    host, port = relay.upstream.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:  # not the protocol at all
+        sock.sendall(b"GET / HTTP/1.1\r\n".ljust(pw._HELLO.size, b" "))  # a hello's length: read whole
+        assert sock.recv(100) == b""  # dropped, nothing answered
+    assert httpx.get(prefill.url + "/health").status_code == 200
 
 
 @pytest.mark.parametrize("mode, reason, says", [
