@@ -200,11 +200,21 @@ class PackedLinear(nn.Module):
         return self._native.packed_linear(x, self["weight_p"], self["bias"] if "bias" in self else None)
 
 
+def _local_linear(layer: nn.Module, native, packed: bool) -> nn.Module:
+    """A PackedLinear or TransposedLinear computing what `layer` (an nn.Linear or a tensor-parallel shard
+    of one) computes on this rank, before any collective."""
+    if packed and layer.weight.shape[0] % native.panel == 0:
+        return PackedLinear(layer, native)
+    return TransposedLinear(layer)
+
+
 def transpose_linears(model: nn.Module, native=None) -> int:
-    """Swap every plain float32 `nn.Linear` (not quantized or sharded ones, whose classes differ) for a
-    TransposedLinear, or with `native` (`_cpu_ops` with its packed GEMM) a PackedLinear where its output
-    size is a multiple of the panel width; module by module so at most one module's linear weights exist
-    twice at once; returns how many. A tied LM head is the embedding table and stays as it is."""
+    """Swap every float32 `nn.Linear` for a TransposedLinear, or with `native` (`_cpu_ops` with its packed
+    GEMM) a PackedLinear where its output size is a multiple of the panel width; quantized layers stay.
+    Tensor-parallel shards are swapped too (`ShardedLinear`), keeping their collective: without that, a
+    rank's matmuls ran MLX's slower `x @ W.T` and TP=2 lost a third of its speed-up to the 1-rank model
+    (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
+    returns how many. A tied LM head is the embedding table and stays as it is."""
     packed = native is not None and native.packed_gemm
     swapped = 0
 
@@ -212,9 +222,11 @@ def transpose_linears(model: nn.Module, native=None) -> int:
         nonlocal swapped
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, child in list(items):
-            if type(child) is nn.Linear and child.weight.dtype == mx.float32:
-                pack = packed and child.weight.shape[0] % native.panel == 0
-                replacement = PackedLinear(child, native) if pack else TransposedLinear(child)
+            kind = type(child)
+            if kind in _SWAPPABLE and child.weight.dtype == mx.float32:
+                local = _local_linear(child, native, packed)
+                replacement = local if kind is nn.Linear else ShardedLinear(local, child.group,
+                                                                            kind is nn.ShardedToAllLinear)
                 mx.eval(replacement.parameters())
                 container[key] = replacement
                 swapped += 1
@@ -223,3 +235,31 @@ def transpose_linears(model: nn.Module, native=None) -> int:
 
     visit(model)
     return swapped
+
+
+class ShardedLinear(nn.Module):
+    """A tensor-parallel linear layer with a CPU-kernel local matmul. `reduce`: the input is sharded and
+    the ranks' partial outputs are summed (mlx's ShardedToAllLinear, whose bias is added once, after the
+    sum); otherwise each rank computes its slice of the output (AllToShardedLinear, forward only)."""
+
+    def __init__(self, local: nn.Module, group, reduce: bool) -> None:
+        super().__init__()
+        self._group, self._reduce = group, reduce
+        if reduce and "bias" in local:
+            self.bias = local.bias
+            del local["bias"]
+        self.local = local
+
+    @property
+    def weight(self) -> mx.array:
+        return self.local.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.local(x)
+        if not self._reduce:
+            return y
+        y = mx.distributed.all_sum(y, group=self._group)
+        return y + self["bias"] if "bias" in self else y
+
+
+_SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)

@@ -274,3 +274,20 @@ def test_native_ops_reject_bad_shapes_with_clear_errors():
         NATIVE.paged_decode_attention(mx.zeros((2, 1, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 5)
     with pytest.raises(ValueError, match="pools"):
         NATIVE.paged_decode_attention(mx.zeros((2, 2, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 8)
+
+
+@pytest.mark.parametrize("native", KERNELS)
+def test_transpose_linears_swaps_tensor_parallel_shards(native):
+    """Sharded linears get the CPU kernels too, with their collective and their bias kept (one rank here:
+    the group's all_sum is the identity, so the outputs are the unsharded layer's)."""
+    group = mx.distributed.init()
+    up, down = nn.Linear(64, 48), nn.Linear(48, 32)
+    block = nn.Sequential(nn.AllToShardedLinear.from_linear(up, group=group),
+                          nn.ShardedToAllLinear.from_linear(down, group=group))
+    x = mx.random.normal((5, 64))
+    want = down(up(x))
+    assert cpu_kernels.transpose_linears(block, native) == 2
+    assert all(type(layer) is cpu_kernels.ShardedLinear for layer in block.layers)
+    assert "bias" in block.layers[1] and "bias" not in block.layers[1].local  # added once, after the sum
+    assert block.layers[1].weight.shape == (32, 48)
+    assert mx.abs(block(x) - want).max().item() < 1e-5
