@@ -20,7 +20,7 @@ from meshlm.executor.rank import RankState, build_rank
 from meshlm.disagg import wiring as disagg
 from meshlm.kv.blocks import BlockManager, CacheStats
 from meshlm.kv.received import ReceivedBlocks, ReceivedThenSSD
-from meshlm.metrics import PrefixCacheCollector
+from meshlm.metrics import PrefixCacheCollector, RankTimesCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
 from meshlm.process_exit import end_process
@@ -93,6 +93,7 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
                     speculative=config.speculative, draft=draft, grammars=load_grammars(loaded))
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
+    engine.metrics.registry.register(RankTimesCollector(executor.rank_times))
     return engine
 
 

@@ -82,3 +82,24 @@ class PrefixCacheCollector:
         yield size
         yield CounterMetricFamily("meshlm_prefix_cache_ssd_dropped", "SSD block files rejected as torn, garbled or foreign",
                                   value=ssd.dropped if ssd else 0)
+
+
+class RankTimesCollector:
+    """Every rank's seconds by phase (meshlm/step_times.py), read at scrape time: `rank_times()` is the
+    executor's, workers' figures as of their last ACK. / meshlm_step_seconds_count = per step."""
+
+    def __init__(self, rank_times) -> None:
+        self.rank_times = rank_times
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from meshlm.step_times import PHASES
+
+        family = CounterMetricFamily("meshlm_rank_seconds", "Seconds each rank spent per phase of its steps "
+                                     "(build, device, schedule, sample, emit, control, wait, link)",
+                                     labels=["rank", "phase"])
+        for rank, totals in sorted(self.rank_times().items()):
+            for phase, seconds in zip(PHASES, totals):
+                family.add_metric([str(rank), phase], seconds)
+        yield family

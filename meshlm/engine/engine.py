@@ -32,6 +32,7 @@ from meshlm.engine.sampler import SeqSampling, sample
 from meshlm.spec.draft import DraftModel
 from meshlm.spec.rejection import Proposal, verify
 from meshlm.spec.speculator import Speculator
+from meshlm.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,15 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def kv_bytes(self) -> int: ...
+
+    @property
+    def times(self) -> StepTimes:
+        """The leader rank's time by phase (the engine adds its own host work to it)."""
+        ...
+
+    def rank_times(self) -> dict[int, tuple[float, ...]]:
+        """Every rank's seconds by phase so far (workers' as of their last ACK), in PHASES order."""
+        ...
 
     def idle(self) -> None:
         """Called about every IDLE_POLL_SECONDS with nothing to run (heartbeats, liveness checks)."""
@@ -157,6 +167,7 @@ class Engine:
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self.handoff: Handoff | None = None  # set by disagg/wiring.py on a server with --prefill-peer
         self._handing_off: dict[int, tuple[Sequence, Any]] = {}  # uid -> (sequence, its transfer)
+        self.times = executor.times
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback,
@@ -273,16 +284,19 @@ class Engine:
     def _step(self, pending: "_Pending | None") -> "_Pending | None":
         if self._depth == 1:
             plan, ended = self._next_plan(block=pending is None)
-            self._finish_all(ended)
+            with self.times.timing("emit"):
+                self._finish_all(ended)
         else:
             plan = self._fill(block=pending is None)
         result = self._execute(plan) if plan is not None else None
         if plan is not None:
-            self._prefetch_masks(plan)
-            with self._lock:
-                self._update_gauges()
+            with self.times.timing("schedule"):
+                self._prefetch_masks(plan)
+                with self._lock:
+                    self._update_gauges()
         if pending is not None:
-            self._emit(pending)
+            with self.times.timing("emit"):
+                self._emit(pending)
         if plan is None or result is None:
             return None
         return self._collect_within_deadline(plan, result)
@@ -294,7 +308,8 @@ class Engine:
         while len(self._in_flight) < self._depth:
             busy = frozenset(c.uid for p in self._in_flight for c in p.chunks)
             plan, ended = self._next_plan(block=block and not self._in_flight, busy=busy)
-            self._finish_all(ended)
+            with self.times.timing("emit"):
+                self._finish_all(ended)
             if plan is None or (plan.empty and self._in_flight):
                 break
             with self._deadline(f"step {plan.step_id}"):
@@ -322,14 +337,15 @@ class Engine:
                 if self.scheduler.has_work or self._stopping or self.error:
                     continue
             self.executor.idle()
-        # Outside the lock: a draft model's forwards take a while, and only this thread changes the
-        # running sequences (an abort meanwhile only marks one; the scheduler then ignores its drafts).
-        drafts = self._drafts(busy)
-        with self._wake:
-            if self._depth == 1:
-                return self.scheduler.schedule(drafts)
-            active = len(self.scheduler.running) + len(self.scheduler.waiting)
-            return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)))
+        with self.times.timing("schedule"):
+            # Outside the lock: a draft model's forwards take a while, and only this thread changes the
+            # running sequences (an abort meanwhile only marks one; the scheduler then ignores its drafts).
+            drafts = self._drafts(busy)
+            with self._wake:
+                if self._depth == 1:
+                    return self.scheduler.schedule(drafts)
+                active = len(self.scheduler.running) + len(self.scheduler.waiting)
+                return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)))
 
     def _execute(self, plan: StepPlan) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
@@ -358,6 +374,10 @@ class Engine:
 
     def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
         t0 = time.perf_counter()
+        if result.logits is not None:
+            mx.eval(result.logits)  # the forward's end: its wait is the device's time, not sampling's
+        waited = time.perf_counter() - t0
+        self.times.add("device", waited)
         sampled, logprobs, verified = self._sample(plan, result)
         with self._lock:
             finished, taken = self.scheduler.update(plan, sampled)
@@ -375,6 +395,7 @@ class Engine:
             if self._last_collect is not None and decoding:
                 self.speculator.step_done(plan.num_tokens, now - self._last_collect, bool(verified))
             self._last_collect = now
+        self.times.add("sample", time.perf_counter() - t0 - waited)
         return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
 
     def _emit(self, pending: "_Pending") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
+from meshlm.step_times import StepTimes
 
 
 class LocalExecutor:
@@ -13,6 +14,13 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.rank.step(plan)
+
+    @property
+    def times(self) -> StepTimes:
+        return self.rank.times
+
+    def rank_times(self) -> dict[int, tuple[float, ...]]:
+        return {0: self.times.totals()}
 
     def kv_bytes(self) -> int:
         return self.rank.kv_bytes

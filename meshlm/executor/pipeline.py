@@ -17,7 +17,6 @@ executor's.
 
 from __future__ import annotations
 
-import time
 
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.stage_io import StageIO
@@ -32,22 +31,18 @@ class PipelineExecutor(TensorExecutor):
         self.io = io
         self.depth = depth  # plans the engine keeps in flight (one micro-batch per stage)
         self.stages = stages or {}  # rank -> what it runs ("stage 0, layers 0..14"), for failure messages
-        self.wait_seconds = 0.0  # time spent waiting for the previous stage (benchmarks report it)
 
     def submit(self, plan: StepPlan) -> None:
-        t0 = time.perf_counter()
-        self.control.broadcast(plan)
-        self.control_seconds += time.perf_counter() - t0
+        with self.times.timing("control"):
+            self.control.broadcast(plan)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
-        hidden = self.io.receive(plan)
-        self.wait_seconds += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if self._unacked is not None:
-            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
-        self._unacked = plan.step_id
-        self.control_seconds += time.perf_counter() - t0
+        with self.times.timing("link"):
+            hidden = self.io.receive(plan)
+        with self.times.timing("control"):
+            if self._unacked is not None:
+                self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+            self._unacked = plan.step_id
         return self.rank.step(plan, hidden)
 
     def _diagnose(self, error: str, wait: float = 1.0) -> str:

@@ -23,6 +23,7 @@ from meshlm.model.attention import AttentionBackend, attention_backend
 from meshlm.model.ring_attention import RingContext
 from meshlm.model.runner import Runner, StepResult
 from meshlm.platform import cores_for_this_process
+from meshlm.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,12 @@ class RankState:
         self.ring = ring
         self.received = None  # disaggregated prefill: blocks a prefill server sent (kv/received.py)
         self.exporter = None  # ... or, on a prefill server, where exported blocks go
+        self.times = StepTimes()  # this rank's time by phase, kept across resets
         self.runner = self._new_runner()
 
     def _new_runner(self) -> Runner:
         return Runner(self.parts, self.store, self.backend, self.ssd, self.vocab_size, self.ring,
-                      self.received, self.exporter)
+                      self.received, self.exporter, self.times)
 
     def attach(self, received=None, exporter=None) -> None:
         """Disaggregated prefill: where received blocks are looked up, and where exported blocks go."""

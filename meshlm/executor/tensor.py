@@ -13,6 +13,7 @@ import time
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
+from meshlm.step_times import StepTimes
 from meshlm.transport.control import ControlError, ControlLeader
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,6 @@ class TensorExecutor:
         self.control = control
         self.step_timeout = step_timeout
         self._unacked: int | None = None
-        self.control_seconds = 0.0  # time spent in the control plane (benchmarks report it)
         self.failure: str | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -33,12 +33,18 @@ class TensorExecutor:
 
     def announce(self, plan: StepPlan) -> None:
         """Check the previous step's acks, then send every worker this plan."""
-        t0 = time.perf_counter()
-        if self._unacked is not None:
-            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
-        self.control.broadcast(plan)
-        self._unacked = plan.step_id
-        self.control_seconds += time.perf_counter() - t0
+        with self.times.timing("control"):
+            if self._unacked is not None:
+                self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+            self.control.broadcast(plan)
+            self._unacked = plan.step_id
+
+    @property
+    def times(self) -> StepTimes:
+        return self.rank.times
+
+    def rank_times(self) -> dict[int, tuple[float, ...]]:
+        return {0: self.times.totals(), **self.control.worker_times}
 
     def idle(self) -> None:
         """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""

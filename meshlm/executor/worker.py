@@ -65,9 +65,11 @@ def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fing
 
 
 def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io: StageIO | None = None) -> int:
+    times = rank.times
     while True:
         try:
-            plan = control.next_plan()
+            with times.timing("wait"):
+                plan = control.next_plan()
         except LeaderLost as exc:
             log.error("%s; exiting", exc)
             return EXIT_LEADER_LOST
@@ -76,11 +78,15 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
             return EXIT_SHUTDOWN
         try:
             with watchdog.step(f"step {plan.step_id}"):
-                result = rank.step(plan, io.receive(plan) if io is not None else None)
+                with times.timing("link"):
+                    hidden = io.receive(plan) if io is not None else None
+                result = rank.step(plan, hidden)
                 if io is not None:
-                    io.send(plan, result)
+                    with times.timing("link"):
+                        io.send(plan, result)
                 elif result.logits is not None:
-                    mx.eval(result.logits)  # every rank must take part in the step's collectives
+                    with times.timing("device"):
+                        mx.eval(result.logits)  # every rank must take part in the step's collectives
         except Exception as exc:  # the group is unusable after a failed step: report, then leave
             log.exception("step %d failed", plan.step_id)
             try:
@@ -88,4 +94,5 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
             except LeaderLost:
                 pass
             return EXIT_STEP_FAILED
-        control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths))
+        with times.timing("control"):
+            control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals())

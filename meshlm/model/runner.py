@@ -23,6 +23,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from meshlm.engine.plan import Chunk, StepPlan, batch_fingerprint
+from meshlm.step_times import StepTimes
 from meshlm.kv.store import BlockData, KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend
@@ -69,7 +70,8 @@ class BlockSource(Protocol):
 class Runner:
     def __init__(self, parts: ModelParts, store: KVStore, backend: AttentionBackend, ssd=None,
                  vocab_size: int | None = None, ring: RingContext | None = None,
-                 received: BlockSource | None = None, exporter: KVExporter | None = None) -> None:
+                 received: BlockSource | None = None, exporter: KVExporter | None = None,
+                 times: StepTimes | None = None) -> None:
         self.parts = parts
         self.store = store
         self.backend = backend
@@ -82,6 +84,7 @@ class Runner:
         self.block_size = ring.split.logical_block if ring is not None else store.block_size
         self.seqs: dict[int, SeqKV] = {}
         self._pending: list[mx.array] = []  # what the last step launched
+        self.times = times if times is not None else StepTimes()
 
     @property
     def lengths(self) -> dict[int, int]:
@@ -98,6 +101,8 @@ class Runner:
         # The previous step must have finished before this one writes the pools: a pending reader
         # would make MLX copy a whole pool instead of updating it in place.
         mx.eval(self._pending)
+        waited = time.perf_counter() - t0
+        self.times.add("device", waited)
         self._check(plan)
         self._save(plan)
         self._export(plan)
@@ -125,7 +130,12 @@ class Runner:
             result = self._result(out, batch, t0)
         self._pending = self.store.keys + self.store.values
         self._pending += [x for x in (result.logits, result.hidden, collective) if x is not None]
+        launched = time.perf_counter()
+        self.times.add("build", launched - t0 - waited)
+        # MLX's CPU stream lets only ~100 ops be queued ahead of the thread launching them, so this
+        # returns near the forward's end: the time is the device's, not the graph's.
         mx.async_eval(self._pending)
+        self.times.add("device", time.perf_counter() - launched)
         return result
 
     def _ring_step(self, rows: list[RowSpec], t0: float) -> tuple[StepResult, mx.array]:

@@ -55,8 +55,8 @@ import msgspec
 from meshlm.engine.plan import StepPlan
 
 MAGIC = b"MLCP"
-VERSION = 4  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
-# 4: plans carry KV exports (disaggregated prefill)
+VERSION = 5  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+# 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256
@@ -282,11 +282,13 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Ack:
-    """A worker applied plan `step_id`; `fingerprint` is its own batch digest, `error` why it failed ("" = ok)."""
+    """A worker applied plan `step_id`; `fingerprint` is its own batch digest, `error` why it failed ("" = ok),
+    `times` its seconds by phase so far (meshlm/step_times.py, in PHASES order; checked by the leader)."""
 
     step_id: int
     fingerprint: int
     error: str = ""
+    times: tuple[float, ...] = ()
 
 
 MESSAGE_TYPES: dict[Kind, type] = {Kind.CHALLENGE: Challenge, Kind.HELLO: Hello, Kind.PROOF: Proof,

@@ -43,6 +43,7 @@ from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joi
                                   prove_worker)
 from meshlm.transport.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, VersionMismatch, Welcome
 from meshlm.transport.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
+from meshlm.step_times import check_totals
 
 __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost",
            "ProtocolError", "SplitBrain", "WorkerFailed", "WorkerLost"]
@@ -145,6 +146,7 @@ class ControlLeader:
         self._lock = threading.RLock()
         self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
         self._dropped_count = 0
+        self.worker_times: dict[int, tuple[float, ...]] = {}  # rank -> its seconds by phase, from its last ACK
 
     # -- handshake ------------------------------------------------------------------
 
@@ -386,6 +388,11 @@ class ControlLeader:
             raise WorkerFailed(rank, step_id, ack.error)
         if fingerprint and ack.fingerprint != fingerprint:
             raise SplitBrain(rank, step_id, fingerprint, ack.fingerprint)
+        if ack.times:
+            problem = check_totals(ack.times)
+            if problem is not None:
+                raise ProtocolError(f"rank {rank} acked step {step_id} with {problem}")
+            self.worker_times[rank] = ack.times
         return ack
 
     def _frame(self, rank: int) -> Frame | None:
@@ -585,9 +592,10 @@ class ControlWorker:
                 return None
             wire.decode_empty(frame.payload, "HEARTBEAT")
 
-    def ack(self, step_id: int, fingerprint: int, error: str = "") -> None:
-        """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit)."""
-        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error)))
+    def ack(self, step_id: int, fingerprint: int, error: str = "", times: tuple[float, ...] = ()) -> None:
+        """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit);
+        `times`: this rank's seconds by phase so far (meshlm/step_times.py)."""
+        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times))))
 
     def _send(self, kind: Kind, payload: bytes) -> None:
         data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)

@@ -39,6 +39,7 @@ from meshlm.transport.codec import (
     encode_frame,
     welcome_fields,
 )
+from meshlm.step_times import PHASES
 from meshlm.transport.control import (
     ControlLeader,
     ControlWorker,
@@ -311,6 +312,26 @@ def test_worker_error_is_reported():
         with pytest.raises(WorkerFailed, match="rank 1 failed step 3: KeyError: uid 7"):
             leader.collect_acks(3)
 
+
+
+def test_acks_carry_each_workers_time_by_phase():
+    times = tuple(float(i) for i in range(len(PHASES)))
+    with cluster(3, on_plan=lambda w, p: w.ack(p.step_id, 0, times=times)) as (leader, _):
+        leader.broadcast(plan(0))
+        leader.collect_acks(0)
+        assert leader.worker_times == {1: times, 2: times}
+
+
+@pytest.mark.parametrize("times, message", [
+    ((1.0,), "1 phase times, expected"),
+    ((float("nan"),) * len(PHASES), "not a finite number"),
+    ((-1.0,) * len(PHASES), "not a finite number"),
+])
+def test_acks_with_impossible_times_are_a_protocol_error(times, message):
+    with cluster(2, on_plan=lambda w, p: w.ack(p.step_id, 0, times=times)) as (leader, _):
+        leader.broadcast(plan(0))
+        with pytest.raises(ProtocolError, match=f"rank 1 acked step 0 with .*{message}"):
+            leader.collect_acks(0)
 
 # -- handshake -------------------------------------------------------------------------
 
