@@ -179,7 +179,7 @@ class Runner:
 
     def _copies(self, blocks: list[int]) -> list[BlockData]:
         """Evaluated copies of these blocks, as they are now."""
-        copies = [self.store.extract(b) for b in blocks]
+        copies = self.store.extract(blocks)
         mx.eval([a for c in copies for a in (*c.keys, *c.values)])
         return copies
 

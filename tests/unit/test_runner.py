@@ -375,7 +375,7 @@ def test_a_saved_block_is_copied_before_the_plan_that_reuses_it_writes_it(path, 
     cfg = ModelConfig(str(path))
     rank = build_rank(load_model(cfg), cfg, CacheConfig(ssd=True, cache_dir=str(tmp_path), block_size=BS), 2**24)
     positions_logits(rank, 0, 1, 0, list(range(20, 20 + BS)), 1, LOGITS_LAST, new=True)  # fills block 0
-    want = rank.store.extract(0)
+    want = rank.store.extract([0])[0]
     mx.eval(want.keys, want.values)
     key = b"k" * 16
     plan = StepPlan(1, new=(NewSequence(2, 0),), chunks=(Chunk(2, 0, tuple(range(100, 100 + BS)), LOGITS_LAST),),
@@ -401,6 +401,6 @@ def test_a_partial_hit_may_lend_from_a_block_loaded_in_the_same_plan(path, tmp_p
     rank.flush(timeout=10)
     want = rank.ssd.load(key)
     rank.step(StepPlan(2, loads=(BlockLoad(key, 1),), copies=(BlockCopy(1, 2, BS // 2),), num_blocks=3))
-    got = rank.store.extract(2)
+    got = rank.store.extract([2])[0]
     for a, b in zip(got.keys + got.values, want.keys + want.values):
         assert mx.array_equal(a[:, : BS // 2], b[:, : BS // 2])
