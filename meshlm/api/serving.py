@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError, bad_request
+from meshlm.api.outbox import Outbox
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.schemas import ChatCompletionRequest, _Request
 from meshlm.engine.engine import Engine, PromptTooLong, QueueFull
@@ -74,6 +75,7 @@ class Serving:
         self.max_model_len = prompts.max_model_len
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
+        self._outbox: Outbox | None = None  # for the running event loop, made on first use
 
     # -- request -> prompts ------------------------------------------------
     def check_model(self, req: _Request) -> None:
@@ -118,6 +120,8 @@ class Serving:
                grammar: str | None = None) -> tuple[list[int], list[Choice], asyncio.Queue]:
         """Submit n sequences per prompt; outputs arrive on the returned queue as (choice index, StepOutput)."""
         loop = asyncio.get_running_loop()
+        if self._outbox is None or self._outbox.loop is not loop:
+            self._outbox = Outbox(loop)
         queue: asyncio.Queue = asyncio.Queue()
         uids: list[int] = []
         choices: list[Choice] = []
@@ -128,7 +132,7 @@ class Serving:
                     index = len(choices)
                     seed = None if base.seed is None else base.seed + i
                     sp = base if seed == base.seed else _with_seed(base, seed)
-                    emit = _emitter(loop, queue, index)
+                    emit = _emitter(self._outbox, queue, index)
                     uids.append(self.engine.submit(p, sp, emit))
                     choices.append(Choice(index, len(p)))
         except QueueFull as exc:
@@ -210,9 +214,9 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(p, seed=seed)
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+def _emitter(outbox: Outbox, queue: asyncio.Queue, index: int):
     def emit(out: StepOutput) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+        outbox.put(queue, (index, out))
 
     return emit
 
