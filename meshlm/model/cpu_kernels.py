@@ -43,6 +43,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from meshlm.transport.collectives import all_sum
+
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
@@ -258,7 +260,7 @@ class ShardedLinear(nn.Module):
         y = self.local(x)
         if not self._reduce:
             return y
-        y = mx.distributed.all_sum(y, group=self._group)
+        y = all_sum(y, self._group)
         return y + self["bias"] if "bias" in self else y
 
 
