@@ -207,20 +207,25 @@ def run_load(cluster: pp.Cluster, args: argparse.Namespace, info: dict[str, Any]
 
 
 def probe_rank(args: argparse.Namespace) -> int:
-    """One rank of the probe (run pinned, with MLX_HOSTFILE/MLX_RANK): all_sum latency per shape, as JSON."""
+    """One rank of the probe (run pinned, with MLX_HOSTFILE/MLX_RANK): all_sum latency per shape, as meshlm
+    sends it (transport/collectives.py: large sums in pieces) and as one mx.distributed.all_sum, as JSON."""
     import mlx.core as mx
 
+    from meshlm.transport.collectives import all_sum
+
     group = mx.distributed.init(backend="ring")
-    out: dict[str, float] = {}
-    for name, rows in (("decode", args.streams), ("prefill", args.prefill_chunk)):
-        x = mx.ones((rows, args.hidden_size), dtype=mx.float32)
-        for _ in range(10):
-            mx.eval(mx.distributed.all_sum(x, group=group))
-        iters = PROBE_ITERS if rows <= 64 else PROBE_ITERS // 10
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            mx.eval(mx.distributed.all_sum(x, group=group))
-        out[name] = (time.perf_counter() - t0) / iters * 1e6
+    sums = {"meshlm": lambda x: all_sum(x, group), "one_piece": lambda x: mx.distributed.all_sum(x, group=group)}
+    out: dict[str, dict[str, float]] = {}
+    for how, fn in sums.items():
+        for name, rows in (("decode", args.streams), ("prefill", args.prefill_chunk)):
+            x = mx.ones((1, rows, args.hidden), dtype=mx.float32)
+            for _ in range(10):
+                mx.eval(fn(x))
+            iters = PROBE_ITERS if rows <= 64 else PROBE_ITERS // 10
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                mx.eval(fn(x))
+            out.setdefault(how, {})[name] = (time.perf_counter() - t0) / iters * 1e6
     print(json.dumps(out))
     return 0
 
@@ -248,12 +253,14 @@ def all_reduce_probe(args: argparse.Namespace, hidden: int, layers: int, workdir
     rank0 = json.loads(outs[-1][0].strip().splitlines()[-1])
     per_layer = 2  # attention's output projection and the MLP's down projection each reduce
     return {
-        "what": f"mx.distributed.all_sum of float32 (rows, {hidden}), ring backend, {n} processes pinned like the "
-                "ranks; a tensor-parallel layer reduces twice",
+        "what": f"all-reduce of float32 (rows, {hidden}), ring backend, {n} processes pinned like the ranks; a "
+                "tensor-parallel layer reduces twice; meshlm: as the ranks send it (pieces of at most 512 KiB), "
+                "one_piece: a single mx.distributed.all_sum",
         "decode_rows": args.streams, "prefill_rows": args.prefill_chunk,
-        "all_sum_us": {k: round(v, 1) for k, v in rank0.items()},
-        "per_layer_us": {k: round(v * per_layer, 1) for k, v in rank0.items()},
-        "per_step_ms": {k: round(v * per_layer * layers / 1e3, 3) for k, v in rank0.items()},
+        **{how: {"all_sum_us": {k: round(v, 1) for k, v in times.items()},
+                 "per_layer_us": {k: round(v * per_layer, 1) for k, v in times.items()},
+                 "per_step_ms": {k: round(v * per_layer * layers / 1e3, 3) for k, v in times.items()}}
+           for how, times in rank0.items()},
     }
 
 
@@ -263,7 +270,6 @@ def all_reduce_probe(args: argparse.Namespace, hidden: int, layers: int, workdir
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.probe_rank is not None:
-        args.hidden_size = args.hidden
         return probe_rank(args)
     _peer.install_signal_handlers()
     t_start = time.monotonic()
