@@ -124,6 +124,8 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None) -> ModelParts:
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
+    if cpu_kernels_on and mx.default_device() == mx.cpu and cpu_kernels.pack_tied_embedding(model, native):
+        log.info("CPU kernels: the tied embedding table is packed for the LM head")
     parts = model_parts(model)
     for layer in parts.layers:
         attn = layer.self_attn

@@ -264,4 +264,49 @@ class ShardedLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
+
+class PackedEmbedding(nn.Module):
+    """A tied embedding table held once, packed like PackedLinear's weight: the LM head (`as_linear`) runs
+    the packed GEMM, which streams the table on every core (the demo model's 113 MB table at one row:
+    3.0 ms against 8.3 ms for MLX's `x @ W.T`, a seventh of a decode step), and lookups gather their rows
+    out of the panels, so the table is not held twice."""
+
+    def __init__(self, embedding: nn.Embedding, native) -> None:
+        super().__init__()
+        self._native = native
+        vocab, dims = embedding.weight.shape
+        self._panel = panel = native.panel
+        self.weight_p = mx.contiguous(embedding.weight.reshape(vocab // panel, panel, dims).transpose(0, 2, 1))
+
+    @property
+    def weight(self) -> mx.array:
+        """The (vocab, dims) table, for code that reads its shape (lazy: copied only if evaluated)."""
+        w = self["weight_p"]
+        return w.transpose(0, 2, 1).reshape(-1, w.shape[1])
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        w = self["weight_p"]
+        panel, dims = self._panel, w.shape[1]
+        # Element (p, i, j) is row p * panel + j, column i: a row is `dims` values `panel` apart.
+        start = (ids // panel) * (dims * panel) + ids % panel
+        return mx.take(w.reshape(-1), start[..., None] + mx.arange(dims) * panel)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._native.packed_linear(x, self["weight_p"], None)
+
+
+def pack_tied_embedding(model: nn.Module, native) -> bool:
+    """Swap a tied float32 embedding table for a PackedEmbedding where `native` has the packed GEMM and the
+    vocabulary fills whole panels; True if it did."""
+    inner = getattr(model, "model", None)
+    embed = inner.get("embed_tokens") if isinstance(inner, nn.Module) else None
+    tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
+    if (native is None or not native.packed_gemm or not tied or type(embed) is not nn.Embedding
+            or embed.weight.dtype != mx.float32 or embed.weight.shape[0] % native.panel):
+        return False
+    packed = PackedEmbedding(embed, native)
+    mx.eval(packed.parameters())
+    inner["embed_tokens"] = packed
+    return True
+
 _SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)

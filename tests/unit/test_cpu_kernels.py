@@ -291,3 +291,34 @@ def test_transpose_linears_swaps_tensor_parallel_shards(native):
     assert "bias" in block.layers[1] and "bias" not in block.layers[1].local  # added once, after the sum
     assert block.layers[1].weight.shape == (32, 48)
     assert mx.abs(block(x) - want).max().item() < 1e-5
+
+
+@NEEDS_PACKED_GEMM
+def test_packed_embedding_looks_up_exactly_and_projects_like_the_table():
+    table = nn.Embedding(64, 24)
+    ids = mx.array([[0, 5, 63, 17], [16, 15, 1, 48]])
+    packed = cpu_kernels.PackedEmbedding(table, NATIVE)
+    assert mx.array_equal(packed(ids), table(ids)).item()  # a gather: bit for bit
+    assert mx.array_equal(packed.weight, table.weight).item()
+    x = mx.random.normal((1, 3, 24))
+    assert mx.abs(packed.as_linear(x) - table.as_linear(x)).max().item() < 1e-5
+
+
+@NEEDS_PACKED_GEMM
+def test_only_a_tied_float32_table_that_fills_whole_panels_is_packed():
+    from mlx_lm.models import llama
+
+    def model(vocab: int, tied: bool) -> nn.Module:
+        return llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                                           vocab_size=vocab, num_key_value_heads=2, tie_word_embeddings=tied))
+
+    m = model(64, tied=True)
+    ids = mx.array([[3, 9, 60]])
+    want = m(ids)
+    assert cpu_kernels.pack_tied_embedding(m, NATIVE)
+    assert type(m.model.embed_tokens) is cpu_kernels.PackedEmbedding
+    assert mx.abs(m(ids) - want).max().item() < 1e-4  # mlx-lm's own forward runs on the packed table
+    assert not cpu_kernels.pack_tied_embedding(model(64, tied=False), NATIVE)  # the lm_head is its own layer
+    assert not cpu_kernels.pack_tied_embedding(model(60, tied=True), NATIVE)  # 60 rows: not whole panels
+    assert not cpu_kernels.pack_tied_embedding(model(64, tied=True), None)
