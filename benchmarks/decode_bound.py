@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_bandwidth(threads: int, repeats: int = 5) -> float:
+def read_bandwidth(threads: int, repeats: int = 12) -> float:
     """Bytes/s read by `threads` threads each summing its own 1 GiB float32 array; the best of `repeats`."""
     import numpy as np
 
