@@ -49,6 +49,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     return pick(host)
 
 
+def free_ports(n: int, taken: set[int]) -> list[int]:
+    """n distinct free ports, none in `taken` (which gains them): a cluster's control and HTTP ports
+    beside the ring or stage ports its ranks listen on."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation; None when empty."""
     if not values:

@@ -224,15 +224,7 @@ def start_cp2(model: Path, args: argparse.Namespace, workdir: Path, algorithm: s
     hosts = workdir / f"{tag}-hosts.json"
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * RANKS))
     ring_port = pp.port_run(RANKS)  # the ring backend: rank r listens on ring_port + r
-    taken = set(range(ring_port, ring_port + RANKS))
-    control, http = None, []
-    while control is None or control in taken:
-        control = _peer.free_port()
-    taken.add(control)
-    while len(http) < RANKS:
-        if (port := _peer.free_port()) not in taken:
-            taken.add(port)
-            http.append(port)
+    control, *http = _peer.free_ports(RANKS + 1, set(range(ring_port, ring_port + RANKS)))
     env = pp.one_core_env({**os.environ, SECRET_ENV: ClusterSecret.generate().reveal()})
     servers = []
     for rank in reversed(range(RANKS)):

@@ -101,15 +101,6 @@ def flags(model: Path, port: int, args: argparse.Namespace, workdir: Path, tag: 
             "--kv-cache-dir", str(workdir / f"kv-{tag}"), *shlex.split(args.meshlm_args)]
 
 
-def free_ports(n: int, taken: set[int]) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        if (port := _peer.free_port()) not in taken:
-            taken.add(port)
-            ports.append(port)
-    return ports
-
-
 def start_one_core(model: Path, args: argparse.Namespace, workdir: Path) -> pp.Cluster:
     port = _peer.free_port()
     cmd = flags(model, port, args, workdir, "one-core")
@@ -129,7 +120,7 @@ def start_ranks(model: Path, args: argparse.Namespace, workdir: Path) -> pp.Clus
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * n))
     base = pp.port_run(n)  # ring backend (TP, CP) or stage links (PP): rank r listens on base + r
     taken = set(range(base, base + n))
-    control, *http = free_ports(n + 1, taken)
+    control, *http = _peer.free_ports(n + 1, taken)
     env = pp.one_core_env({**os.environ, SECRET_ENV: ClusterSecret.generate().reveal()})
     servers = []
     for rank in reversed(range(n)):

@@ -49,9 +49,6 @@ class StepTimes:
         """In PHASES order: what an ACK carries."""
         return tuple(self._seconds)
 
-    def as_dict(self) -> dict[str, float]:
-        return dict(zip(PHASES, self._seconds))
-
 
 def check_totals(values: tuple[float, ...]) -> str | None:
     """Why a peer's totals (from an ACK) are not acceptable, or None."""

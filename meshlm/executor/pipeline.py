@@ -17,7 +17,6 @@ executor's.
 
 from __future__ import annotations
 
-
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.stage_io import StageIO
 from meshlm.executor.tensor import TensorExecutor

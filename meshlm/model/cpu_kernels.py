@@ -23,7 +23,9 @@ instead of MLX's scalar CPU loops: SwiGLU, the softmax of a prefill's scores,
 a decode's whole attention straight from the KV pool's blocks (one pass over
 each row's keys and values instead of ~100 tiny GEMMs per layer), and the
 linear layers (`PackedLinear`: weights packed once at load, where OpenBLAS
-re-packs them on every call). Without it (no compiler, another MLX version)
+re-packs them on every call; tensor-parallel shards keep their all-reduce
+around it, `ShardedLinear`), and a tied LM head (`PackedEmbedding`: the
+embedding table packed once, its lookups gathered from the panels). Without it (no compiler, another MLX version)
 the MLX versions below run, with a log line.
 
 These are plain functions and modules: model/attention.py (the attention
@@ -202,6 +204,9 @@ class PackedLinear(nn.Module):
         return self._native.packed_linear(x, self["weight_p"], self["bias"] if "bias" in self else None)
 
 
+_SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)
+
+
 def _local_linear(layer: nn.Module, native, packed: bool) -> nn.Module:
     """A PackedLinear or TransposedLinear computing what `layer` (an nn.Linear or a tensor-parallel shard
     of one) computes on this rank, before any collective."""
@@ -216,7 +221,7 @@ def transpose_linears(model: nn.Module, native=None) -> int:
     Tensor-parallel shards are swapped too (`ShardedLinear`), keeping their collective: without that, a
     rank's matmuls ran MLX's slower `x @ W.T` and TP=2 lost a third of its speed-up to the 1-rank model
     (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
-    returns how many. A tied LM head is the embedding table and stays as it is."""
+    returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`."""
     packed = native is not None and native.packed_gemm
     swapped = 0
 
@@ -264,7 +269,6 @@ class ShardedLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
-
 class PackedEmbedding(nn.Module):
     """A tied embedding table held once, packed like PackedLinear's weight: the LM head (`as_linear`) runs
     the packed GEMM, which streams the table on every core (the demo model's 113 MB table at one row:
@@ -308,5 +312,3 @@ def pack_tied_embedding(model: nn.Module, native) -> bool:
     mx.eval(packed.parameters())
     inner["embed_tokens"] = packed
     return True
-
-_SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)
