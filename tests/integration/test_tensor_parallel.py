@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
@@ -97,6 +98,13 @@ def test_endurance_sequential_concurrent_and_no_kv_growth(tp2):
     results = asyncio.run(_complete_all(tp2.url, [f"concurrent {i}" for i in range(64)], 4))
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
     assert wait_until(lambda: tp2.metric("meshlm_kv_blocks_used") == 0, 10)
+    # Every rank's step time by phase reaches rank 0's /metrics, the worker's through its ACKs.
+    text = httpx.get(tp2.url + "/metrics", timeout=10).text
+    seconds = {(m.group(2), m.group(1)): float(m.group(3)) for m in re.finditer(
+        r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\} (\S+)$', text, re.M)}
+    for rank in ("0", "1"):
+        assert seconds[(rank, "build")] > 0 and seconds[(rank, "device")] > 0, seconds
+    assert seconds[("0", "sample")] > 0 and seconds[("1", "wait")] > 0, seconds
 
 
 def test_cancel_mid_stream_cleans_every_rank(tp2):
