@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import openai
 import pytest
@@ -134,12 +136,18 @@ def test_openai_client_errors(server):
 
 def test_startup_log_names_blas_and_cpu_kernels(server):
     """The CPU-path choices are visible in the log: OpenBLAS (with sleeping idle threads) and meshlm's kernels."""
-    from meshlm.platform import find_openblas
+    from meshlm.platform import GLIBC_MALLOC_TUNING, find_openblas
 
     log = server.log.read_text()
     if find_openblas() is not None:
         assert "using OpenBLAS for CPU matmuls" in log
         assert "OPENBLAS_THREAD_TIMEOUT=4" in log
+    if find_openblas() is not None and "MESHLM_OPENBLAS" not in os.environ:
+        # The same re-exec keeps glibc's big buffers on a never-trimmed heap (platform.GLIBC_MALLOC_TUNING).
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0")
+                       if "=" in v)
+        for name, value in GLIBC_MALLOC_TUNING.items():
+            assert environ.get(name) == value and f"{name}={value}" in log
     from meshlm.model.cpu_kernels import native_ops
 
     native, status = native_ops()
