@@ -21,6 +21,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MESHLM_AVX2 1
@@ -318,6 +321,39 @@ class PagedDecodeAttention : public CpuOnly {
   int block_size_;
 };
 
+// ---- Zeros whose pages the kernel supplies on first write ---------------------
+//
+// A KV pool reserved at its whole budget this way costs resident memory only
+// for the blocks written, and never has to grow: growing by copy stalled every
+// stream for seconds at GiB sizes (fresh pages fault slowly, and the copy
+// needs old and new at once). The page-aligned interior is handed back with
+// MADV_DONTNEED, which for private anonymous memory (malloc's heap and its
+// mmaps) means zero-filled on the next touch; the partial pages at either end
+// are cleared by hand.
+void zero_untouched(char* p, size_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t a = reinterpret_cast<uintptr_t>(p), e = a + n;
+  uintptr_t lo = (a + page - 1) / page * page, hi = e / page * page;
+  if (hi <= lo || madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) != 0) {
+    std::memset(p, 0, n);
+    return;
+  }
+  std::memset(p, 0, lo - a);
+  std::memset(reinterpret_cast<void*>(hi), 0, e - hi);
+}
+
+class UntouchedZeros : public CpuOnly {
+ public:
+  using CpuOnly::CpuOnly;
+  const char* name() const override { return "MeshlmUntouchedZeros"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }  // each is its own buffer
+  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([p = out.data<char>(), n = out.nbytes()]() { zero_untouched(p, n); });
+  }
+};
+
 mx::Stream current_stream() { return mx::to_stream(mx::StreamOrDevice{}); }
 
 const mx::array& require_float32(const mx::array& a) {
@@ -580,6 +616,14 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx
   return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
 }
 
+mx::array untouched_zeros(const std::vector<int>& shape, mx::Dtype dtype) {
+  for (int d : shape) {
+    if (d < 0) throw std::invalid_argument("untouched_zeros: negative dimension");
+  }
+  auto s = current_stream();
+  return mx::array(mx::Shape(shape.begin(), shape.end()), dtype, std::make_shared<UntouchedZeros>(s), {});
+}
+
 void set_gemm_threads(int n) {
 #if MESHLM_AVX2
   gemm_pool().set_threads(n);
@@ -599,6 +643,8 @@ NB_MODULE(_cpu_ops, m) {
   m.def("packed_linear", &packed_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none(),
         "x @ W (+ bias) with W packed as (N/16, K, 16) panels");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
+  m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
+        "zeros whose memory pages are supplied on first write (resident only where written)");
   m.def("paged_decode_attention", &paged_decode_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"),
         "one query position per row against its blocks of a KV pool; q pre-scaled by scale*log2(e)");

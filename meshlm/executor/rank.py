@@ -110,4 +110,8 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
     if ring is not None:
         args = loaded.model.args
         ring = dataclasses.replace(ring, kv_heads=shape.kv_heads, q_heads=args.num_attention_heads)
-    return RankState(parts, KVStore(shape, max_blocks), backend, ssd, loaded.vocab_size, salt, ring)
+    # The compiled kernels reserve the pools at the whole budget (resident only where written); the
+    # portable path grows them by copying (fast on Metal; seconds at GiB sizes on the CPU).
+    reserve = native.untouched_zeros if cpu and native is not None else None
+    store = KVStore(shape, max_blocks, reserve=reserve)
+    return RankState(parts, store, backend, ssd, loaded.vocab_size, salt, ring)

@@ -13,15 +13,25 @@ Every write is an in-place update of the pool (MLX donates the buffer when
 nothing else holds it): the engine launches a step only once the previous one
 has finished, and every read of a pool (attention, block saves) is part of
 the step that wrote it, so no pending reader ever forces a copy of a pool.
-The pools grow by doubling up to `max_blocks` (the budget), so a server uses
-the memory its load needs, never more than `--kv-cache-memory`.
+With the compiled CPU kernels the pools are reserved at the whole budget from
+the start as zeros whose pages the kernel supplies on first write
+(`untouched_zeros`): resident memory follows the blocks written and nothing is
+ever copied. Otherwise (Metal, or no compiled kernels) they grow by doubling up
+to `max_blocks`, copying: at GiB sizes on the CPU that stalled every stream for
+seconds (docs/BENCHMARKS.md). Either way `nbytes` counts the blocks the load has
+needed so far, doubling, never more than `--kv-cache-memory`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
+
+log = logging.getLogger(__name__)
 
 INITIAL_BLOCKS = 16
 
@@ -52,15 +62,28 @@ class KVShape:
         return 2 * self.num_layers * self.kv_heads * self.block_size * self.head_dim * self.dtype.size
 
 
+# Zeros of a shape and dtype whose memory is resident only where written (cpu_ops.untouched_zeros).
+Reserve = Callable[[list[int], mx.Dtype], mx.array]
+
+
 class KVStore:
-    def __init__(self, shape: KVShape, max_blocks: int, initial_blocks: int = INITIAL_BLOCKS) -> None:
+    def __init__(self, shape: KVShape, max_blocks: int, initial_blocks: int = INITIAL_BLOCKS,
+                 reserve: Reserve | None = None) -> None:
         if max_blocks < 1:
             raise ValueError("the KV budget holds no block")
         self.shape = shape
         self.max_blocks = max_blocks
-        self.capacity = 0
+        self.capacity = 0  # blocks the load may use so far; with `reserve` the pools already hold max_blocks
+        self.reserved = reserve is not None
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
+        if reserve is not None:
+            rows = [max_blocks * shape.block_size, shape.kv_heads, shape.head_dim]
+            self.keys = [reserve(rows, shape.dtype) for _ in range(shape.num_layers)]
+            self.values = [reserve(rows, shape.dtype) for _ in range(shape.num_layers)]
+            mx.eval(self.keys, self.values)
+            log.info("KV pools reserved for %d blocks (%.0f MB), resident as blocks are written", max_blocks,
+                     max_blocks * shape.block_bytes / 1e6)
         self.ensure(min(initial_blocks, max_blocks))
 
     @property
@@ -79,6 +102,10 @@ class KVStore:
         if blocks > self.max_blocks:
             raise ValueError(f"{blocks} KV blocks requested, the budget holds {self.max_blocks}")
         new = min(max(blocks, 2 * self.capacity), self.max_blocks)
+        if self.reserved:
+            self.capacity = new
+            return
+        t0 = time.perf_counter()
         s = self.shape
         extra = ((new - self.capacity) * s.block_size, s.kv_heads, s.head_dim)
         grow = [mx.zeros(extra, dtype=s.dtype) for _ in range(s.num_layers)]
@@ -87,8 +114,11 @@ class KVStore:
             self.values = [mx.concatenate([v, mx.zeros_like(z)]) for v, z in zip(self.values, grow)]
         else:
             self.keys, self.values = grow, [mx.zeros(extra, dtype=s.dtype) for _ in range(s.num_layers)]
-        self.capacity = new
+        old, self.capacity = self.capacity, new
         mx.eval(self.keys, self.values)
+        # Growing copies every pool: a step stalls for it (seconds at GiBs where fresh pages fault slowly).
+        log.info("KV pools grew from %d to %d blocks (%.0f MB) in %.2f s", old, new, self.nbytes / 1e6,
+                 time.perf_counter() - t0)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """Store new positions: `k`, `v` (T, kv_heads, head_dim) at `slots` (T,)."""

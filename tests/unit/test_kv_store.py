@@ -1,0 +1,90 @@
+"""The KV pools, both ways they get memory: grown by copying (the portable path) and reserved at the whole
+budget as zeros made resident only where written (the compiled CPU kernels' `untouched_zeros`)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from meshlm.kv.store import KVShape, KVStore
+from meshlm.model import cpu_kernels
+
+NATIVE, _ = cpu_kernels.native_ops()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="compiled CPU kernels not built")
+SHAPE = KVShape(num_layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=mx.float32)
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def stores() -> list[KVStore]:
+    out = [KVStore(SHAPE, max_blocks=40, initial_blocks=2)]
+    if NATIVE is not None:
+        out.append(KVStore(SHAPE, max_blocks=40, initial_blocks=2, reserve=NATIVE.untouched_zeros))
+    return out
+
+
+def test_both_ways_count_and_hold_the_same_blocks():
+    rng = np.random.default_rng(0)
+    blocks = {b: rng.standard_normal((SHAPE.block_size, 2, 8)).astype(np.float32) for b in (0, 1, 5, 17, 39)}
+    seen = []
+    for store in stores():
+        capacities = []
+        for b, kv in sorted(blocks.items()):
+            store.ensure(b + 1)
+            capacities.append(store.capacity)
+            slots = store.block_slots(b)
+            for layer in range(SHAPE.num_layers):
+                store.write(layer, slots, mx.array(kv) + layer, mx.array(-kv))
+        mx.eval(store.keys, store.values)
+        assert capacities == [2, 2, 6, 18, 40]  # at least doubling, capped at the budget, either way
+        assert store.nbytes == 40 * SHAPE.block_bytes
+        for b, kv in blocks.items():
+            slots = store.block_slots(b)
+            for layer in range(SHAPE.num_layers):
+                assert np.array_equal(np.array(store.keys[layer][slots]), kv + layer)
+                assert np.array_equal(np.array(store.values[layer][slots]), -kv)
+        unwritten = store.block_slots(3)
+        assert not np.any(np.array(store.keys[1][unwritten]))  # zeros wherever nothing was written
+        seen.append(np.array(store.keys[1][: 40 * SHAPE.block_size]))
+        with pytest.raises(ValueError, match="budget holds 40"):
+            store.ensure(41)
+    assert all(np.array_equal(seen[0], other) for other in seen[1:])
+
+
+@needs_native
+def test_a_reserved_store_never_reallocates():
+    store = KVStore(SHAPE, max_blocks=64, initial_blocks=1, reserve=NATIVE.untouched_zeros)
+    assert store.capacity == 1 and store.keys[0].shape == (64 * SHAPE.block_size, 2, 8)
+    store.ensure(50)
+    assert store.capacity == 50 and store.keys[0].shape == (64 * SHAPE.block_size, 2, 8)
+
+
+@needs_native
+def test_untouched_zeros_are_resident_only_where_written():
+    before = resident_mb()
+    pool = NATIVE.untouched_zeros([1 << 28], mx.float32)  # 1 GiB
+    mx.eval(pool)
+    assert pool.shape == (1 << 28,) and pool.dtype == mx.float32
+    assert resident_mb() - before < 64
+    assert mx.max(mx.abs(pool[:: 4099])).item() == 0.0  # reading maps the zero page, costs nothing
+    pool[mx.arange(1 << 20)] = mx.ones((1 << 20,))  # 4 MiB written in place: no copy of the gigabyte
+    mx.eval(pool)
+    assert mx.sum(pool).item() == float(1 << 20)
+    assert resident_mb() - before < 128
+    del pool
+
+
+@needs_native
+def test_untouched_zeros_take_any_dtype_and_refuse_negative_sizes():
+    small = NATIVE.untouched_zeros([3, 5], mx.float16)
+    assert small.dtype == mx.float16 and not np.any(np.array(small))
+    assert NATIVE.untouched_zeros([0], mx.float32).size == 0
+    with pytest.raises(ValueError, match="negative"):
+        NATIVE.untouched_zeros([-1], mx.float32)
