@@ -71,7 +71,7 @@ class TensorExecutor:
         deadline = time.monotonic() + wait
         while True:
             try:
-                self.control.check_workers()
+                self.control.check_arrived_acks()
             except ControlError as exc:
                 return f"{exc} ({error})" if str(exc) not in error else error
             if time.monotonic() >= deadline:

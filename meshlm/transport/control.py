@@ -341,6 +341,17 @@ class ControlLeader:
             for link in wait_readable(self._live_links(), deadline=0):
                 self._read(self._rank_of(link), link)
 
+    def check_arrived_acks(self) -> None:
+        """Non-blocking, for diagnosing a step that failed or outlived its deadline: read what the workers
+        sent and check every ACK already in, so a split brain (an ACK whose fingerprint differs from its
+        plan's) or a worker's own error is named rather than the deadline. Consumes those ACKs: not for
+        a cluster that goes on."""
+        with self._lock:
+            self.check_workers()
+            for rank in sorted(self._links):
+                while self._pending[rank] and (frame := self._frame(rank)) is not None:
+                    self._check_ack(rank, frame)
+
     def collect_acks(self, step_id: int, timeout: float | None = None) -> dict[int, Ack]:
         """Wait for every worker's ACK up to `step_id`, checking each (also earlier, uncollected ones).
 

@@ -306,6 +306,30 @@ def test_split_brain_names_the_rank():
         assert (info.value.rank, info.value.step_id, info.value.expected, info.value.actual) == (2, 0, 41, 42)
 
 
+def test_a_split_brain_already_acked_is_named_without_waiting():
+    """A leader stuck in a step's collective (the worker acked a step it skipped) diagnoses from the ACKs
+    already in, before any deadline."""
+    wrong = lambda w, p: w.ack(p.step_id, p.fingerprint + (w.rank == 1))  # noqa: E731
+    with cluster(3, on_plan=wrong) as (leader, _):
+        leader.broadcast(plan(0, fingerprint=41))
+        deadline = time.monotonic() + 5
+        with pytest.raises(SplitBrain, match="rank 1"):
+            while time.monotonic() < deadline:
+                leader.check_arrived_acks()  # nothing yet, or rank 2's good ACK: no error
+                time.sleep(0.01)
+
+
+def test_arrived_acks_that_agree_are_taken_without_an_error():
+    times = tuple(float(i) for i in range(len(PHASES)))
+    with cluster(2, on_plan=lambda w, p: w.ack(p.step_id, p.fingerprint, times=times)) as (leader, _):
+        leader.broadcast(plan(0, fingerprint=7))
+        deadline = time.monotonic() + 5
+        while 1 not in leader.worker_times and time.monotonic() < deadline:
+            leader.check_arrived_acks()
+            time.sleep(0.01)
+        assert leader.worker_times[1] == times
+
+
 def test_worker_error_is_reported():
     with cluster(2, on_plan=lambda w, p: w.ack(p.step_id, 0, error="KeyError: uid 7")) as (leader, _):
         leader.broadcast(plan(3))
