@@ -18,6 +18,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -348,7 +349,11 @@ class UntouchedZeros : public CpuOnly {
   const char* name() const override { return "MeshlmUntouchedZeros"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // each is its own buffer
   void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto data = mx::allocator::malloc(out.nbytes());
+    if (data.buffer().ptr() == nullptr) {  // MLX's CPU allocator hands back a null buffer rather than throwing
+      throw std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
+    }
+    out.set_data(std::move(data));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([p = out.data<char>(), n = out.nbytes()]() { zero_untouched(p, n); });
   }

@@ -95,5 +95,10 @@ def physical_memory() -> int:
 
 
 def kv_budget_bytes(scheduler) -> int:
-    """--kv-cache-memory (SchedulerConfig.kv_cache_memory), else a quarter of RAM up to 8 GiB."""
-    return scheduler.kv_cache_memory or min(int(physical_memory() * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
+    """--kv-cache-memory (SchedulerConfig.kv_cache_memory), else a quarter of RAM up to 8 GiB. A budget
+    above this machine's RAM is refused: it could never be honoured, only fail later."""
+    ram = physical_memory()
+    if scheduler.kv_cache_memory and scheduler.kv_cache_memory > ram:
+        raise ValueError(f"--kv-cache-memory {scheduler.kv_cache_memory / 2**30:.1f} GiB is more than this "
+                         f"machine's RAM ({ram / 2**30:.1f} GiB)")
+    return scheduler.kv_cache_memory or min(int(ram * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)

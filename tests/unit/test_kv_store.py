@@ -88,3 +88,19 @@ def test_untouched_zeros_take_any_dtype_and_refuse_negative_sizes():
     assert NATIVE.untouched_zeros([0], mx.float32).size == 0
     with pytest.raises(ValueError, match="negative"):
         NATIVE.untouched_zeros([-1], mx.float32)
+
+
+@needs_native
+def test_a_reservation_the_machine_refuses_is_a_clear_error():
+    huge = KVShape(num_layers=1, kv_heads=1024, head_dim=1024, block_size=1024, dtype=mx.float32)  # 4 GiB a block
+    with pytest.raises(ValueError, match="cannot reserve .* MB for the KV pools .* lower --kv-cache-memory"):
+        KVStore(huge, max_blocks=1 << 20, reserve=NATIVE.untouched_zeros)  # 4 PiB per pool
+
+
+def test_a_kv_budget_above_the_machines_ram_is_refused():
+    from meshlm.config import SchedulerConfig
+    from meshlm.platform import kv_budget_bytes, physical_memory
+
+    with pytest.raises(ValueError, match="more than this machine's RAM"):
+        kv_budget_bytes(SchedulerConfig(kv_cache_memory=physical_memory() + 2**30))
+    assert kv_budget_bytes(SchedulerConfig(kv_cache_memory=2**30)) == 2**30
