@@ -33,7 +33,8 @@ Measured, after one short warm-up request per server:
    2 * layers * kv_heads * head_dim * 4 bytes (float32 KV); CP rank r holds
    ContextSplit(2, r, block_size).local_count(L) of them; the largest rank's share / one process's.
    Beside it, the leader's `meshlm_kv_cache_bytes` gauge (/metrics) after the first 32K request of
-   each server (the pool grows by doubling, so it is allocated bytes, not used), and per-rank peak RSS.
+   each server (blocks needed so far, counted by doubling: an upper bound, not the bytes used), and
+   per-rank peak RSS.
 5. pass-KV against pass-Q at cached fractions (`--fractions`) of a `--crossover-tokens` prompt: per
    fraction f, first the prompt's first f*T tokens (max_tokens 1) so they land in the prefix cache,
    then the whole prompt, whose TTFT is taken (distinct prompts per fraction and run, identical
