@@ -114,6 +114,12 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` was exec'd with."""
+    entries = Path(f"/proc/{pid}/environ").read_text().split("\0")
+    return dict(v.split("=", 1) for v in entries if "=" in v)
+
+
 def stream_then(url: str, action, after: int = 6) -> list[str]:
     """Stream a long completion; call `action()` once `after` lines have arrived; return every line."""
     async def run():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import openai
 import pytest
+
+from conftest import process_environ
 
 pytestmark = pytest.mark.slow
 
@@ -144,8 +145,7 @@ def test_startup_log_names_blas_and_cpu_kernels(server):
         assert "OPENBLAS_THREAD_TIMEOUT=4" in log
     if find_openblas() is not None and "MESHLM_OPENBLAS" not in os.environ:
         # The same re-exec keeps glibc's big buffers on a never-trimmed heap (platform.GLIBC_MALLOC_TUNING).
-        environ = dict(v.split("=", 1) for v in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0")
-                       if "=" in v)
+        environ = process_environ(server.proc.pid)
         for name, value in GLIBC_MALLOC_TUNING.items():
             assert environ.get(name) == value and f"{name}={value}" in log
     from meshlm.model.cpu_kernels import native_ops

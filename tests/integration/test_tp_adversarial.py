@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import FAULT_ENTRY, ServerProcess, free_port, free_port_run
+from conftest import FAULT_ENTRY, ServerProcess, free_port, free_port_run, process_environ
 from test_tensor_parallel import alive, children, wait_until
 
 pytestmark = pytest.mark.slow
@@ -319,8 +319,7 @@ def test_local_cluster_secret_is_generated_and_never_shown(model, tmp_path):
     srv = tp_server(model, tmp_path)
     try:
         worker = children(srv.proc.pid)[0]
-        environ = dict(v.split("=", 1) for v in Path(f"/proc/{worker}/environ").read_text().split("\0") if "=" in v)
-        secret = environ["MESHLM_CLUSTER_SECRET"]
+        secret = process_environ(worker)["MESHLM_CLUSTER_SECRET"]
         assert re.fullmatch("[0-9a-f]{64}", secret)
         assert complete(srv.url, "hello there").status_code == 200
         for pid in (srv.proc.pid, worker):
