@@ -79,15 +79,14 @@ class KVStore:
         self.values: list[mx.array] = []
         if reserve is not None:
             rows = [max_blocks * shape.block_size, shape.kv_heads, shape.head_dim]
+            mb = max_blocks * shape.block_bytes / 1e6
             try:
                 self.keys = [reserve(rows, shape.dtype) for _ in range(shape.num_layers)]
                 self.values = [reserve(rows, shape.dtype) for _ in range(shape.num_layers)]
                 mx.eval(self.keys, self.values)
             except RuntimeError as exc:  # the address space or the kernel's overcommit limit said no
-                raise ValueError(f"cannot reserve {max_blocks * shape.block_bytes / 1e6:.0f} MB for the KV pools "
-                                 f"({exc}); lower --kv-cache-memory") from None
-            log.info("KV pools reserved for %d blocks (%.0f MB), resident as blocks are written", max_blocks,
-                     max_blocks * shape.block_bytes / 1e6)
+                raise ValueError(f"cannot reserve {mb:.0f} MB for the KV pools ({exc}); lower --kv-cache-memory") from None
+            log.info("KV pools reserved for %d blocks (%.0f MB), resident as blocks are written", max_blocks, mb)
         self.ensure(min(initial_blocks, max_blocks))
 
     @property
