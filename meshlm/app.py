@@ -19,8 +19,9 @@ from meshlm.executor.local import LocalExecutor
 from meshlm.executor.rank import RankState, build_rank
 from meshlm.disagg import wiring as disagg
 from meshlm.kv.blocks import BlockManager, CacheStats
+from meshlm.kv.context_blocks import ContextBlocks, WholeStats
 from meshlm.kv.received import ReceivedBlocks, ReceivedThenSSD
-from meshlm.metrics import PrefixCacheCollector, RankTimesCollector
+from meshlm.metrics import ContextBlocksCollector, PrefixCacheCollector, RankTimesCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
 from meshlm.process_exit import end_process
@@ -81,8 +82,14 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
 
     tiers = rank.ssd if received is None else ReceivedThenSSD(received, rank.ssd)
 
-    def new_blocks() -> BlockManager:
-        return BlockManager(kv_blocks, rank.block_size, rank.salt, tiers, stats=stats)
+    cp = config.parallel
+    whole_stats = WholeStats([0] * cp.context_parallel)
+
+    def new_blocks() -> BlockManager | ContextBlocks:
+        blocks = BlockManager(kv_blocks, rank.block_size, rank.salt, tiers, stats=stats)
+        if cp.context and cp.cp_min_tokens:
+            return ContextBlocks(blocks, cp.context_parallel, config.cache.block_size, cp.cp_min_tokens, whole_stats)
+        return blocks
 
     draft = None
     if config.speculative.method == "draft":  # on this process alone, whatever the target's layout
@@ -94,6 +101,8 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     engine.metrics.registry.register(RankTimesCollector(executor.rank_times))
+    if cp.context and cp.cp_min_tokens:
+        engine.metrics.registry.register(ContextBlocksCollector(lambda: engine.scheduler.blocks))
     return engine
 
 

@@ -118,6 +118,7 @@ class ParallelConfig:
     stage_port: int = 52200  # with a hostfile: rank r's stage link listens on stage_port + r
     context_parallel: int = 1  # ranks holding the whole model, each a share of every sequence's KV
     cp_algorithm: str = "auto"  # auto | pass-kv | pass-q (model/context_batch.py)
+    cp_min_tokens: int = 0  # sequences shorter than this keep their KV whole on one rank (kv/context_blocks.py)
 
     def __post_init__(self) -> None:
         if min(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) < 1:
@@ -127,6 +128,10 @@ class ParallelConfig:
                              "choose one")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"--cp-algorithm must be one of {CP_ALGORITHMS}")
+        if self.cp_min_tokens < 0:
+            raise ValueError(f"--cp-min-tokens must be >= 0, got {self.cp_min_tokens}")
+        if self.cp_min_tokens and not self.context:
+            raise ValueError("--cp-min-tokens needs --context-parallel 2 or more")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}")
         if not 0 <= self.rank < self.world_size:

@@ -103,3 +103,25 @@ class RankTimesCollector:
             for phase, seconds in zip(PHASES, totals):
                 family.add_metric([str(rank), phase], seconds)
         yield family
+
+
+class ContextBlocksCollector:
+    """Sequences kept whole on one context-parallel rank (--cp-min-tokens, kv/context_blocks.py), read at
+    scrape time: `blocks()` is the engine's current ContextBlocks."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        blocks = self.blocks()
+        placed = CounterMetricFamily("meshlm_cp_whole_sequences", "Sequences kept whole on one context-parallel "
+                                     "rank (shorter than --cp-min-tokens), by the rank holding them", labels=["rank"])
+        held = GaugeMetricFamily("meshlm_cp_whole_blocks", "KV blocks whole sequences hold now, by rank",
+                                 labels=["rank"])
+        for rank, (n, b) in enumerate(zip(blocks.whole_stats.placed, blocks.whole_blocks())):
+            placed.add_metric([str(rank)], n)
+            held.add_metric([str(rank)], b)
+        yield placed
+        yield held

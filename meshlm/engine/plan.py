@@ -24,6 +24,7 @@ LOGITS_NONE, LOGITS_LAST, LOGITS_ALL = 0, 1, 2  # which positions of a chunk get
 class NewSequence:
     uid: int
     cached_len: int  # positions whose KV the sequence holds from the prefix cache once the step's ops ran
+    holder: int = -1  # context parallelism: the rank holding all its KV (--cp-min-tokens), -1: split over all
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,7 @@ class Scheduler:
             if not self._preempt_newer_than(seq):
                 break
         if new is None:  # as much as its blocks and the free ones cover
-            cover = (len(self.blocks.table(seq.uid)) + self.blocks.num_free) * self.blocks.block_size
-            want = min(want, cover - seq.num_computed_tokens)
+            want = min(want, self.blocks.cover(seq.uid) - seq.num_computed_tokens)
             new = self.blocks.allocate(seq.uid, seq.num_computed_tokens + want) if want > 0 else None
         if new is None:
             if seq.remaining == 1 and len(self.running) > 1:
@@ -169,10 +168,10 @@ class Scheduler:
             seq = self.waiting[0]
             # Admit only when the whole prompt (+1 generated) fits, so a fresh sequence never
             # forces an older one out mid-prefill.
-            if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_free:
+            if not self.blocks.can_admit(seq.num_tokens):
                 break
             # The last token is always computed: its logits give the next token.
-            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1))
+            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1), seq.num_tokens)
             want = min(seq.num_tokens - m.tokens, budget)
             if self.blocks.allocate(seq.uid, m.tokens + want) is None:
                 # The check above counted blocks the match then pinned (a partial hit's lender): it waits.
@@ -184,7 +183,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.num_cached_tokens = seq.num_computed_tokens = m.tokens
             self.running.append(seq)
-            draft.new.append(NewSequence(seq.uid, m.tokens))
+            draft.new.append(NewSequence(seq.uid, m.tokens, self.blocks.holder(seq.uid)))
             draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
             if m.copy is not None:
                 draft.copies.append(BlockCopy(*m.copy))

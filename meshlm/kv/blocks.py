@@ -150,6 +150,18 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def can_admit(self, length: int) -> bool:
+        """A sequence of `length` tokens fits whole, with room for the token it generates next."""
+        return self.blocks_for(length + 1) <= self.num_free
+
+    def cover(self, uid: int) -> int:
+        """Positions `uid` could hold with its blocks and every free one."""
+        return (len(self.table(uid)) + self.num_free) * self.block_size
+
+    def holder(self, uid: int) -> int:
+        """The rank holding all of `uid`'s KV, or -1: every rank holds its share (kv/context_blocks.py)."""
+        return -1
+
     def table(self, uid: int) -> list[int]:
         return self._seqs[uid].blocks
 
@@ -183,6 +195,14 @@ class BlockManager:
         new = [self._take() for _ in range(want)]
         seq.blocks.extend(new)  # type: ignore[arg-type]
         return new  # type: ignore[return-value]
+
+    def take_block(self) -> int | None:
+        """One free block held outside any sequence (kv/context_blocks.py lends it per rank), or None."""
+        return self._take()
+
+    def return_block(self, block: int) -> None:
+        """Give back a block from `take_block`."""
+        self._release(block)
 
     def free(self, uid: int) -> None:
         """Release every block of `uid` (finished, aborted or preempted)."""
@@ -240,14 +260,15 @@ class BlockManager:
             n += 1
         return n
 
-    def match(self, uid: int, token_ids: list[int]) -> Match:
+    def match(self, uid: int, token_ids: list[int], length: int | None = None) -> Match:
         """Map the longest cached prefix of `token_ids` into a new sequence's table.
 
         Whole blocks come from RAM (shared, no copy) or, failing that, from the
         SSD tier (loaded into a fresh block); then, when the next whole block
         misses, the committed RAM block under the same parent sharing the most
         leading tokens lends them (copied into a fresh block). Call `end_step`
-        once the step's plan is built (lenders stay held until then)."""
+        once the step's plan is built (lenders stay held until then). `length`: the sequence's tokens
+        (kv/context_blocks.py places by it)."""
         if uid in self._seqs:
             raise ValueError(f"uid {uid} already holds blocks")
         seq = self._seqs[uid] = _Seq()

@@ -18,6 +18,10 @@ a sequence never differ by more than b/2 positions.
 A rank's b slots of a block hold its positions in order (chunk i, then chunk
 2N-1-i), so the positions it holds below any length are a prefix of its
 slots: a partial block copy, a trim or a length is a local count.
+
+A sequence shorter than `--cp-min-tokens` is not split (`WholeRow`): one rank
+(its holder) keeps every position, b per block id of its own pool, and the
+other ranks hold none of it (kv/context_blocks.py allocates those ids).
 """
 
 from __future__ import annotations
@@ -95,3 +99,31 @@ class ContextSplit:
         for r, part in enumerate(parts):
             out[owner == r] = part
         return out
+
+
+@dataclass(frozen=True)
+class WholeRow:
+    """`ContextSplit`'s position arithmetic for a sequence kept whole on rank `holder`: the holder's pool
+    keeps positions p at block p // b, slot p % b of its own table; every other rank holds nothing."""
+
+    holder: int
+    rank: int  # this rank
+    block_size: int  # b, as ContextSplit's
+
+    def for_rank(self, rank: int) -> "WholeRow":
+        return WholeRow(self.holder, rank, self.block_size)
+
+    def held(self, start: int, end: int) -> np.ndarray:
+        return np.arange(start, end, dtype=np.int64) if self.rank == self.holder else np.zeros(0, dtype=np.int64)
+
+    def local_count(self, length: int) -> int:
+        return length if self.rank == self.holder else 0
+
+    def slots(self, blocks: tuple[int, ...] | list[int], positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        return np.asarray(blocks, dtype=np.int64)[p // self.block_size] * self.block_size + p % self.block_size
+
+
+def row_split(split: ContextSplit, holder: int) -> "ContextSplit | WholeRow":
+    """How rank `split.rank` holds a row: split (holder -1) or kept whole on rank `holder`."""
+    return split if holder < 0 else WholeRow(holder, split.rank, split.block_size)

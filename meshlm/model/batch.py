@@ -28,6 +28,7 @@ class RowSpec:
     logits: int = LOGITS_LAST
     positions: tuple[int, ...] | None = None  # true positions of the new tokens (None: start, start+1, ...)
     kv_positions: tuple[int, ...] | None = None  # of all start + len(token_ids) positions held (None: 0, 1, ...)
+    holder: int = -1  # context parallelism: the rank holding the whole row (-1: split over every rank)
 
 
 @dataclass

@@ -14,6 +14,12 @@ step line up without a word exchanged about shapes:
   of it, exactly, with no merge;
 - logits: the rank holding a wanted position contributes its hidden state,
   the others zeros, and one sum gives every rank every wanted row.
+
+A row kept whole on one rank (`--cp-min-tokens`, kv/context_blocks.py) is a
+row whose every position that rank holds (`WholeRow`), so both algorithms
+carry it unchanged; a step of whole rows only runs `local`: each rank runs
+its own rows' tokens alone (no padding) and attends them to its own pools,
+with no collective but the one that brings the logits to rank 0.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import mlx.core as mx
 import numpy as np
 
 from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
-from meshlm.kv.context_split import ContextSplit
+from meshlm.kv.context_split import ContextSplit, row_split
 from meshlm.model.batch import RowSpec, row_slots
 
-PASS_KV, PASS_Q = "pass-kv", "pass-q"
+PASS_KV, PASS_Q, LOCAL = "pass-kv", "pass-q", "local"
 # The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
 # KV transfer) is off: measured 2026-11-24 (benchmarks/context_parallel.py and direct steps, CP=2 on
 # one core per rank, 1,024-token chunks), pass-KV won every chunk of a 16K-token prompt (3.1 vs 3.7 s
@@ -57,7 +63,7 @@ class RingRow:
     uid: int
     own: slice  # this rank's new tokens of the row among its `width` batch tokens
     q_index: mx.array | None = None  # pass-Q: the row's queries among the gathered ones, by position
-    kv_slots: mx.array | None = None  # pass-Q: this rank's pool slots of the row, below its end
+    kv_slots: mx.array | None = None  # pass-Q, local: this rank's pool slots of the row, below its end
     kv_index: mx.array | None = None  # pass-KV: the row's keys among the gathered ones, by position
     blocks: tuple[QueryBlock, ...] = ()
 
@@ -81,8 +87,8 @@ def query_blocks(q_positions: np.ndarray, k_positions: np.ndarray) -> tuple[Quer
 @dataclass
 class ContextBatch:
     split: ContextSplit
-    algorithm: str  # PASS_KV or PASS_Q, the same on every rank
-    width: int  # tokens each rank runs this step (the widest share; the rest is padding)
+    algorithm: str  # PASS_KV, PASS_Q or LOCAL, the same on every rank
+    width: int  # tokens this rank runs this step (the widest share, padded, except with LOCAL: its own)
     count: int  # this rank's own tokens (the first `count` of `width`)
     tokens: mx.array  # (width,) int32
     positions: mx.array  # (width,) int32, true positions (padding: 0)
@@ -98,12 +104,14 @@ class ContextBatch:
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
         n, me = split.ranks, split.rank
-        splits = [split.for_rank(r) for r in range(n)]
+        # How each rank holds each row: its share of a split row, all or nothing of a whole one.
+        splits = [[row_split(split.for_rank(s), r.holder) for r in rows] for s in range(n)]
         ends = [r.start + len(r.token_ids) for r in rows]
         # Every rank's share of every row's new tokens, and of all it holds below the row's end.
-        new = [[s.held(r.start, e) for r, e in zip(rows, ends)] for s in splits]
-        width = max(1, max(sum(len(p) for p in per) for per in new))
-        kv_counts = [[s.local_count(e) for e in ends] for s in splits]
+        new = [[sp.held(r.start, e) for sp, r, e in zip(per, rows, ends)] for per in splits]
+        shares = [sum(len(p) for p in per) for per in new]
+        width = max(1, shares[me] if algorithm == LOCAL else max(shares))
+        kv_counts = [[sp.local_count(e) for sp, e in zip(per, ends)] for per in splits]
         kv_width = max(1, max(sum(c) for c in kv_counts))
 
         tokens, positions, slots, out_rows = [], [], [], []
@@ -118,11 +126,15 @@ class ContextBatch:
             own = slice(len(tokens), len(tokens) + len(mine))
             tokens.extend(np.asarray(r.token_ids)[mine - r.start].tolist())
             positions.extend(mine.tolist())
-            slots.extend(split.slots(r.blocks, mine).tolist())
+            slots.extend(splits[me][i].slots(r.blocks, mine).tolist())
             row = RingRow(r.uid, own)
-            if algorithm == PASS_KV:
+            if algorithm == LOCAL:
+                if len(mine):
+                    row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
+                    row.blocks = query_blocks(mine, splits[me][i].held(0, end))
+            elif algorithm == PASS_KV:
                 index = [s * kv_width + kv_first[s] + np.arange(kv_counts[s][i]) for s in range(n)]
-                held = [splits[s].held(0, end) for s in range(n)]
+                held = [splits[s][i].held(0, end) for s in range(n)]
                 at = np.concatenate(held)
                 by_pos = np.argsort(at, kind="stable")
                 row.kv_index = _ints(np.concatenate(index)[by_pos])
@@ -137,7 +149,7 @@ class ContextBatch:
                 placed += len(q_index)
                 row.q_index = _ints(q_index)
                 row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
-                row.blocks = query_blocks(at[by_pos], split.held(0, end))
+                row.blocks = query_blocks(at[by_pos], splits[me][i].held(0, end))
             for s in range(n):
                 q_first[s] += len(new[s][i])
                 kv_first[s] += kv_counts[s][i]
@@ -166,11 +178,13 @@ def _ints(values) -> mx.array:
 
 
 def choose_algorithm(setting: str, rows: list[RowSpec], kv_heads: int, q_heads: int, min_new_for_kv: int) -> str:
-    """`auto` picks per step (Meta's heuristic): pass-KV when the step's new tokens are a large enough
+    """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step (Meta's heuristic): pass-KV when the step's new tokens are a large enough
     share of the KV they attend to (new / (new + cached) >= 2 * kv_heads / q_heads: then the KV that
     travels is smaller than the queries and outputs would be), or when there are enough new tokens
     for their attention to hide the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md);
     else pass-Q (decode steps, prefill chunks after a long cached prefix)."""
+    if rows and all(r.holder >= 0 for r in rows):
+        return LOCAL  # whatever the setting: nothing needs to travel
     if setting != "auto":
         return setting
     new = sum(len(r.token_ids) for r in rows)

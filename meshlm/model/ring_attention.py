@@ -23,7 +23,7 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.kv.store import KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend, LayerKV, TokenPositions, merge_partials
-from meshlm.model.context_batch import MIN_NEW_FOR_KV, PASS_KV, ContextBatch
+from meshlm.model.context_batch import LOCAL, MIN_NEW_FOR_KV, PASS_KV, ContextBatch
 
 EVAL_SCORES = 1 << 22  # attention blocks with this many scores are evaluated as they are built
 
@@ -116,8 +116,9 @@ class RingLayerKV(LayerKV):
             return mx.zeros_like(queries)
         q = queries[0].transpose(1, 0, 2)  # (width, H, D)
         pool_k, pool_v = self.store.keys[self.layer], self.store.values[self.layer]
-        out = self._pass_kv(q, pool_k, pool_v, scale) if self.batch.algorithm == PASS_KV else \
-            self._pass_q(q, pool_k, pool_v, scale)
+        algorithm = self.batch.algorithm
+        out = self._pass_kv(q, pool_k, pool_v, scale) if algorithm == PASS_KV else \
+            self._local(q, pool_k, pool_v, scale) if algorithm == LOCAL else self._pass_q(q, pool_k, pool_v, scale)
         return tie(out, self.chain.last).transpose(1, 0, 2)[None]
 
     def _gather(self, x: mx.array) -> mx.array:
@@ -135,6 +136,19 @@ class RingLayerKV(LayerKV):
             if row.own.stop == row.own.start:
                 continue
             k, v = mx.take(keys, row.kv_index, axis=0), mx.take(values, row.kv_index, axis=0)
+            outs.append(attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)[0])
+        if b.width > b.count:
+            outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def _local(self, q, pool_k, pool_v, scale) -> mx.array:
+        """Rows kept whole: this rank's own rows against its own pools, nothing gathered."""
+        b = self.batch
+        outs = []
+        for row in b.rows:
+            if row.own.stop == row.own.start:
+                continue
+            k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
             outs.append(attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)[0])
         if b.width > b.count:
             outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))

@@ -45,6 +45,7 @@ class BlockMissing(RuntimeError):
 class SeqKV:
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # positions whose KV this rank holds
+    holder: int = -1  # context parallelism: the rank holding the whole sequence (-1: split over every rank)
 
 
 @dataclass
@@ -193,9 +194,13 @@ class Runner:
         for uid in removed:
             if uid not in self.seqs:
                 raise SplitBrain(f"{step}: removes uid {uid}, which this rank does not hold")
+        ranks = self.ring.split.ranks if self.ring is not None else 0
         for n in plan.new:
             if n.uid in self.seqs and n.uid not in removed:
                 raise SplitBrain(f"{step}: uid {n.uid} is new but this rank already holds it")
+            if n.holder != -1 and not 0 <= n.holder < ranks:
+                raise SplitBrain(f"{step}: uid {n.uid} is to be held whole by rank {n.holder}, "
+                                 f"outside this layout's {ranks} context-parallel ranks")
         ids = [b for t in plan.tables for b in t.blocks] + [b for c in plan.copies for b in (c.src, c.dst)]
         ids += [x.block for x in plan.loads] + [x.block for x in plan.saves] + [x.block for x in plan.exports]
         if ids and not (0 <= min(ids) and max(ids) < plan.num_blocks):
@@ -210,7 +215,7 @@ class Runner:
         for uid in plan.removed:
             del self.seqs[uid]
         for n in plan.new:
-            self.seqs[n.uid] = SeqKV(length=n.cached_len)
+            self.seqs[n.uid] = SeqKV(length=n.cached_len, holder=n.holder)
         for t in plan.trims:
             seq = self._seq(t.uid, plan)
             if not 0 <= t.length <= seq.length or not 0 <= t.blocks <= len(seq.blocks):
@@ -231,9 +236,10 @@ class Runner:
             held = "nothing" if seq is None else f"{seq.length} positions"
             raise SplitBrain(f"uid {c.uid}: chunk starts at {c.start}, this rank holds {held}")
         end = c.start + len(c.token_ids)
-        if not c.token_ids or -(-end // self.block_size) > len(seq.blocks):
+        block_size = self.block_size if seq.holder < 0 else self.ring.split.block_size  # whole: b per id
+        if not c.token_ids or -(-end // block_size) > len(seq.blocks):
             raise SplitBrain(f"uid {c.uid}: {end} positions, its table covers {len(seq.blocks)} blocks")
-        return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits)
+        return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits, holder=seq.holder)
 
     def _read(self, key: bytes) -> BlockData:
         data = self.received.load(key) if self.received is not None else None

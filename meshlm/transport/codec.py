@@ -55,8 +55,9 @@ import msgspec
 from meshlm.engine.plan import StepPlan
 
 MAGIC = b"MLCP"
-VERSION = 5  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
-# 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase
+VERSION = 6  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+# 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
+# 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens)
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256

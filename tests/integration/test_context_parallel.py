@@ -57,19 +57,32 @@ def reference(model, tmp_path_factory):
 
 
 # auto runs pass-KV for a step with nothing cached and pass-Q for every later chunk and decode step
-# (this model: 2 KV heads of 4); CP=4 forced to pass-KV runs the other algorithm on every step.
-@pytest.mark.parametrize("flags", [("--context-parallel", "2"), ("--context-parallel", "4", "--cp-algorithm", "pass-kv")],
-                         ids=["cp2-auto", "cp4-pass-kv"])
+# (this model: 2 KV heads of 4); CP=4 forced to pass-KV runs the other algorithm on every step. With
+# --cp-min-tokens 9000 the 8,200- and 300-token prompts are kept whole (each on the least loaded rank) and
+# ride the ring steps of the split ones; then three short prompts alone (placed on both ranks) run
+# steps with no ring at all.
+@pytest.mark.parametrize("flags", [("--context-parallel", "2", "--cp-min-tokens", "9000"),
+                                   ("--context-parallel", "4", "--cp-algorithm", "pass-kv")],
+                         ids=["cp2-auto-whole-below-9000", "cp4-pass-kv"])
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
+    whole = "--cp-min-tokens" in flags
     srv = ServerProcess(model, *FLAGS, *flags, log_dir=tmp_path)
     try:
         got = asyncio.run(complete_all(srv.url, PROMPTS, 8))
         cached = asyncio.run(complete_all(srv.url, CACHED, 8))
         assert srv.metric("meshlm_prefix_cache_hits_total") > 0
+        if whole:
+            placed = [srv.metric(f'meshlm_cp_whole_sequences_total{{rank="{r}"}}') for r in (0, 1)]
+            assert sum(placed) == 2, placed
+            short = asyncio.run(complete_all(srv.url, [PROMPTS[4]] * 3, 8))  # admitted together: both ranks
+            after = [srv.metric(f'meshlm_cp_whole_sequences_total{{rank="{r}"}}') for r in (0, 1)]
+            assert sum(after) == 5 and min(a - p for a, p in zip(after, placed)) >= 1, (placed, after)
     finally:
         srv.stop()
     assert_parity(got, reference[0], TOL)
     assert_parity(cached, reference[1], TOL)
+    if whole:
+        assert_parity(short, [reference[0][4]] * 3, TOL)
 
 
 def test_kv_blocks_hold_every_ranks_share(model, tmp_path):
@@ -137,7 +150,8 @@ def test_context_parallel_does_not_combine_and_needs_an_even_block(model, tmp_pa
     import sys
 
     for flags, said in ((("--context-parallel", "2", "--tensor-parallel", "2"), "cannot be combined"),
-                        (("--context-parallel", "2", "--block-size", "15"), "even --block-size")):
+                        (("--context-parallel", "2", "--block-size", "15"), "even --block-size"),
+                        (("--cp-min-tokens", "100"), "needs --context-parallel")):
         r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), *flags],
                            capture_output=True, text=True, timeout=120, env={**os.environ, "MESHLM_OPENBLAS": "0"})
         assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]

@@ -33,7 +33,7 @@ def random_plan(rng: random.Random) -> StepPlan:
     blocks = lambda: tuple(rng.randrange(0, 10**6) for _ in range(rng.randrange(0, 6)))  # noqa: E731
     return StepPlan(
         step_id=rng.randrange(0, 2**64),
-        new=tuple(NewSequence(u, rng.randrange(0, 10**6)) for u in uids[:2]),
+        new=tuple(NewSequence(u, rng.randrange(0, 10**6), rng.randrange(-1, 4)) for u in uids[:2]),
         chunks=tuple(Chunk(u, rng.randrange(0, 2**40), random_ids(rng, rng.randrange(1, 300)),
                            rng.choice([LOGITS_NONE, LOGITS_LAST, LOGITS_ALL])) for u in uids),
         removed=tuple(rng.randint(*I64) for _ in range(rng.randrange(0, 4))),

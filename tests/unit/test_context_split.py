@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshlm.kv.context_split import ContextSplit
+from meshlm.kv.context_split import ContextSplit, WholeRow, row_split
 
 
 @pytest.mark.parametrize("n,b", [(2, 2), (2, 32), (3, 8), (4, 16)])
@@ -66,3 +66,14 @@ def test_causal_attention_work_is_even_across_ranks():
 def test_bad_layouts_are_refused(bad):
     with pytest.raises(ValueError):
         ContextSplit(**bad)
+
+
+def test_a_whole_row_is_all_on_its_holder_at_b_positions_per_block():
+    split = ContextSplit(2, 1, 4)
+    assert row_split(split, -1) is split
+    holder, other = row_split(split, 1), row_split(split.for_rank(0), 1)
+    assert isinstance(holder, WholeRow) and holder.for_rank(0) == other
+    assert holder.held(3, 9).tolist() == [3, 4, 5, 6, 7, 8] and other.held(3, 9).tolist() == []
+    assert (holder.local_count(11), other.local_count(11)) == (11, 0)
+    # table (7, 2, 5): positions 0-3 in block 7, 4-7 in block 2, 8- in block 5, b = 4 slots each
+    assert holder.slots((7, 2, 5), np.array([0, 3, 4, 9])).tolist() == [28, 31, 8, 21]

@@ -13,7 +13,7 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import CPUBackend, PortableBackend, attend_exact, merge_partials
 from meshlm.model.batch import RowSpec
-from meshlm.model.context_batch import PASS_KV, PASS_Q, choose_algorithm, query_blocks
+from meshlm.model.context_batch import LOCAL, PASS_KV, PASS_Q, ContextBatch, choose_algorithm, query_blocks
 from meshlm.model.ring_attention import attend_blocks
 
 H, HK, D = 4, 2, 16
@@ -111,3 +111,17 @@ def test_heuristic_at_and_around_its_thresholds():
     assert choose_algorithm("auto", _rows(1, 5000), 2, 8, 4096) == PASS_Q  # decode
     assert choose_algorithm("pass-q", _rows(5000, 0), 2, 8, 1) == PASS_Q  # forced
     assert choose_algorithm("pass-kv", _rows(1, 5000), 2, 8, 1 << 30) == PASS_KV
+
+
+def test_rows_all_kept_whole_run_local_steps_of_each_ranks_own_tokens():
+    rows = [RowSpec(1, 0, (5, 6, 7), (3,), LOGITS_LAST, holder=0), RowSpec(2, 4, (8,), (1, 2), LOGITS_LAST, holder=1)]
+    assert choose_algorithm("pass-kv", rows, 2, 8, 1) == LOCAL  # whatever the setting
+    split = rows + [RowSpec(3, 0, (9,), (0,), LOGITS_LAST)]
+    assert choose_algorithm("auto", split, 2, 8, 1 << 30) == PASS_KV  # one split row: the ring runs
+    for rank, own, slots in ((0, [0, 1, 2], [12, 13, 14]), (1, [4], [8])):
+        b = ContextBatch.build(rows, ContextSplit(2, rank, 4), LOCAL)
+        assert b.width == b.count == len(own)  # its own tokens, unpadded
+        assert np.array(b.positions).tolist() == own and np.array(b.slots).tolist() == slots
+        assert np.array(b.logit_mine).tolist() == ([1.0, 0.0] if rank == 0 else [0.0, 1.0])
+        held = [r for r in b.rows if r.own.stop > r.own.start]
+        assert [r.uid for r in held] == [rank + 1] and held[0].kv_slots.shape[0] == own[-1] + 1

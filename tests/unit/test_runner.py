@@ -261,6 +261,8 @@ def test_fingerprint_mismatch_raises_split_brain(path):
     (StepPlan(1, new=(NewSequence(9, 0),), chunks=(Chunk(9, 0, tuple(range(1, 12)), LOGITS_LAST),),
               tables=(TableUpdate(9, (1,)),), num_blocks=2), "covers 1 blocks"),
     (StepPlan(1, num_blocks=10**9), "budget"),
+    (StepPlan(1, new=(NewSequence(9, 0, 1),), chunks=(Chunk(9, 0, (1, 2), LOGITS_LAST),),
+              tables=(TableUpdate(9, (1,)),), num_blocks=2), "held whole by rank 1"),  # no context parallelism
 ])
 def test_plans_that_do_not_fit_are_refused_before_touching_arrays(path, plan, words):
     rank = make_rank(path)
