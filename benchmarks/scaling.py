@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--meshlm-args", default="", help="extra `meshlm serve` options for every rank, e.g. "
                    "--meshlm-args=--no-ssd-cache (with '=')")
+    p.add_argument("--layout-args", default="", help="extra options for the N ranks only, e.g. "
+                   "--layout-args=--cp-min-tokens=4096 (with '=')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
     p.add_argument("--out", help="also write the JSON here")
@@ -124,7 +126,7 @@ def start_ranks(model: Path, args: argparse.Namespace, workdir: Path) -> pp.Clus
     env = pp.one_core_env({**os.environ, SECRET_ENV: ClusterSecret.generate().reveal()})
     servers = []
     for rank in reversed(range(n)):
-        cmd = [*flags(model, http[rank], args, workdir, tag), "--hostfile", str(hosts),
+        cmd = [*flags(model, http[rank], args, workdir, tag), *shlex.split(args.layout_args), "--hostfile", str(hosts),
                LAYOUT_FLAGS[args.layout], str(n), "--rank", str(rank), "--control-port", str(control),
                "--stage-port" if args.layout == "pipeline" else "--ring-port", str(base)]
         core = rank % cores
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": _peer.machine_info(),
         "config": {"layout": args.layout, "ranks": args.ranks, "streams": args.streams, "requests": args.requests,
                    "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "temperature": 0,
+                   "meshlm_args": args.meshlm_args, "layout_args": args.layout_args,
                    "ignore_eos": True, "stream": True,
                    "pinning": "every process on one core (taskset -c), OPENBLAS_NUM_THREADS=1; rank r on core r"},
         "notes": {

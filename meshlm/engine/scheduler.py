@@ -168,10 +168,11 @@ class Scheduler:
             seq = self.waiting[0]
             # Admit only when the whole prompt (+1 generated) fits, so a fresh sequence never
             # forces an older one out mid-prefill.
-            if not self.blocks.can_admit(seq.num_tokens):
+            reach = min(self.max_model_len, len(seq.prompt_ids) + seq.params.max_tokens)  # its longest
+            if not self.blocks.can_admit(seq.num_tokens, reach):
                 break
             # The last token is always computed: its logits give the next token.
-            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1), seq.num_tokens)
+            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1), seq.num_tokens, reach)
             want = min(seq.num_tokens - m.tokens, budget)
             if self.blocks.allocate(seq.uid, m.tokens + want) is None:
                 # The check above counted blocks the match then pinned (a partial hit's lender): it waits.

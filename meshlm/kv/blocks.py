@@ -150,8 +150,9 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_admit(self, length: int) -> bool:
-        """A sequence of `length` tokens fits whole, with room for the token it generates next."""
+    def can_admit(self, length: int, reach: int | None = None) -> bool:
+        """A sequence of `length` tokens fits whole, with room for the token it generates next. `reach`:
+        the most tokens it may grow to (kv/context_blocks.py places by it)."""
         return self.blocks_for(length + 1) <= self.num_free
 
     def cover(self, uid: int) -> int:
@@ -260,15 +261,15 @@ class BlockManager:
             n += 1
         return n
 
-    def match(self, uid: int, token_ids: list[int], length: int | None = None) -> Match:
+    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None) -> Match:
         """Map the longest cached prefix of `token_ids` into a new sequence's table.
 
         Whole blocks come from RAM (shared, no copy) or, failing that, from the
         SSD tier (loaded into a fresh block); then, when the next whole block
         misses, the committed RAM block under the same parent sharing the most
         leading tokens lends them (copied into a fresh block). Call `end_step`
-        once the step's plan is built (lenders stay held until then). `length`: the sequence's tokens
-        (kv/context_blocks.py places by it)."""
+        once the step's plan is built (lenders stay held until then). `length`, `reach`: the sequence's
+        tokens now and at most (kv/context_blocks.py places by them)."""
         if uid in self._seqs:
             raise ValueError(f"uid {uid} already holds blocks")
         seq = self._seqs[uid] = _Seq()

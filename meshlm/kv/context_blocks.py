@@ -14,7 +14,9 @@ exact whatever the mix.
 Placement: a new whole sequence goes to the rank whose whole sequences hold
 the fewest blocks (ties: the lowest rank), decided once at admission by the
 sequence's tokens then (prompt, plus output when a preempted sequence is
-recomputed); it stays there as it grows, past T included. Whole sequences do
+recomputed); it stays there as it grows, past T included. A sequence that
+could grow (max_tokens, the model length) past what one rank's pools hold is
+split whatever its length: alone, it could not advance on its holder. Whole sequences do
 not use the prefix cache: their blocks hold another layout than split ones,
 and a short prompt's prefix is short.
 """
@@ -98,8 +100,12 @@ class ContextBlocks:
         self.inner.end_step()
 
     # -- per sequence ----------------------------------------------------------------------------------
-    def _wants_whole(self, length: int) -> bool:
-        return length < self.min_tokens
+    def _wants_whole(self, length: int | None, reach: int | None) -> bool:
+        """Shorter than T, and never longer than one rank's pools hold: a whole sequence that outgrew its
+        holder could not advance even alone."""
+        if length is None or length >= self.min_tokens:
+            return False
+        return reach is None or self._blocks(reach) <= self.inner.num_blocks
 
     def _place(self) -> int:
         return min(range(self.ranks), key=lambda r: (self._load[r], r))
@@ -121,8 +127,8 @@ class ContextBlocks:
         w = self._whole.get(uid)
         return self.inner.table(uid) if w is None else w.table
 
-    def can_admit(self, length: int) -> bool:
-        if not self._wants_whole(length):
+    def can_admit(self, length: int, reach: int | None = None) -> bool:
+        if not self._wants_whole(length, reach):
             return self.inner.can_admit(length)
         return self._blocks(length + 1) <= self._free_on(self._place())
 
@@ -132,10 +138,11 @@ class ContextBlocks:
             return self.inner.cover(uid)
         return (len(w.table) + self._free_on(w.holder)) * self.rank_block
 
-    def match(self, uid: int, token_ids: list[int], length: int | None = None) -> Match:
-        """A sequence of `length` tokens (None: split) shorter than --cp-min-tokens is placed whole, with
-        no prefix lookup; any other goes to the block manager's."""
-        if length is None or not self._wants_whole(length):
+    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None) -> Match:
+        """A sequence of `length` tokens (None: split) shorter than --cp-min-tokens, which can grow to at
+        most `reach` tokens (None: unbounded) that one rank's pools hold, is placed whole, with no prefix
+        lookup; any other goes to the block manager's."""
+        if not self._wants_whole(length, reach):
             return self.inner.match(uid, token_ids)
         if uid in self:
             raise ValueError(f"uid {uid} already holds blocks")

@@ -74,3 +74,11 @@ def test_a_uid_is_placed_once():
     admit(cb, 1, 5)
     with pytest.raises(ValueError):
         cb.match(1, [1, 2, 3], 4)
+
+
+def test_a_short_prompt_that_may_outgrow_one_ranks_pools_is_split():
+    cb = blocks(num=8, min_tokens=100)  # one rank's pools: 8 * B = 32 positions
+    assert cb.can_admit(10, reach=32)
+    cb.match(1, list(range(9)), 10, reach=32)
+    cb.match(2, list(range(9)), 10, reach=33)
+    assert (cb.holder(1), cb.holder(2)) == (0, -1)
