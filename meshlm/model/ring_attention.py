@@ -131,24 +131,22 @@ class RingLayerKV(LayerKV):
         Hk, D = every.shape[-2], every.shape[-1]
         keys = every[:, 0].reshape(-1, Hk, D)
         values = every[:, 1].reshape(-1, Hk, D)
-        outs = []
-        for row in b.rows:
-            if row.own.stop == row.own.start:
-                continue
-            k, v = mx.take(keys, row.kv_index, axis=0), mx.take(values, row.kv_index, axis=0)
-            outs.append(attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)[0])
-        if b.width > b.count:
-            outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return self._attend_own(q, keys, values, lambda row: row.kv_index, scale)
 
     def _local(self, q, pool_k, pool_v, scale) -> mx.array:
         """Rows kept whole: this rank's own rows against its own pools, nothing gathered."""
+        return self._attend_own(q, pool_k, pool_v, lambda row: row.kv_slots, scale)
+
+    def _attend_own(self, q, keys, values, index, scale) -> mx.array:
+        """This rank's queries of each row against the row's keys (`index(row)`: where they sit in
+        keys/values), then zeros for the padding."""
         b = self.batch
         outs = []
         for row in b.rows:
             if row.own.stop == row.own.start:
                 continue
-            k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
+            at = index(row)
+            k, v = mx.take(keys, at, axis=0), mx.take(values, at, axis=0)
             outs.append(attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)[0])
         if b.width > b.count:
             outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))
