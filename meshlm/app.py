@@ -82,12 +82,12 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
 
     tiers = rank.ssd if received is None else ReceivedThenSSD(received, rank.ssd)
 
-    cp = config.parallel
-    whole_stats = WholeStats([0] * cp.context_parallel)
+    cp = config.parallel  # --cp-min-tokens implies context parallelism (ParallelConfig checks)
+    whole_stats = WholeStats([0] * cp.context_parallel) if cp.cp_min_tokens else None
 
     def new_blocks() -> BlockManager | ContextBlocks:
         blocks = BlockManager(kv_blocks, rank.block_size, rank.salt, tiers, stats=stats)
-        if cp.context and cp.cp_min_tokens:
+        if whole_stats is not None:
             return ContextBlocks(blocks, cp.context_parallel, config.cache.block_size, cp.cp_min_tokens, whole_stats)
         return blocks
 
@@ -101,7 +101,7 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     engine.metrics.registry.register(RankTimesCollector(executor.rank_times))
-    if cp.context and cp.cp_min_tokens:
+    if whole_stats is not None:
         engine.metrics.registry.register(ContextBlocksCollector(lambda: engine.scheduler.blocks))
     return engine
 

@@ -16,9 +16,9 @@ the fewest blocks (ties: the lowest rank), decided once at admission by the
 sequence's tokens then (prompt, plus output when a preempted sequence is
 recomputed); it stays there as it grows, past T included. A sequence that
 could grow (max_tokens, the model length) past what one rank's pools hold is
-split whatever its length: alone, it could not advance on its holder. Whole sequences do
-not use the prefix cache: their blocks hold another layout than split ones,
-and a short prompt's prefix is short.
+split whatever its length: alone, it could not advance on its holder. Whole
+sequences do not use the prefix cache: their blocks hold another layout than
+split ones, and a short prompt's prefix is short.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class ContextBlocks:
         self._whole: dict[int, _Whole] = {}
         self._users: dict[int, list[bool]] = {}  # id lent to whole sequences -> which ranks use it
         self._spare: list[set[int]] = [set() for _ in range(ranks)]  # lent ids free on each rank
-        self._load = [0] * ranks  # blocks whole sequences hold, per rank
         self.whole_stats = whole_stats or WholeStats([0] * ranks)
 
     # -- what the engine and metrics read: the block manager's -----------------------------------------
@@ -91,7 +90,10 @@ class ContextBlocks:
 
     def whole_blocks(self) -> list[int]:
         """Block ids' slots whole sequences hold, per rank."""
-        return list(self._load)
+        held = [0] * self.ranks
+        for w in self._whole.values():
+            held[w.holder] += len(w.table)
+        return held
 
     def cached_prefix(self, keys: list[bytes]) -> int:
         return self.inner.cached_prefix(keys)
@@ -108,7 +110,8 @@ class ContextBlocks:
         return reach is None or self._blocks(reach) <= self.inner.num_blocks
 
     def _place(self) -> int:
-        return min(range(self.ranks), key=lambda r: (self._load[r], r))
+        held = self.whole_blocks()
+        return min(range(self.ranks), key=lambda r: (held[r], r))
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.rank_block)
@@ -162,7 +165,6 @@ class ContextBlocks:
             return None
         new = [self._take(w.holder) for _ in range(want)]
         w.table.extend(new)
-        self._load[w.holder] += want
         return new
 
     def free(self, uid: int) -> None:
@@ -172,7 +174,6 @@ class ContextBlocks:
             return
         for block in reversed(w.table):
             self._give(w.holder, block)
-        self._load[w.holder] -= len(w.table)
 
     def trim(self, uid: int, tokens: int) -> None:
         w = self._whole.get(uid)
@@ -182,7 +183,6 @@ class ContextBlocks:
         keep = self._blocks(tokens)
         for block in w.table[keep:]:
             self._give(w.holder, block)
-        self._load[w.holder] -= len(w.table[keep:])
         del w.table[keep:]
 
     def commit(self, uid: int, tokens: Callable[[int, int], Sequence[int]], computed: int) -> list[tuple[int, bytes]]:

@@ -129,7 +129,7 @@ class ContextBatch:
             slots.extend(splits[me][i].slots(r.blocks, mine).tolist())
             row = RingRow(r.uid, own)
             if algorithm == LOCAL:
-                if len(mine):
+                if len(mine):  # a row held elsewhere costs this rank nothing
                     row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
                     row.blocks = query_blocks(mine, splits[me][i].held(0, end))
             elif algorithm == PASS_KV:
@@ -178,11 +178,12 @@ def _ints(values) -> mx.array:
 
 
 def choose_algorithm(setting: str, rows: list[RowSpec], kv_heads: int, q_heads: int, min_new_for_kv: int) -> str:
-    """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step (Meta's heuristic): pass-KV when the step's new tokens are a large enough
-    share of the KV they attend to (new / (new + cached) >= 2 * kv_heads / q_heads: then the KV that
-    travels is smaller than the queries and outputs would be), or when there are enough new tokens
-    for their attention to hide the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md);
-    else pass-Q (decode steps, prefill chunks after a long cached prefix)."""
+    """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step (Meta's
+    heuristic): pass-KV when the step's new tokens are a large enough share of the KV they attend to
+    (new / (new + cached) >= 2 * kv_heads / q_heads: then the KV that travels is smaller than the
+    queries and outputs would be), or when there are enough new tokens for their attention to hide
+    the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md); else pass-Q (decode steps,
+    prefill chunks after a long cached prefix)."""
     if rows and all(r.holder >= 0 for r in rows):
         return LOCAL  # whatever the setting: nothing needs to travel
     if setting != "auto":
