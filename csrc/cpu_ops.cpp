@@ -74,6 +74,60 @@ void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* 
   }
 }
 
+// RMSNorm over rows of D: x * rsqrt(mean(x^2) + eps) * w, the order mx.fast.rms_norm's CPU fallback
+// uses (which is ~6 MLX ops and nodes per call; a decode step of the demo model has 61 of them).
+void rms_norm_kernel(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t rows,
+                     int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+    float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = (xr[d] * inv) * w[d];
+  }
+}
+
+// RoPE with one position per token: x[t, h] (D values, contiguous) at x + t * xs_t + h * xs_h,
+// positions (T,); out token-major (T, H, D). The first `dims` of each head rotate by angle
+// position * scale * inv_freq[i] (pairs (i, i + dims/2), or (2i, 2i+1) when `traditional`); the rest
+// pass through. mx.fast.rope's CPU fallback builds ~40 MLX ops per call.
+void rope_kernel(const float* __restrict x, int64_t xs_t, int64_t xs_h, const int32_t* __restrict positions,
+                 const float* __restrict inv_freq, float* __restrict out, int64_t rows, int64_t H, int64_t D,
+                 int64_t dims, bool traditional, float scale) {
+  const int64_t half = dims / 2;
+  std::vector<float> c(half), s(half);
+  for (int64_t r = 0; r < rows; ++r) {
+    float p = static_cast<float>(positions[r]) * scale;
+    for (int64_t i = 0; i < half; ++i) {
+      float theta = p * inv_freq[i];
+      c[i] = std::cos(theta);
+      s[i] = std::sin(theta);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xi = x + r * xs_t + h * xs_h;
+      float* o = out + (r * H + h) * D;
+      if (traditional) {
+        for (int64_t i = 0; i < half; ++i) {
+          float a = xi[2 * i], b = xi[2 * i + 1];
+          o[2 * i] = a * c[i] - b * s[i];
+          o[2 * i + 1] = a * s[i] + b * c[i];
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          float a = xi[i], b = xi[i + half];
+          o[i] = a * c[i] - b * s[i];
+          o[i + half] = a * s[i] + b * c[i];
+        }
+      }
+      std::copy(xi + dims, xi + D, o + dims);
+    }
+  }
+}
+
 // Rows of base-2 scores -> probabilities (each row sums to 1).
 // Softmax over each row of base-2 scores; with `lse`, also each row's log2-sum-exp (max + log2(sum)),
 // for merging partial attentions over disjoint keys without a second pass over the scores.
@@ -172,12 +226,13 @@ float softmax_row(float* __restrict sc, const float* __restrict allowed, int64_t
 struct PagedShape {
   int64_t R, Hk, r, D, slots, max_blocks, block_size;
   int64_t ks[2], vs[2];  // element strides of the pools on Hk, slot
+  float q_scale;  // applied to q here: a separate multiply is one more graph node per layer
 };
 
 void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, const float* v,
                          const int32_t* tables, const int32_t* lengths, float* out) {
   const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
-  std::vector<float> scores, allowed;
+  std::vector<float> scores, allowed, qbuf(D);
   for (int64_t b = 0; b < sh.R; ++b) {
     int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
     const int32_t* table = tables + b * sh.max_blocks;
@@ -196,7 +251,10 @@ void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, c
       const float* kh = k + h * sh.ks[0];
       const float* vh = v + h * sh.vs[0];
       for (int64_t j = 0; j < r; ++j) {
-        const float* qj = q + ((b * sh.Hk + h) * r + j) * D;
+        const float* qsrc = q + ((b * sh.Hk + h) * r + j) * D;
+        float* qj = qbuf.data();
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) qj[d] = qsrc[d] * sh.q_scale;
         float* o = orow + (h * r + j) * D;
         for (int64_t blk = 0; blk * bs < len; ++blk) {
           int64_t n = std::min(bs, len - blk * bs);
@@ -242,6 +300,43 @@ void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, c
   }
 }
 
+// A primitive's input, taken as MLX evaluated it. Inputs are not wrapped in Contiguous nodes when the
+// graph is built: every node costs the thread that builds and schedules the graph (a decode step of
+// the demo model built ~4,300 of them, and that, not arithmetic, set its time). Almost every input is
+// row-major already; a strided view is gathered into a scratch copy inside the task, when its elements
+// exist (eval_cpu runs before the producing task has).
+template <typename T>
+struct In {
+  const T* p;
+  bool contiguous;
+  std::vector<int64_t> shape, strides;
+
+  explicit In(const mx::array& a) : p(a.data<T>()), contiguous(a.flags().row_contiguous) {
+    if (!contiguous) {
+      shape.assign(a.shape().begin(), a.shape().end());
+      strides.assign(a.strides().begin(), a.strides().end());
+    }
+  }
+
+  const T* get(std::vector<T>& scratch) const {
+    if (contiguous) return p;
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    scratch.resize(n);
+    std::vector<int64_t> idx(shape.size(), 0);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t off = 0;
+      for (size_t k = 0; k < shape.size(); ++k) off += idx[k] * strides[k];
+      scratch[i] = p[off];
+      for (size_t k = shape.size(); k-- > 0;) {
+        if (++idx[k] < shape[k]) break;
+        idx[k] = 0;
+      }
+    }
+    return scratch.data();
+  }
+};
+
 class CpuOnly : public mx::UnaryPrimitive {
  public:
   using mx::UnaryPrimitive::UnaryPrimitive;
@@ -258,8 +353,9 @@ class SwiGLU : public CpuOnly {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([g = in[0].data<float>(), x = in[1].data<float>(), o = out.data<float>(), n = out.size()]() {
-      swiglu_kernel(g, x, o, n);
+    enc.dispatch([g = In<float>(in[0]), x = In<float>(in[1]), o = out.data<float>(), n = out.size()]() {
+      std::vector<float> gs, xs;
+      swiglu_kernel(g.get(gs), x.get(xs), o, n);
     });
   }
 };
@@ -273,8 +369,9 @@ class Softmax2 : public CpuOnly {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     size_t n = out.shape().back();
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([s = in[0].data<float>(), o = out.data<float>(), rows = out.size() / n, n]() {
-      softmax2_kernel(s, o, rows, n);
+    enc.dispatch([s = In<float>(in[0]), o = out.data<float>(), rows = out.size() / n, n]() {
+      std::vector<float> ss;
+      softmax2_kernel(s.get(ss), o, rows, n);
     });
   }
 };
@@ -293,33 +390,149 @@ class Softmax2Lse : public mx::Primitive {
     lse.set_data(mx::allocator::malloc(lse.nbytes()));
     size_t n = out.shape().back();
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([s = in[0].data<float>(), o = out.data<float>(), l = lse.data<float>(), rows = out.size() / n, n]() {
-      softmax2_kernel(s, o, rows, n, l);
+    enc.dispatch([s = In<float>(in[0]), o = out.data<float>(), l = lse.data<float>(), rows = out.size() / n, n]() {
+      std::vector<float> ss;
+      softmax2_kernel(s.get(ss), o, rows, n, l);
     });
   }
 };
 
 class PagedDecodeAttention : public CpuOnly {
  public:
-  PagedDecodeAttention(mx::Stream s, int block_size) : CpuOnly(s), block_size_(block_size) {}
+  PagedDecodeAttention(mx::Stream s, int block_size, float q_scale)
+      : CpuOnly(s), block_size_(block_size), q_scale_(q_scale) {}
   const char* name() const override { return "MeshlmPagedDecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return block_size_ == static_cast<const PagedDecodeAttention&>(other).block_size_;
+    const auto& o = static_cast<const PagedDecodeAttention&>(other);
+    return block_size_ == o.block_size_ && q_scale_ == o.q_scale_;
   }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3], &lengths = in[4];
-    PagedShape sh{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(0), tables.shape(1), block_size_,
-                  {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]}};
+    int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
+    PagedShape sh{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
+                  tables.shape(1), block_size_, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
+                  q_scale_};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
-                  tp = tables.data<int32_t>(), lp = lengths.data<int32_t>(), o = out.data<float>()]() {
-      paged_decode_kernel(sh, qp, kp, vp, tp, lp, o);
+    enc.dispatch([sh, qp = In<float>(q), kp = k.data<float>(), vp = v.data<float>(), tp = In<int32_t>(tables),
+                  lp = In<int32_t>(lengths), o = out.data<float>()]() {
+      std::vector<float> qs;
+      std::vector<int32_t> ts, ls;
+      paged_decode_kernel(sh, qp.get(qs), kp, vp, tp.get(ts), lp.get(ls), o);
     });
   }
 
  private:
   int block_size_;
+  float q_scale_;
+};
+
+class RmsNorm : public CpuOnly {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuOnly(s), eps_(eps) {}
+  const char* name() const override { return "MeshlmRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    int64_t D = out.shape().back();
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([x = In<float>(in[0]), w = In<float>(in[1]), o = out.data<float>(), rows = out.size() / D, D,
+                  eps = eps_]() {
+      std::vector<float> xs, ws;
+      rms_norm_kernel(x.get(xs), w.get(ws), o, static_cast<int64_t>(rows), D, eps);
+    });
+  }
+
+ private:
+  float eps_;
+};
+
+class Rope : public CpuOnly {
+ public:
+  Rope(mx::Stream s, int dims, bool traditional, float scale)
+      : CpuOnly(s), dims_(dims), traditional_(traditional), scale_(scale) {}
+  const char* name() const override { return "MeshlmRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+  }
+  // x (1, H, T, D), mlx-lm's head-major view of the projection's token-major rows, read in place
+  // (any strides with D contiguous); the output has the same shape stored token-major, as MLX's transpose
+  // of a (1, T, H, D) array would be, so neither side needs a transpose node or a copy.
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto& x = in[0];
+    int64_t H = x.shape(1), T = x.shape(2), D = x.shape(3);
+    mx::array::Flags flags = out.flags();
+    flags.contiguous = true;
+    flags.row_contiguous = T == 1 || H == 1;
+    flags.col_contiguous = false;
+    out.set_data(mx::allocator::malloc(out.nbytes()), out.size(), mx::Strides{T * H * D, D, H * D, 1}, flags);
+    bool direct = x.strides()[3] == 1;
+    int64_t xs_h = direct ? x.strides()[1] : T * D, xs_t = direct ? x.strides()[2] : D;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([xi = In<float>(x), direct, xs_t, xs_h, pos = In<int32_t>(in[1]), f = In<float>(in[2]),
+                  o = out.data<float>(), T, H, D, dims = dims_, trad = traditional_, scale = scale_]() {
+      std::vector<float> xs, fs;
+      std::vector<int32_t> ps;
+      const float* xp = direct ? xi.p : xi.get(xs);
+      rope_kernel(xp, xs_t, xs_h, pos.get(ps), f.get(fs), o, T, H, D, dims, trad, scale);
+    });
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+// A step's new K or V rows written into a pool: pool (S, Hk, D); rows (1, Hk, T, D) in any strides
+// (mlx-lm's head-major view of the projection's token-major output); slots (T,). The pool's buffer is
+// updated in place when MLX can donate it (the store drops its reference before the step runs), else
+// copied first, as MLX's scatter does. One node, where `pool[slots] = rows` built six per pool and layer
+// (squeezes, a transpose, a broadcast, a reshape, the scatter). Slots outside the pool (which the
+// runner refuses first) are skipped, never a stray write.
+class KVWrite : public CpuOnly {
+ public:
+  using CpuOnly::CpuOnly;
+  const char* name() const override { return "MeshlmKVWrite"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pool
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &pool = in[0], &slots = in[1], &rows = in[2];
+    bool donate = pool.is_donatable() && pool.flags().row_contiguous;
+    if (donate) {
+      out.copy_shared_buffer(pool);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    int64_t S = pool.shape(0), Hk = pool.shape(1), D = pool.shape(2), T = rows.shape(2);
+    int64_t sh = rows.strides()[1], st = rows.strides()[2], sd = rows.strides()[3];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([src = donate ? std::optional<In<float>>() : std::optional<In<float>>(In<float>(pool)),
+                  sl = In<int32_t>(slots), r = rows.data<float>(), o = out.data<float>(), S, Hk, D, T, sh, st,
+                  sd]() {
+      if (src) {
+        std::vector<float> scratch;
+        std::memcpy(o, src->get(scratch), static_cast<size_t>(S * Hk * D) * sizeof(float));
+      }
+      std::vector<int32_t> ss;
+      const int32_t* sp = sl.get(ss);
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t slot = sp[t];
+        if (slot < 0 || slot >= S) continue;
+        for (int64_t h = 0; h < Hk; ++h) {
+          const float* x = r + h * sh + t * st;
+          float* dst = o + (slot * Hk + h) * D;
+          if (sd == 1) {
+            std::memcpy(dst, x, static_cast<size_t>(D) * sizeof(float));
+          } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = x[d * sd];
+          }
+        }
+      }
+    });
+  }
 };
 
 // ---- Zeros whose pages the kernel supplies on first write ---------------------
@@ -366,21 +579,30 @@ const mx::array& require_float32(const mx::array& a) {
   return a;
 }
 
-mx::array float32_contiguous(const mx::array& a, mx::Stream s) {
-  return mx::contiguous(require_float32(a), false, s);
+// An input handed over as it is: an evaluated row-major array (a weight), or a lazy one that `In`
+// reads as MLX produces it. Only an evaluated strided view gets a Contiguous node here.
+mx::array float32_input(const mx::array& a, mx::Stream s) {
+  require_float32(a);
+  return a.is_available() && !a.flags().row_contiguous ? mx::contiguous(a, false, s) : a;
+}
+
+// A weight a kernel reads in place (no scratch copy: the packed GEMM's panels): row-major for certain.
+mx::array float32_weight(const mx::array& a, mx::Stream s) {
+  require_float32(a);
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s);
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& x) {
   if (gate.shape() != x.shape()) throw std::invalid_argument("swiglu: gate and x shapes differ");
   auto s = current_stream();
-  auto g = float32_contiguous(gate, s), xc = float32_contiguous(x, s);
+  auto g = float32_input(gate, s), xc = float32_input(x, s);
   return mx::array(g.shape(), mx::float32, std::make_shared<SwiGLU>(s), {g, xc});
 }
 
 std::vector<mx::array> softmax2_lse(const mx::array& scores) {
   if (scores.ndim() < 1) throw std::invalid_argument("softmax2_lse: scores need a last axis");
   auto s = current_stream();
-  auto sc = float32_contiguous(scores, s);
+  auto sc = float32_input(scores, s);
   auto rows = sc.shape();
   rows.pop_back();
   return mx::array::make_arrays({sc.shape(), rows}, {mx::float32, mx::float32}, std::make_shared<Softmax2Lse>(s),
@@ -390,7 +612,7 @@ std::vector<mx::array> softmax2_lse(const mx::array& scores) {
 mx::array softmax2(const mx::array& scores) {
   if (scores.ndim() < 1) throw std::invalid_argument("softmax2: scores need a last axis");
   auto s = current_stream();
-  auto sc = float32_contiguous(scores, s);
+  auto sc = float32_input(scores, s);
   return mx::array(sc.shape(), mx::float32, std::make_shared<Softmax2>(s), {sc});
 }
 
@@ -401,10 +623,12 @@ mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
 }
 
 mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
-                                 const mx::array& tables, const mx::array& lengths, int block_size) {
-  if (q.ndim() != 4 || k_pool.ndim() != 3 || v_pool.shape() != k_pool.shape() || q.shape(1) != k_pool.shape(1) ||
-      q.shape(3) != k_pool.shape(2)) {
-    throw std::invalid_argument("paged_decode_attention: q (R, Hk, r, D), pools (slots, Hk, D)");
+                                 const mx::array& tables, const mx::array& lengths, int block_size,
+                                 float q_scale) {
+  bool grouped = q.ndim() == 4 && q.shape(1) == k_pool.shape(1) && q.shape(3) == k_pool.shape(2);
+  bool flat = q.ndim() == 3 && k_pool.ndim() == 3 && q.shape(1) % k_pool.shape(1) == 0 && q.shape(2) == k_pool.shape(2);
+  if (!(grouped || flat) || k_pool.ndim() != 3 || v_pool.shape() != k_pool.shape()) {
+    throw std::invalid_argument("paged_decode_attention: q (R, Hk, r, D) or (R, H, D), pools (slots, Hk, D)");
   }
   if (block_size < 1 || k_pool.shape(0) % block_size != 0) {
     throw std::invalid_argument("paged_decode_attention: the pools must hold whole blocks");
@@ -413,10 +637,9 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, co
     throw std::invalid_argument("paged_decode_attention: tables (R, max_blocks) and lengths (R,)");
   }
   auto s = current_stream();
-  std::vector<mx::array> inputs{float32_contiguous(q, s), rows_contiguous(k_pool, s), rows_contiguous(v_pool, s),
-                                mx::contiguous(mx::astype(tables, mx::int32, s), false, s),
-                                mx::contiguous(mx::astype(lengths, mx::int32, s), false, s)};
-  return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(s, block_size), inputs);
+  std::vector<mx::array> inputs{float32_input(q, s), rows_contiguous(k_pool, s), rows_contiguous(v_pool, s),
+                                mx::astype(tables, mx::int32, s), mx::astype(lengths, mx::int32, s)};
+  return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(s, block_size, q_scale), inputs);
 }
 
 
@@ -586,12 +809,18 @@ class PackedLinear : public CpuOnly {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &x = in[0], &w = in[1];
     int64_t K = w.shape(1), N = w.shape(0) * PANEL;
-    GemmArgs g{x.data<float>(), w.data<float>(), has_bias_ ? in[2].data<float>() : nullptr, nullptr,
-               static_cast<int64_t>(x.size() / K), K, N};
+    GemmArgs g{nullptr, In<float>(w).p, nullptr, nullptr, static_cast<int64_t>(x.size() / K), K, N};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     g.out = out.data<float>();
+    std::optional<In<float>> bias;
+    if (has_bias_) bias.emplace(in[2]);
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([g, panels = w.shape(0)]() { gemm_pool().run(g, panels); });
+    enc.dispatch([g, xi = In<float>(x), bias = std::move(bias), panels = w.shape(0)]() mutable {
+      std::vector<float> xs, bs;
+      g.x = xi.get(xs);
+      if (bias) g.bias = bias->get(bs);
+      gemm_pool().run(g, panels);
+    });
   }
 
  private:
@@ -612,13 +841,52 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx
   if (x.dtype() == mx::float32) {
     auto shape = x.shape();
     shape.back() = N;
-    std::vector<mx::array> inputs{float32_contiguous(x, s), float32_contiguous(w, s)};
-    if (bias) inputs.push_back(float32_contiguous(*bias, s));
+    std::vector<mx::array> inputs{float32_input(x, s), float32_weight(w, s)};
+    if (bias) inputs.push_back(float32_input(*bias, s));
     return mx::array(shape, mx::float32, std::make_shared<PackedLinear>(s, bias.has_value()), inputs);
   }
 #endif
   auto unpacked = mx::reshape(mx::transpose(w, {1, 0, 2}, s), {K, N}, s);  // a copy, for MLX's matmul
   return bias ? mx::addmm(*bias, x, unpacked, 1.0f, 1.0f, s) : mx::matmul(x, unpacked, s);
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("rms_norm: x (..., D) and weight (D,)");
+  }
+  auto s = current_stream();
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                   {float32_input(x, s), float32_input(weight, s)});
+}
+
+mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq, int dims, bool traditional,
+               float scale) {
+  if (x.ndim() != 4 || x.shape(0) != 1 || dims < 2 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: x (1, H, T, D) and an even dims <= D");
+  }
+  if (inv_freq.ndim() != 1 || inv_freq.shape(0) != dims / 2) {
+    throw std::invalid_argument("rope: inv_freq must be (dims / 2,)");
+  }
+  if (positions.ndim() != 1 || positions.shape(0) != x.shape(2) || !mx::issubdtype(positions.dtype(), mx::integer)) {
+    throw std::invalid_argument("rope: positions must be integers, one per token of x (1, H, T, D)");
+  }
+  auto s = current_stream();
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, scale),
+                   {float32_input(x, s), mx::astype(positions, mx::int32, s), float32_input(inv_freq, s)});
+}
+
+mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows) {
+  if (pool.ndim() != 3 || rows.ndim() != 4 || rows.shape(0) != 1 || rows.shape(1) != pool.shape(1) ||
+      rows.shape(3) != pool.shape(2)) {
+    throw std::invalid_argument("kv_write: pool (S, Hk, D) and rows (1, Hk, T, D)");
+  }
+  if (slots.ndim() != 1 || slots.shape(0) != rows.shape(2) || !mx::issubdtype(slots.dtype(), mx::integer)) {
+    throw std::invalid_argument("kv_write: slots must be integers, one per row");
+  }
+  auto s = current_stream();
+  require_float32(rows);
+  return mx::array(pool.shape(), mx::float32, std::make_shared<KVWrite>(s),
+                   {require_float32(pool), mx::astype(slots, mx::int32, s), rows});
 }
 
 mx::array untouched_zeros(const std::vector<int>& shape, mx::Dtype dtype) {
@@ -650,7 +918,16 @@ NB_MODULE(_cpu_ops, m) {
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
+        "x * rsqrt(mean(x^2, -1) + eps) * weight, as mx.fast.rms_norm");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("scale"),
+        "x (1, H, T, D) rotated by each token's position times scale times inv_freq, as mx.fast.rope; "
+        "the result is stored token-major (a transposed (1, T, H, D) array)");
+  m.def("kv_write", &kv_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
+        "the pool with rows (1, Hk, T, D) written at slots (T,), in place when MLX can donate its buffer");
   m.def("paged_decode_attention", &paged_decode_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
-        nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"),
-        "one query position per row against its blocks of a KV pool; q pre-scaled by scale*log2(e)");
+        nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"), nb::arg("q_scale") = 1.0f,
+        "one query position per row against its blocks of a KV pool; q times q_scale is in base 2 "
+        "(scale * log2(e) for a softmax scale)");
 }

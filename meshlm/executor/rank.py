@@ -113,5 +113,5 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
     # The compiled kernels reserve the pools at the whole budget (resident only where written); the
     # portable path grows them by copying (fast on Metal; seconds at GiB sizes on the CPU).
     reserve = native.untouched_zeros if cpu and native is not None else None
-    store = KVStore(shape, max_blocks, reserve=reserve)
+    store = KVStore(shape, max_blocks, reserve=reserve, write_rows=native.kv_write if reserve is not None else None)
     return RankState(parts, store, backend, ssd, loaded.vocab_size, salt, ring)

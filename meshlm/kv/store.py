@@ -13,6 +13,10 @@ Every write is an in-place update of the pool (MLX donates the buffer when
 nothing else holds it): the engine launches a step only once the previous one
 has finished, and every read of a pool (attention, block saves) is part of
 the step that wrote it, so no pending reader ever forces a copy of a pool.
+With the compiled CPU kernels a write is one `kv_write` node reading the
+step's rows in place (`pool[slots] = rows` built six nodes per pool and
+layer); a write whose input pool is still referenced copies it, as MLX's
+scatter does, which is why the runner drops its own references first.
 With the compiled CPU kernels the pools are reserved at the whole budget from
 the start as zeros whose pages the kernel supplies on first write
 (`untouched_zeros`): resident memory follows the blocks written and nothing is
@@ -64,17 +68,21 @@ class KVShape:
 
 # Zeros of a shape and dtype whose memory is resident only where written (cpu_ops.untouched_zeros).
 Reserve = Callable[[list[int], mx.Dtype], mx.array]
+# (pool, slots (T,), rows (1, kv_heads, T, head_dim)) -> the pool with the rows written (cpu_ops.kv_write: one
+# graph node, in place; the portable scatter below builds six per pool and layer).
+WriteRows = Callable[[mx.array, mx.array, mx.array], mx.array]
 
 
 class KVStore:
     def __init__(self, shape: KVShape, max_blocks: int, initial_blocks: int = INITIAL_BLOCKS,
-                 reserve: Reserve | None = None) -> None:
+                 reserve: Reserve | None = None, write_rows: WriteRows | None = None) -> None:
         if max_blocks < 1:
             raise ValueError("the KV budget holds no block")
         self.shape = shape
         self.max_blocks = max_blocks
         self.capacity = 0  # blocks the load may use so far; with `reserve` the pools already hold max_blocks
         self.reserved = reserve is not None
+        self._write_rows = write_rows
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         if reserve is not None:
@@ -124,9 +132,14 @@ class KVStore:
                  time.perf_counter() - t0)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """Store new positions: `k`, `v` (T, kv_heads, head_dim) at `slots` (T,)."""
-        self.keys[layer][slots] = k
-        self.values[layer][slots] = v
+        """Store new positions: `k`, `v` (1, kv_heads, T, head_dim), the head-major view mlx-lm's attention
+        layers hand their cache (token-major underneath), at `slots` (T,)."""
+        if self._write_rows is not None and k.dtype == v.dtype == self.keys[layer].dtype == mx.float32:
+            self.keys[layer] = self._write_rows(self.keys[layer], slots, k)
+            self.values[layer] = self._write_rows(self.values[layer], slots, v)
+            return
+        self.keys[layer][slots] = k.squeeze(0).transpose(1, 0, 2)
+        self.values[layer][slots] = v.squeeze(0).transpose(1, 0, 2)
 
     def block_slots(self, block: int, tokens: int | None = None) -> mx.array:
         bs = self.block_size
@@ -155,8 +168,8 @@ class KVStore:
         parts = [(mx.take(k, src_slots, axis=0), mx.take(v, src_slots, axis=0))
                  for k, v in zip(self.keys, self.values)]
         mx.eval(parts)
-        for layer, (k, v) in enumerate(parts):
-            self.write(layer, dst_slots, k, v)
+        for layer, (k, v) in enumerate(parts):  # (tokens, heads, dim) -> write's (1, heads, tokens, dim) view
+            self.write(layer, dst_slots, k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
 
     def load(self, blocks: list[int], data: list[BlockData]) -> None:
         """Put blocks read from the SSD tier into `blocks` (shapes were checked by the reader): one write
@@ -166,8 +179,8 @@ class KVStore:
         slots = mx.concatenate([self.block_slots(b) for b in blocks])
         dtype = self.shape.dtype
 
-        def rows(arrays: list[mx.array]) -> mx.array:  # (heads, bs, dim) per block -> (blocks * bs, heads, dim)
-            return mx.concatenate([a.transpose(1, 0, 2) for a in arrays]).astype(dtype)
+        def rows(arrays: list[mx.array]) -> mx.array:  # (heads, bs, dim) per block -> (1, heads, blocks * bs, dim)
+            return mx.concatenate(arrays, axis=1).astype(dtype)[None]
 
         for layer in range(self.shape.num_layers):
             self.write(layer, slots, rows([d.keys[layer] for d in data]), rows([d.values[layer] for d in data]))

@@ -53,16 +53,24 @@ class TokenRoPE(nn.Module):
 
     (1, H, T, D) is viewed as T rows of one position each, the layout in which
     `mx.fast.rope` takes one offset per row; any other offset goes to the
-    wrapped RoPE unchanged."""
+    wrapped RoPE unchanged. With `_cpu_ops` and a RoPE whose table it knows
+    (`cpu_kernels.rope_table`), float32 runs as one primitive that reads the
+    head-major view in place and returns it stored token-major, the layout
+    the projection produced and the KV write and attention read."""
 
-    def __init__(self, rope: nn.Module) -> None:
+    def __init__(self, rope: nn.Module, native=None) -> None:
         super().__init__()
         self.inner = rope
+        self._native = native
+        self._table = cpu_kernels.rope_table(rope) if native is not None else None
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if isinstance(offset, TokenPositions):
-            return self.inner(x.transpose(2, 1, 0, 3), offset=offset.positions).transpose(2, 1, 0, 3)
-        return self.inner(x, offset=offset)
+        if not isinstance(offset, TokenPositions):
+            return self.inner(x, offset=offset)
+        t = self._table
+        if t is not None and x.dtype == mx.float32:
+            return self._native.rope(x, offset.positions, t.inv_freq, t.dims, t.traditional, t.scale)
+        return self.inner(x.transpose(2, 1, 0, 3), offset=offset.positions).transpose(2, 1, 0, 3)
 
 
 class GatedMLP(nn.Module):
@@ -124,14 +132,17 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None) -> ModelParts:
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
-    if cpu_kernels_on and mx.default_device() == mx.cpu and cpu_kernels.pack_tied_embedding(model, native):
+    on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
+    if on_cpu and cpu_kernels.pack_tied_embedding(model, native):
         log.info("CPU kernels: the tied embedding table is packed for the LM head")
+    if on_cpu and cpu_kernels.swap_norms(model, native):
+        log.info("CPU kernels: RMSNorm and RoPE run as single primitives")
     parts = model_parts(model)
     for layer in parts.layers:
         attn = layer.self_attn
         if not isinstance(attn.rope, TokenRoPE):
-            attn.rope = TokenRoPE(attn.rope)
-    if cpu_kernels_on and mx.default_device() == mx.cpu:
+            attn.rope = TokenRoPE(attn.rope, native if on_cpu else None)
+    if on_cpu:
         act = cpu_kernels.swiglu_for(native)
         for layer in parts.layers:
             if not isinstance(layer.mlp, GatedMLP):

@@ -118,7 +118,7 @@ class PortableBackend:
     def extend(self, q, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], keys[None], values[None],
                                                    scale=scale, mask="causal")
-        return out[0].transpose(1, 0, 2)
+        return out.squeeze(0).transpose(1, 0, 2)
 
     def extend_group(self, q, keys, values, mask, scale):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -139,28 +139,28 @@ class CPUBackend:
     def decode(self, q, pool_k, pool_v, rows, block_size, scale):
         if q.dtype != mx.float32:
             return PortableBackend.decode(self, q, pool_k, pool_v, rows, block_size, scale)
-        R, H, D = q.shape
-        Hk = pool_k.shape[1]
-        qs = (q * (scale * LOG2E)).reshape(R, Hk, H // Hk, D)
+        R = q.shape[0]
         if self.split and R >= SPLIT_DECODE_ROWS:
             h = R // 2
-            first = self._decode(qs[:h], pool_k, pool_v, rows, 0, h, block_size)
+            first = self._decode(q[:h], pool_k, pool_v, rows, 0, h, block_size, scale)
             with mx.stream(self._second()):
-                second = self._decode(qs[h:], pool_k, pool_v, rows, h, R, block_size)
-            out = mx.concatenate([first, second], axis=0)
-        else:
-            out = self._decode(qs, pool_k, pool_v, rows, 0, R, block_size)
-        return out.reshape(R, H, D)
+                second = self._decode(q[h:], pool_k, pool_v, rows, h, R, block_size, scale)
+            return mx.concatenate([first, second], axis=0)
+        return self._decode(q, pool_k, pool_v, rows, 0, R, block_size, scale)
 
     def _second(self) -> mx.Stream:
         if self._stream is None:
             self._stream = mx.new_stream(mx.cpu)
         return self._stream
 
-    def _decode(self, qs, pool_k, pool_v, rows: DecodeRows, a: int, b: int, block_size: int) -> mx.array:
+    def _decode(self, q, pool_k, pool_v, rows: DecodeRows, a: int, b: int, block_size: int,
+                scale: float) -> mx.array:
+        """q (b - a, H, D): rows a..b. The compiled kernel scales q itself (one graph node less per layer)."""
         if self.native is not None:
-            return self.native.paged_decode_attention(qs, pool_k, pool_v, rows.tables[a:b], rows.lengths[a:b],
-                                                      block_size)
+            return self.native.paged_decode_attention(q, pool_k, pool_v, rows.tables[a:b], rows.lengths[a:b],
+                                                      block_size, scale * LOG2E)
+        R, H, D = q.shape
+        qs = (q * (scale * LOG2E)).reshape(R, pool_k.shape[1], -1, D)
         slots = rows.slots(a, b)
         width = max(int(s.shape[0]) for s in slots)
         idx = mx.stack([mx.pad(s, (0, width - int(s.shape[0]))) for s in slots])  # (R, S), padded with slot 0
@@ -168,13 +168,13 @@ class CPUBackend:
         k = mx.take(pool_k, idx.reshape(-1), axis=0).reshape(R, width, Hk, D).transpose(0, 2, 1, 3)
         v = mx.take(pool_v, idx.reshape(-1), axis=0).reshape(R, width, Hk, D).transpose(0, 2, 1, 3)
         mask = (mx.arange(width)[None] < rows.lengths[a:b, None]).reshape(R, 1, 1, 1, width)
-        return cpu_kernels.attend(qs.reshape(R, Hk, r, 1, D), k, v, mask)[:, :, :, 0]
+        return cpu_kernels.attend(qs.reshape(R, Hk, r, 1, D), k, v, mask)[:, :, :, 0].reshape(R, Hk * r, D)
 
     def extend(self, q, keys, values, scale):
         if q.dtype != mx.float32:
             return PortableBackend.extend(self, q, keys, values, scale)
         out = cpu_kernels.attention(q.transpose(1, 0, 2)[None], keys[None], values[None], scale, self.native)
-        return out[0].transpose(1, 0, 2)
+        return out.squeeze(0).transpose(1, 0, 2)
 
     def extend_group(self, q, keys, values, mask, scale):
         if q.dtype != mx.float32:
@@ -195,7 +195,7 @@ def attention_backend(device_is_cpu: bool, cpu_kernels_on: bool, native=None, co
 
 
 def attend_batch(q: mx.array, pool_k: mx.array, pool_v: mx.array, batch: Batch, backend: AttentionBackend,
-                 scale: float, block_size: int, new_k: mx.array, new_v: mx.array) -> mx.array:
+                 scale: float, block_size: int, new_k: mx.array | None, new_v: mx.array | None) -> mx.array:
     """Attention of every token of a step: q (T, H, D); the step's own keys and values new_k/new_v
     (T, Hk, D), also written into the pools. Returns (T, H, D). Fresh prompts attend to the step's
     own keys; rows continuing earlier positions read theirs from the pools."""
@@ -270,18 +270,22 @@ class LayerKV:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the step's K and V (1, Hk, T, D) into the pools (and keep them for `attend`)."""
-        # (T, Hk, D): the token-major layout the projections produced, so the write moves whole rows.
-        self.new_k, self.new_v = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)
-        self.store.write(self.layer, self.batch.slots, self.new_k, self.new_v)
+        self.step_k, self.step_v = keys, values
+        self.store.write(self.layer, self.batch.slots, keys, values)
         return keys, values
 
     def make_mask(self, *args, **kwargs) -> None:
         return None  # the batch knows each row's keys; no dense mask is built
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
-        q = queries[0].transpose(1, 0, 2)  # (T, H, D): the token-major layout the projections produced
+        # squeeze, not [0]: MLX builds an int index as a gather and a squeeze, and every graph node costs the
+        # thread that builds and schedules the step (a decode step is ~1,000 of them).
+        q = queries.squeeze(0).transpose(1, 0, 2)  # (T, H, D): the token-major layout the projections produced
+        new_k = new_v = None  # (T, Hk, D): only fresh prompt rows read the step's own keys, so only they build them
+        if self.batch.extend:
+            new_k, new_v = self.step_k.squeeze(0).transpose(1, 0, 2), self.step_v.squeeze(0).transpose(1, 0, 2)
         out = attend_batch(q, self.store.keys[self.layer], self.store.values[self.layer], self.batch,
-                           self.backend, scale, self.store.block_size, self.new_k, self.new_v)
+                           self.backend, scale, self.store.block_size, new_k, new_v)
         return out.transpose(1, 0, 2)[None]
 
 

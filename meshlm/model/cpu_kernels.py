@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -312,3 +314,65 @@ def pack_tied_embedding(model: nn.Module, native) -> bool:
     mx.eval(packed.parameters())
     inner["embed_tokens"] = packed
     return True
+
+
+class NativeRMSNorm(nn.Module):
+    """`nn.RMSNorm` as one `_cpu_ops` primitive: on the CPU, `mx.fast.rms_norm` runs as its fallback of
+    ~6 MLX ops, and a decode step of the demo model has 61 norms."""
+
+    def __init__(self, norm: nn.RMSNorm, native) -> None:
+        super().__init__()
+        self._native, self.eps = native, norm.eps
+        self.weight = norm.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.float32:
+            return self._native.rms_norm(x, self["weight"], self.eps)
+        return mx.fast.rms_norm(x, self["weight"], self.eps)
+
+
+def swap_norms(model: nn.Module, native) -> int:
+    """Swap every float32 `nn.RMSNorm` (layer norms, the final norm, qwen3's q/k norms) for a
+    NativeRMSNorm; returns how many."""
+    swapped = 0
+
+    def visit(container) -> None:
+        nonlocal swapped
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, child in list(items):
+            if type(child) is nn.RMSNorm and child.weight.dtype == mx.float32:
+                container[key] = NativeRMSNorm(child, native)
+                swapped += 1
+            elif isinstance(child, (dict, list)):
+                visit(child)
+
+    if native is not None:
+        visit(model)
+    return swapped
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """What `_cpu_ops.rope` needs to compute a RoPE module's rotation: mx.fast.rope's parameters with the
+    inverse frequencies computed as its CPU fallback computes them."""
+
+    dims: int
+    traditional: bool
+    scale: float
+    inv_freq: mx.array
+
+
+def rope_table(rope: nn.Module) -> RopeTable | None:
+    """The table of an `nn.RoPE` or mlx-lm's `Llama3RoPE` (their parameters say all they do); None for any
+    other RoPE, which keeps running as it is."""
+    kind = type(rope).__name__
+    if type(rope) is nn.RoPE:
+        half = rope.dims // 2
+        inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(math.log(rope.base) / half, mx.float32))
+        table = RopeTable(rope.dims, rope.traditional, float(rope.scale), inv)
+    elif kind == "Llama3RoPE" and type(rope).__module__.startswith("mlx_lm."):
+        table = RopeTable(rope.dims, rope.traditional, 1.0, mx.reciprocal(rope._freqs.astype(mx.float32)))
+    else:
+        return None
+    mx.eval(table.inv_freq)
+    return table

@@ -26,4 +26,4 @@ def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionB
         h = layer(h, None, LayerKV(store, i, batch, backend))
     if not parts.computes_logits:
         return h
-    return parts.head(h[:, batch.logit_index])[0]
+    return parts.head(h[:, batch.logit_index]).squeeze(0)

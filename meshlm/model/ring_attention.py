@@ -107,14 +107,13 @@ class RingLayerKV(LayerKV):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b = self.batch
         if b.count:  # padding tokens write nothing
-            k, v = keys[0].transpose(1, 0, 2)[: b.count], values[0].transpose(1, 0, 2)[: b.count]
-            self.store.write(self.layer, b.slots, k, v)
+            self.store.write(self.layer, b.slots, keys[:, :, : b.count], values[:, :, : b.count])
         return keys, values
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         if not self.needed:
             return mx.zeros_like(queries)
-        q = queries[0].transpose(1, 0, 2)  # (width, H, D)
+        q = queries.squeeze(0).transpose(1, 0, 2)  # (width, H, D)
         pool_k, pool_v = self.store.keys[self.layer], self.store.values[self.layer]
         algorithm = self.batch.algorithm
         out = self._pass_kv(q, pool_k, pool_v, scale) if algorithm == PASS_KV else \

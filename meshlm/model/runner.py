@@ -102,6 +102,10 @@ class Runner:
         # The previous step must have finished before this one writes the pools: a pending reader
         # would make MLX copy a whole pool instead of updating it in place.
         mx.eval(self._pending)
+        # ...and nothing here may hold the pools it wrote: a write whose input pool is still referenced
+        # (a ring step evaluates its large attention blocks mid-forward, while this list would still be
+        # alive) copies the whole pool, which also makes every reserved page resident.
+        self._pending = []
         waited = time.perf_counter() - t0
         self.times.add("device", waited)
         self._check(plan)

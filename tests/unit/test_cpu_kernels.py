@@ -69,13 +69,20 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind, native):
 
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # the native kernel's 64-wide passes, and its generic loop
-def test_paged_decode_reads_each_rows_blocks_in_place(head_dim):
+@pytest.mark.parametrize("flat", [False, True])  # q pre-scaled as (R, Hk, r, D), or (R, H, D) scaled by the kernel
+def test_paged_decode_reads_each_rows_blocks_in_place(head_dim, flat):
     bs, blocks = 8, 12
     pool_k, pool_v = mx.random.normal((blocks * bs, 2, head_dim)), mx.random.normal((blocks * bs, 2, head_dim))
     tables = mx.array([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
     lengths = [19, 3, 32]
     q = mx.random.normal((3, 2, 4, head_dim))  # two KV heads, four query heads each
-    got = NATIVE.paged_decode_attention(q * (0.125 * cpu_kernels.LOG2E), pool_k, pool_v, tables, mx.array(lengths), bs)
+    if flat:
+        got = NATIVE.paged_decode_attention(q.reshape(3, 8, head_dim), pool_k, pool_v, tables, mx.array(lengths), bs,
+                                            0.125 * cpu_kernels.LOG2E)
+        assert got.shape == (3, 8, head_dim)
+    else:
+        got = NATIVE.paged_decode_attention(q * (0.125 * cpu_kernels.LOG2E), pool_k, pool_v, tables,
+                                            mx.array(lengths), bs)
     for b, n in enumerate(lengths):
         slots = mx.array([tables[b, p // bs].item() * bs + p % bs for p in range(n)])
         keys, values = pool_k[slots].transpose(1, 0, 2)[None], pool_v[slots].transpose(1, 0, 2)[None]
@@ -322,3 +329,101 @@ def test_only_a_tied_float32_table_that_fills_whole_panels_is_packed():
     assert not cpu_kernels.pack_tied_embedding(model(64, tied=False), NATIVE)  # the lm_head is its own layer
     assert not cpu_kernels.pack_tied_embedding(model(60, tied=True), NATIVE)  # 60 rows: not whole panels
     assert not cpu_kernels.pack_tied_embedding(model(64, tied=True), None)
+
+
+NEEDS_NATIVE = pytest.mark.skipif(NATIVE is None, reason=NATIVE_STATUS)
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])  # the whole head, and a partial rotation that leaves the rest
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_native_rope_matches_mlx_per_token(traditional, dims, scale):
+    """One position per token, far positions included: equal to mx.fast.rope on the (T, H, 1, D) layout
+    meshlm used before, to fp32 rounding of cos/sin, whatever the input's strides."""
+    rope = nn.RoPE(dims, traditional=traditional, base=10000, scale=scale)
+    table = cpu_kernels.rope_table(rope)
+    positions = mx.array([0, 7, 100, 4095, 131071])
+    token_major = mx.random.normal((1, 5, 3, 64))  # (1, T, H, D), as a projection produces it
+    inputs = [token_major.transpose(0, 2, 1, 3),  # mlx-lm's head-major view of it: read in place
+              mx.contiguous(token_major.transpose(0, 2, 1, 3)),  # head-major memory
+              mx.random.normal((1, 3, 64, 5)).transpose(0, 1, 3, 2)]  # D not contiguous: gathered first
+    for x in inputs:
+        want = mx.fast.rope(x.transpose(2, 1, 0, 3), dims, traditional=traditional, base=10000, scale=scale,
+                            offset=positions).transpose(2, 1, 0, 3)
+        got = NATIVE.rope(x, positions, table.inv_freq, table.dims, table.traditional, table.scale)
+        assert got.shape == x.shape and mx.abs(got - want).max().item() < 1e-5
+        # stored token-major: a transpose back to (1, T, H, D) is the layout a KV write copies rows from
+        assert mx.abs(got.transpose(0, 2, 1, 3) - want.transpose(0, 2, 1, 3)).max().item() < 1e-5
+
+
+@NEEDS_NATIVE
+def test_rope_table_knows_llama3_scaling_and_leaves_other_ropes_alone():
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+
+    rope = Llama3RoPE(64, base=500000.0, scaling_config={"factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 8192})
+    table = cpu_kernels.rope_table(rope)
+    x = mx.random.normal((1, 2, 4, 64))  # (1, H, T, D)
+    positions = mx.array([3, 9000, 20000, 65000])
+    want = rope(x.transpose(2, 1, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+    got = NATIVE.rope(x, positions, table.inv_freq, table.dims, table.traditional, table.scale)
+    assert mx.abs(got - want).max().item() < 1e-5
+    su = SuScaledRoPE(64, max_position_embeddings=4096, original_max_position_embeddings=4096,
+                      short_factor=[1.0] * 32, long_factor=[1.0] * 32)
+    assert cpu_kernels.rope_table(su) is None  # it scales x too: it keeps running as mlx-lm's
+
+
+@NEEDS_NATIVE
+def test_native_rms_norm_matches_mlx_and_reads_strided_inputs():
+    w = mx.random.normal((96,))
+    x = mx.random.normal((2, 3, 96)) * 3
+    assert mx.abs(NATIVE.rms_norm(x, w, 1e-5) - mx.fast.rms_norm(x, w, 1e-5)).max().item() < TOL * 4
+    lazy_view = (mx.random.normal((96, 7)) * 2).T  # a strided input the kernel gathers itself
+    want = mx.fast.rms_norm(lazy_view, w, 1e-6)
+    assert mx.abs(NATIVE.rms_norm(lazy_view, w, 1e-6) - want).max().item() < TOL * 4
+    norm = nn.RMSNorm(96, eps=1e-6)
+    norm.weight = w
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = [norm, nn.RMSNorm(96)]
+            self.half = nn.RMSNorm(96)
+            self.half.set_dtype(mx.float16)
+
+    holder = Holder()
+    assert cpu_kernels.swap_norms(holder, NATIVE) == 2  # float32 only
+    assert type(holder.half) is nn.RMSNorm and isinstance(holder.norms[0], cpu_kernels.NativeRMSNorm)
+    assert mx.abs(holder.norms[0](x) - mx.fast.rms_norm(x, w, 1e-6)).max().item() < TOL * 4
+    assert set(holder.norms[0].parameters()) == {"weight"}  # the same checkpoint keys
+
+
+@NEEDS_PACKED_GEMM
+def test_native_ops_gather_strided_inputs_themselves():
+    """No Contiguous node is built for a lazy input: a strided view is gathered inside the kernel."""
+    linear = nn.Linear(32, 48)
+    packed = cpu_kernels.PackedLinear(linear, NATIVE)
+    x = (mx.random.normal((32, 5)) + 0).T  # lazy, transposed
+    assert mx.abs(packed(x) - linear(x)).max().item() < 1e-5
+    gate, up = (mx.random.normal((40, 3)) + 0).T, (mx.random.normal((40, 3)) + 0).T
+    assert mx.abs(NATIVE.swiglu(gate, up) - mlx_swiglu(gate, up)).max().item() < TOL
+
+
+@NEEDS_NATIVE
+def test_native_rope_and_norm_reject_bad_shapes():
+    inv = mx.ones((16,))
+    x = mx.zeros((1, 3, 2, 32))  # (1, H, T, D)
+    with pytest.raises(ValueError, match="even dims"):
+        NATIVE.rope(x, mx.array([0, 1]), inv, 31, False, 1.0)
+    with pytest.raises(ValueError, match="even dims"):
+        NATIVE.rope(mx.zeros((2, 3, 2, 32)), mx.array([0, 1]), inv, 32, False, 1.0)
+    with pytest.raises(ValueError, match="inv_freq"):
+        NATIVE.rope(x, mx.array([0, 1]), inv, 16, False, 1.0)
+    with pytest.raises(ValueError, match="one per token"):
+        NATIVE.rope(x, mx.array([0, 1, 2]), inv, 32, False, 1.0)
+    with pytest.raises(ValueError, match="one per token"):
+        NATIVE.rope(x, mx.array([0.0, 1.0]), inv, 32, False, 1.0)
+    with pytest.raises(ValueError, match="weight \\(D,\\)"):
+        NATIVE.rms_norm(mx.zeros((2, 8)), mx.zeros((7,)), 1e-5)

@@ -27,7 +27,15 @@ def stores() -> list[KVStore]:
     out = [KVStore(SHAPE, max_blocks=40, initial_blocks=2)]
     if NATIVE is not None:
         out.append(KVStore(SHAPE, max_blocks=40, initial_blocks=2, reserve=NATIVE.untouched_zeros))
+        out.append(KVStore(SHAPE, max_blocks=40, initial_blocks=2, reserve=NATIVE.untouched_zeros,
+                           write_rows=NATIVE.kv_write))
     return out
+
+
+def head_major(rows: np.ndarray) -> mx.array:
+    """(T, kv_heads, head_dim) rows as mlx-lm's attention hands them to a cache: a (1, kv_heads, T, head_dim)
+    view of token-major memory."""
+    return mx.array(rows).transpose(1, 0, 2)[None]
 
 
 def test_both_ways_count_and_hold_the_same_blocks():
@@ -41,7 +49,7 @@ def test_both_ways_count_and_hold_the_same_blocks():
             capacities.append(store.capacity)
             slots = store.block_slots(b)
             for layer in range(SHAPE.num_layers):
-                store.write(layer, slots, mx.array(kv) + layer, mx.array(-kv))
+                store.write(layer, slots, head_major(kv + layer), head_major(-kv))
         mx.eval(store.keys, store.values)
         assert capacities == [2, 2, 6, 18, 40]  # at least doubling, capped at the budget, either way
         assert store.nbytes == 40 * SHAPE.block_bytes
@@ -104,3 +112,52 @@ def test_a_kv_budget_above_the_machines_ram_is_refused():
     with pytest.raises(ValueError, match="more than this machine's RAM"):
         kv_budget_bytes(SchedulerConfig(kv_cache_memory=physical_memory() + 2**30))
     assert kv_budget_bytes(SchedulerConfig(kv_cache_memory=2**30)) == 2**30
+
+
+@needs_native
+def test_kv_write_updates_in_place_and_never_changes_a_pool_someone_holds():
+    rng = np.random.default_rng(1)
+    pool = mx.array(rng.standard_normal((16, 2, 8)).astype(np.float32))
+    before = np.array(pool)
+    rows = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    slots = mx.array([4, 15, 99])  # 99 is outside the pool: skipped, never a stray write
+    written = NATIVE.kv_write(pool, slots, head_major(rows))
+    want = before.copy()
+    want[[4, 15]] = rows[:2]
+    assert np.array_equal(np.array(written), want)
+    assert np.array_equal(np.array(pool), before)  # still held here: the write went to a copy
+    strided = mx.array(rng.standard_normal((2, 8, 5)).astype(np.float32)).transpose(0, 2, 1)[None, :, :3]
+    again = NATIVE.kv_write(written, mx.array([0, 1, 2]), strided)  # (1, 2, 3, 8), D not contiguous
+    want[[0, 1, 2]] = np.array(strided[0]).transpose(1, 0, 2)
+    assert np.array_equal(np.array(again), want)
+    with pytest.raises(ValueError, match="one per row"):
+        NATIVE.kv_write(pool, mx.array([1, 2]), head_major(rows))
+    with pytest.raises(ValueError, match="rows \\(1, Hk, T, D\\)"):
+        NATIVE.kv_write(pool, slots, mx.array(rows))
+
+
+def test_copy_extract_and_load_agree_on_every_kind_of_store():
+    """Copy-on-write of a partial block, and a save/restore round trip (what the prefix cache and the SSD
+    tier do), give the same positions whichever way the store writes."""
+    rng = np.random.default_rng(2)
+    seen = []
+    for store in stores():
+        rows = rng.standard_normal((SHAPE.block_size, 2, 8)).astype(np.float32)
+        rng = np.random.default_rng(2)  # the same rows for every store
+        store.ensure(6)
+        for layer in range(SHAPE.num_layers):
+            store.write(layer, store.block_slots(0), head_major(rows + layer), head_major(-rows))
+        store.copy(0, 1, tokens=3)
+        saved = store.extract([0, 1])
+        mx.eval([a for d in saved for a in (*d.keys, *d.values)])
+        store.load([4, 5], saved)
+        mx.eval(store.keys, store.values)
+        for layer in range(SHAPE.num_layers):
+            keys = np.array(store.keys[layer])
+            assert np.array_equal(keys[store.block_slots(1, 3)], rows[:3] + layer)
+            assert not np.any(keys[store.block_slots(1)][3:])  # only the copied positions
+            assert np.array_equal(keys[store.block_slots(4)], rows + layer)
+            assert np.array_equal(keys[store.block_slots(5)], keys[store.block_slots(1)])
+            assert np.array_equal(np.array(store.values[layer])[store.block_slots(4)], -rows)
+        seen.append(np.array(store.keys[1][: 6 * SHAPE.block_size]))
+    assert all(np.array_equal(seen[0], other) for other in seen[1:])
