@@ -697,29 +697,38 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
   if constexpr (MR > 5) store(5, c50, c51);
 }
 
+constexpr int MAX_SPLITS = 4;
+
+// x @ W for one weight whose panels may go to up to MAX_SPLITS outputs: panels [ends[j-1], ends[j]) are
+// output j's columns (a fused q/k/v projection, or gate and up). One output: ends[0] = N / 16.
 struct GemmArgs {
   const float* x;     // (M, K)
   const float* w;     // (N/16, K, 16)
   const float* bias;  // (N) or null
-  float* out;         // (M, N)
-  int64_t M, K, N;
+  float* out[MAX_SPLITS];  // (M, N_j) each
+  int64_t ends[MAX_SPLITS];  // cumulative panels per output
+  int splits;
+  int64_t M, K;
 };
 
 void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
+    int j = 0;
+    while (p >= g.ends[j]) ++j;
+    int64_t first = j ? g.ends[j - 1] : 0, ldc = (g.ends[j] - first) * PANEL;
     const float* w = g.w + p * g.K * PANEL;
     const float* bias = g.bias ? g.bias + p * PANEL : nullptr;
-    float* c = g.out + p * PANEL;
+    float* c = g.out[j] + (p - first) * PANEL;
     int64_t i = 0;
-    for (; i + 6 <= g.M; i += 6) gemm_micro<6>(g.x + i * g.K, g.K, w, bias, c + i * g.N, g.N, g.K);
+    for (; i + 6 <= g.M; i += 6) gemm_micro<6>(g.x + i * g.K, g.K, w, bias, c + i * ldc, ldc, g.K);
     const float* x = g.x + i * g.K;
-    c += i * g.N;
+    c += i * ldc;
     switch (g.M - i) {
-      case 1: gemm_micro<1>(x, g.K, w, bias, c, g.N, g.K); break;
-      case 2: gemm_micro<2>(x, g.K, w, bias, c, g.N, g.K); break;
-      case 3: gemm_micro<3>(x, g.K, w, bias, c, g.N, g.K); break;
-      case 4: gemm_micro<4>(x, g.K, w, bias, c, g.N, g.K); break;
-      case 5: gemm_micro<5>(x, g.K, w, bias, c, g.N, g.K); break;
+      case 1: gemm_micro<1>(x, g.K, w, bias, c, ldc, g.K); break;
+      case 2: gemm_micro<2>(x, g.K, w, bias, c, ldc, g.K); break;
+      case 3: gemm_micro<3>(x, g.K, w, bias, c, ldc, g.K); break;
+      case 4: gemm_micro<4>(x, g.K, w, bias, c, ldc, g.K); break;
+      case 5: gemm_micro<5>(x, g.K, w, bias, c, ldc, g.K); break;
       default: break;
     }
   }
@@ -808,10 +817,10 @@ class PackedLinear : public CpuOnly {
   }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &x = in[0], &w = in[1];
-    int64_t K = w.shape(1), N = w.shape(0) * PANEL;
-    GemmArgs g{nullptr, In<float>(w).p, nullptr, nullptr, static_cast<int64_t>(x.size() / K), K, N};
+    int64_t K = w.shape(1);
+    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {w.shape(0)}, 1, static_cast<int64_t>(x.size() / K), K};
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    g.out = out.data<float>();
+    g.out[0] = out.data<float>();
     std::optional<In<float>> bias;
     if (has_bias_) bias.emplace(in[2]);
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -825,6 +834,73 @@ class PackedLinear : public CpuOnly {
 
  private:
   bool has_bias_;
+};
+
+// One packed GEMM whose panels fill several outputs: the q, k and v projections of a layer (one node
+// and one pass of the GEMM threads where there were three).
+class PackedLinearSplit : public mx::Primitive {
+ public:
+  PackedLinearSplit(mx::Stream s, std::vector<int> sizes, bool has_bias)
+      : mx::Primitive(s), sizes_(std::move(sizes)), has_bias_(has_bias) {}
+  const char* name() const override { return "MeshlmPackedLinearSplit"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PackedLinearSplit&>(other);
+    return sizes_ == o.sizes_ && has_bias_ == o.has_bias_;
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    const auto &x = in[0], &w = in[1];
+    int64_t K = w.shape(1);
+    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {}, static_cast<int>(outs.size()),
+               static_cast<int64_t>(x.size() / K), K};
+    int64_t end = 0;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      outs[j].set_data(mx::allocator::malloc(outs[j].nbytes()));
+      g.out[j] = outs[j].data<float>();
+      end += sizes_[j] / PANEL;
+      g.ends[j] = end;
+    }
+    std::optional<In<float>> bias;
+    if (has_bias_) bias.emplace(in[2]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([g, xi = In<float>(x), bias = std::move(bias), panels = w.shape(0)]() mutable {
+      std::vector<float> xs, bs;
+      g.x = xi.get(xs);
+      if (bias) g.bias = bias->get(bs);
+      gemm_pool().run(g, panels);
+    });
+  }
+
+ private:
+  std::vector<int> sizes_;
+  bool has_bias_;
+};
+
+// silu(x @ Wg) * (x @ Wu) with Wg's panels then Wu's in one packed weight: the MLP's gate, up and SwiGLU
+// as one node and one pass of the GEMM threads.
+class PackedSwiGLU : public CpuOnly {
+ public:
+  using CpuOnly::CpuOnly;
+  const char* name() const override { return "MeshlmPackedSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &x = in[0], &w = in[1];
+    int64_t K = w.shape(1), half = w.shape(0) / 2, M = static_cast<int64_t>(x.size() / K);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {half, 2 * half}, 2, M, K};
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([g, xi = In<float>(x), o = out.data<float>(), n = static_cast<size_t>(M * half * PANEL),
+                  panels = w.shape(0)]() mutable {
+      std::vector<float> xs, scratch(2 * n);
+      g.x = xi.get(xs);
+      g.out[0] = scratch.data();
+      g.out[1] = scratch.data() + n;
+      gemm_pool().run(g, panels);
+      swiglu_kernel(scratch.data(), scratch.data() + n, o, n);
+    });
+  }
 };
 #endif
 
@@ -889,6 +965,67 @@ mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::arra
                    {require_float32(pool), mx::astype(slots, mx::int32, s), rows});
 }
 
+std::vector<mx::array> packed_linear_split(const mx::array& x, const mx::array& w, const std::vector<int>& sizes,
+                                           std::optional<mx::array> bias) {
+  if (w.ndim() != 3 || w.shape(2) != PANEL || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("packed_linear_split: x (..., K) and w (N/16, K, 16)");
+  }
+  int64_t total = 0;
+  for (int n : sizes) {
+    if (n <= 0 || n % PANEL != 0) throw std::invalid_argument("packed_linear_split: sizes must be multiples of 16");
+    total += n;
+  }
+  if (sizes.empty() || sizes.size() > MAX_SPLITS || total != static_cast<int64_t>(w.shape(0)) * PANEL) {
+    throw std::invalid_argument("packed_linear_split: 1-4 sizes adding up to N = 16 x w.shape[0]");
+  }
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != total)) {
+    throw std::invalid_argument("packed_linear_split: bias must be (N,)");
+  }
+  auto s = current_stream();
+#if MESHLM_AVX2
+  if (x.dtype() == mx::float32) {
+    std::vector<mx::Shape> shapes;
+    for (int n : sizes) {
+      auto shape = x.shape();
+      shape.back() = n;
+      shapes.push_back(shape);
+    }
+    std::vector<mx::array> inputs{float32_input(x, s), float32_weight(w, s)};
+    if (bias) inputs.push_back(float32_input(*bias, s));
+    return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(sizes.size(), mx::float32),
+                                  std::make_shared<PackedLinearSplit>(s, sizes, bias.has_value()), inputs);
+  }
+#endif
+  auto y = packed_linear(x, w, bias);
+  std::vector<mx::array> outs;
+  int start = 0;
+  for (int n : sizes) {
+    auto lo = mx::Shape(y.ndim(), 0), hi = y.shape();
+    lo.back() = start;
+    hi.back() = start + n;
+    outs.push_back(mx::slice(y, lo, hi, s));
+    start += n;
+  }
+  return outs;
+}
+
+mx::array packed_swiglu(const mx::array& x, const mx::array& w) {
+  if (w.ndim() != 3 || w.shape(2) != PANEL || w.shape(0) % 2 != 0 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("packed_swiglu: x (..., K) and w (2 * I/16, K, 16), gate panels then up");
+  }
+  auto s = current_stream();
+  int I = w.shape(0) / 2 * PANEL;
+#if MESHLM_AVX2
+  if (x.dtype() == mx::float32) {
+    auto shape = x.shape();
+    shape.back() = I;
+    return mx::array(shape, mx::float32, std::make_shared<PackedSwiGLU>(s), {float32_input(x, s), float32_weight(w, s)});
+  }
+#endif
+  auto parts = packed_linear_split(x, w, {I, I}, std::nullopt);
+  return swiglu(parts[0], parts[1]);
+}
+
 mx::array untouched_zeros(const std::vector<int>& shape, mx::Dtype dtype) {
   for (int d : shape) {
     if (d < 0) throw std::invalid_argument("untouched_zeros: negative dimension");
@@ -915,6 +1052,10 @@ NB_MODULE(_cpu_ops, m) {
   m.attr("panel") = PANEL;
   m.def("packed_linear", &packed_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none(),
         "x @ W (+ bias) with W packed as (N/16, K, 16) panels");
+  m.def("packed_linear_split", &packed_linear_split, nb::arg("x"), nb::arg("w"), nb::arg("sizes"),
+        nb::arg("bias") = nb::none(), "x @ W (+ bias) as one output per size (columns in order), one GEMM");
+  m.def("packed_swiglu", &packed_swiglu, nb::arg("x"), nb::arg("w"),
+        "silu(x @ Wg) * (x @ Wu), W holding Wg's panels then Wu's");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");

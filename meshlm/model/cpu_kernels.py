@@ -376,3 +376,103 @@ def rope_table(rope: nn.Module) -> RopeTable | None:
         return None
     mx.eval(table.inv_freq)
     return table
+
+
+def packed_local(layer: nn.Module) -> PackedLinear | None:
+    """The PackedLinear computing `layer` on this rank with no collective after it: the layer itself, or
+    the local matmul of a column shard (AllToShardedLinear); else None."""
+    if type(layer) is PackedLinear:
+        return layer
+    if type(layer) is ShardedLinear and not layer._reduce and type(layer.local) is PackedLinear:
+        return layer.local
+    return None
+
+
+class _SharedGemm:
+    """What the parts of one fused GEMM share: the input they were last called with and its outputs
+    (a plain object, so the modules do not count it as a child)."""
+
+    def __init__(self, owner: "FusedPart", sizes: list[int], native) -> None:
+        self.owner, self.sizes, self.native = owner, sizes, native
+        self.x: mx.array | None = None
+        self.outs: list[mx.array] = []
+
+    def output(self, x: mx.array, index: int) -> mx.array:
+        if x is not self.x:
+            bias = self.owner["bias"] if "bias" in self.owner else None
+            self.x, self.outs = x, self.native.packed_linear_split(x, self.owner["weight_p"], self.sizes, bias)
+        out = self.outs[index]
+        if index == len(self.sizes) - 1:  # the last part: nothing to keep for the next input
+            self.x, self.outs = None, []
+        return out
+
+
+class FusedPart(nn.Module):
+    """One of the linear layers of a layer that all read the same input (attention's q, k and v), as a
+    slice of one packed GEMM with one output each (`packed_linear_split`): one graph node and one pass of
+    the GEMM threads where there were three. The first part holds the fused weight (and bias); called
+    with the same input object, the others take their output from the same GEMM, as mlx-lm's layers
+    call `q_proj(x), k_proj(x), v_proj(x)`; called with another input, a part runs its own panels."""
+
+    def __init__(self, shared: _SharedGemm | None, index: int, panels: tuple[int, int]) -> None:
+        super().__init__()
+        self._shared, self._index = shared, index
+        self._first, self._end = panels  # this part's panels of the fused weight
+
+    @property
+    def weight(self) -> mx.array:
+        """This part's (out, in) weight, for code that reads a layer's shape (lazy: copied if evaluated)."""
+        w = self._shared.owner["weight_p"][self._first : self._end]
+        return w.transpose(1, 0, 2).reshape(w.shape[1], -1).T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shared = self._shared
+        if x is shared.x or self._index == 0:
+            return shared.output(x, self._index)
+        a, b = self._first, self._end  # called alone: its own panels, a contiguous slice of the fused weight
+        owner = shared.owner
+        bias = owner["bias"][a * shared.native.panel : b * shared.native.panel] if "bias" in owner else None
+        return shared.native.packed_linear(x, owner["weight_p"][a:b], bias)
+
+
+def fuse_linears(layers: list[nn.Module], native) -> list[FusedPart] | None:
+    """`layers` (packed, or column shards of packed, all biased or none) as FusedParts of one GEMM; None
+    when they cannot be (another kind of layer, mixed biases, or no split GEMM in `native`)."""
+    locals_ = [packed_local(layer) for layer in layers]
+    if native is None or not hasattr(native, "packed_linear_split") or any(x is None for x in locals_):
+        return None
+    biased = {"bias" in x for x in locals_}
+    if len(biased) != 1:
+        return None
+    weights = [x["weight_p"] for x in locals_]
+    sizes = [w.shape[0] * native.panel for w in weights]
+    ends = [sum(w.shape[0] for w in weights[: i + 1]) for i in range(len(weights))]
+    parts: list[FusedPart] = []
+    shared = _SharedGemm(None, sizes, native)  # owner set below: the first part
+    for i in range(len(layers)):
+        parts.append(FusedPart(shared, i, (ends[i - 1] if i else 0, ends[i])))
+    owner = parts[0]
+    shared.owner = owner
+    owner.weight_p = mx.concatenate(weights)
+    if biased.pop():
+        owner.bias = mx.concatenate([x["bias"] for x in locals_])
+    mx.eval(owner.parameters())
+    return parts
+
+
+def fuse_layer_projections(layer: nn.Module, native) -> int:
+    """Fuse a decoder layer's q/k/v projections (`fuse_linears`) and its MLP's gate and up
+    (`GatedMLP.fuse`); returns how many GEMMs it saved per forward."""
+    saved = 0
+    attn = layer.self_attn
+    names = ("q_proj", "k_proj", "v_proj")
+    if not any(isinstance(attn[n], FusedPart) for n in names):
+        parts = fuse_linears([attn[n] for n in names], native)
+        if parts is not None:
+            for n, part in zip(names, parts):
+                attn[n] = part
+            saved += 2
+    fuse = getattr(layer.mlp, "fuse", None)
+    if fuse is not None and fuse(native):
+        saved += 2
+    return saved

@@ -427,3 +427,65 @@ def test_native_rope_and_norm_reject_bad_shapes():
         NATIVE.rope(x, mx.array([0.0, 1.0]), inv, 32, False, 1.0)
     with pytest.raises(ValueError, match="weight \\(D,\\)"):
         NATIVE.rms_norm(mx.zeros((2, 8)), mx.zeros((7,)), 1e-5)
+
+
+@NEEDS_PACKED_GEMM
+@pytest.mark.parametrize("bias", [False, True])  # qwen2 biases its q/k/v projections
+def test_fused_projections_match_separate_linears(bias):
+    linears = [nn.Linear(64, n, bias=bias) for n in (64, 32, 32)]
+    x = mx.random.normal((3, 64))
+    want = [lin(x) for lin in linears]
+    parts = cpu_kernels.fuse_linears([cpu_kernels.PackedLinear(lin, NATIVE) for lin in linears], NATIVE)
+    got = [part(x) for part in parts]  # the way mlx-lm calls q, k, v: one GEMM
+    assert all(mx.abs(g - w).max().item() < 1e-5 for g, w in zip(got, want))
+    other = mx.random.normal((2, 64))
+    assert mx.abs(parts[2](other) - linears[2](other)).max().item() < 1e-5  # alone, another input
+    assert mx.abs(parts[1].weight - linears[1].weight).max().item() == 0
+    owner = dict(parts[0].parameters())
+    assert set(owner) == ({"weight_p", "bias"} if bias else {"weight_p"}) and not parts[1].parameters()
+
+
+@NEEDS_PACKED_GEMM
+def test_only_packed_local_linears_fuse():
+    packed = cpu_kernels.PackedLinear(nn.Linear(64, 32), NATIVE)
+    unbiased = cpu_kernels.PackedLinear(nn.Linear(64, 32, bias=False), NATIVE)
+    assert cpu_kernels.fuse_linears([packed, cpu_kernels.TransposedLinear(nn.Linear(64, 32))], NATIVE) is None
+    assert cpu_kernels.fuse_linears([packed, unbiased], NATIVE) is None  # mixed biases
+    assert cpu_kernels.fuse_linears([packed, packed], None) is None
+    reduced = cpu_kernels.ShardedLinear(packed, None, reduce=True)  # a row shard: a sum follows it
+    assert cpu_kernels.packed_local(reduced) is None
+    assert cpu_kernels.packed_local(cpu_kernels.ShardedLinear(packed, None, reduce=False)) is packed
+
+
+@NEEDS_PACKED_GEMM
+def test_fused_gate_up_swiglu_matches_the_mlp():
+    from mlx_lm.models import llama
+
+    from meshlm.model.adapt import GatedMLP
+
+    mlp = llama.MLP(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
+                                    num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=100))
+    x = mx.random.normal((5, 64))
+    want = mlp(x)
+    gated = GatedMLP(mlp, cpu_kernels.swiglu_for(NATIVE))
+    cpu_kernels.transpose_linears(gated, NATIVE)
+    assert gated.fuse(NATIVE) and "gate_proj" not in gated and gated.fuse(NATIVE)
+    assert mx.abs(gated(x) - want).max().item() < 1e-4
+    assert set(dict(tree_flatten_names(gated))) == {"gate_up_p", "down_proj.weight_p"}
+
+
+def tree_flatten_names(module: nn.Module) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())
+
+
+@NEEDS_PACKED_GEMM
+def test_split_gemm_rejects_bad_sizes():
+    w = mx.zeros((4, 8, 16))
+    with pytest.raises(ValueError, match="adding up"):
+        NATIVE.packed_linear_split(mx.zeros((2, 8)), w, [32, 16])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        NATIVE.packed_linear_split(mx.zeros((2, 8)), w, [40, 24])
+    with pytest.raises(ValueError, match="gate panels then up"):
+        NATIVE.packed_swiglu(mx.zeros((2, 8)), mx.zeros((3, 8, 16)))
