@@ -808,6 +808,19 @@ GemmPool& gemm_pool() {
   return *pool;
 }
 
+// Runs `g` on the GEMM threads inside the stream's task, x (and the bias) read as MLX produced them.
+void dispatch_gemm(mx::Stream s, GemmArgs g, const mx::array& x, const mx::array* bias, int64_t panels) {
+  std::optional<In<float>> b;
+  if (bias) b.emplace(*bias);
+  auto& enc = mx::cpu::get_command_encoder(s);
+  enc.dispatch([g, xi = In<float>(x), b = std::move(b), panels]() mutable {
+    std::vector<float> xs, bs;
+    g.x = xi.get(xs);
+    if (b) g.bias = b->get(bs);
+    gemm_pool().run(g, panels);
+  });
+}
+
 class PackedLinear : public CpuOnly {
  public:
   PackedLinear(mx::Stream s, bool has_bias) : CpuOnly(s), has_bias_(has_bias) {}
@@ -821,15 +834,7 @@ class PackedLinear : public CpuOnly {
     GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {w.shape(0)}, 1, static_cast<int64_t>(x.size() / K), K};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     g.out[0] = out.data<float>();
-    std::optional<In<float>> bias;
-    if (has_bias_) bias.emplace(in[2]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([g, xi = In<float>(x), bias = std::move(bias), panels = w.shape(0)]() mutable {
-      std::vector<float> xs, bs;
-      g.x = xi.get(xs);
-      if (bias) g.bias = bias->get(bs);
-      gemm_pool().run(g, panels);
-    });
+    dispatch_gemm(stream(), g, x, has_bias_ ? &in[2] : nullptr, w.shape(0));
   }
 
  private:
@@ -862,15 +867,7 @@ class PackedLinearSplit : public mx::Primitive {
       end += sizes_[j] / PANEL;
       g.ends[j] = end;
     }
-    std::optional<In<float>> bias;
-    if (has_bias_) bias.emplace(in[2]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([g, xi = In<float>(x), bias = std::move(bias), panels = w.shape(0)]() mutable {
-      std::vector<float> xs, bs;
-      g.x = xi.get(xs);
-      if (bias) g.bias = bias->get(bs);
-      gemm_pool().run(g, panels);
-    });
+    dispatch_gemm(stream(), g, x, has_bias_ ? &in[2] : nullptr, w.shape(0));
   }
 
  private:
