@@ -625,9 +625,10 @@ mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
 mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                  const mx::array& tables, const mx::array& lengths, int block_size,
                                  float q_scale) {
-  bool grouped = q.ndim() == 4 && q.shape(1) == k_pool.shape(1) && q.shape(3) == k_pool.shape(2);
-  bool flat = q.ndim() == 3 && k_pool.ndim() == 3 && q.shape(1) % k_pool.shape(1) == 0 && q.shape(2) == k_pool.shape(2);
-  if (!(grouped || flat) || k_pool.ndim() != 3 || v_pool.shape() != k_pool.shape()) {
+  bool pools = k_pool.ndim() == 3 && k_pool.shape(1) > 0 && v_pool.shape() == k_pool.shape();
+  bool grouped = pools && q.ndim() == 4 && q.shape(1) == k_pool.shape(1) && q.shape(3) == k_pool.shape(2);
+  bool flat = pools && q.ndim() == 3 && q.shape(1) % k_pool.shape(1) == 0 && q.shape(2) == k_pool.shape(2);
+  if (!(grouped || flat)) {
     throw std::invalid_argument("paged_decode_attention: q (R, Hk, r, D) or (R, H, D), pools (slots, Hk, D)");
   }
   if (block_size < 1 || k_pool.shape(0) % block_size != 0) {

@@ -89,8 +89,8 @@ class GatedMLP(nn.Module):
         if "gate_up_p" in self:
             return True
         gate, up = cpu_kernels.packed_local(self.gate_proj), cpu_kernels.packed_local(self.up_proj)
-        if (native is None or not hasattr(native, "packed_swiglu") or gate is None or up is None or "bias" in gate
-                or "bias" in up or gate["weight_p"].shape != up["weight_p"].shape):
+        if (native is None or gate is None or up is None or "bias" in gate or "bias" in up
+                or gate["weight_p"].shape != up["weight_p"].shape):
             return False
         self.gate_up_p = mx.concatenate([gate["weight_p"], up["weight_p"]])
         mx.eval(self.gate_up_p)

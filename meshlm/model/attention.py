@@ -182,7 +182,7 @@ class CPUBackend:
         return cpu_kernels.attention(q, keys, values, scale, self.native, mask)
 
     def partial(self, q, keys, values, mask, scale):
-        if q.dtype != mx.float32 or not hasattr(self.native, "softmax2_lse"):
+        if q.dtype != mx.float32 or self.native is None:
             return PortableBackend.partial(self, q, keys, values, mask, scale)
         return cpu_kernels.partial_attention(q, keys, values, mask, scale, self.native)
 

@@ -39,10 +39,11 @@ mlx-lm's (tests/integration/test_parity.py compares against stock mlx-lm).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -146,6 +147,12 @@ def swiglu_for(native=None):
     return native_swiglu
 
 
+# Every `_cpu_ops` function the Python side calls: a module built from an older csrc/cpu_ops.cpp for the same
+# MLX lacks some, and is then not used at all (one check here, not one per caller).
+NATIVE_API = ("swiglu", "softmax2", "softmax2_lse", "packed_linear", "packed_linear_split", "packed_swiglu",
+              "set_gemm_threads", "untouched_zeros", "rms_norm", "rope", "kv_write", "paged_decode_attention")
+
+
 @functools.cache
 def native_ops() -> tuple[Any, str]:
     """The compiled `_cpu_ops` module, or None, and a phrase saying which for the log (loaded once:
@@ -156,6 +163,9 @@ def native_ops() -> tuple[Any, str]:
         return None, f"not built ({e}); run `make install` with a C++20 compiler"
     if _cpu_ops.mlx_version != mx.__version__:
         return None, f"built for MLX {_cpu_ops.mlx_version}, not {mx.__version__}; run `make install`"
+    missing = [name for name in NATIVE_API if not hasattr(_cpu_ops, name)]
+    if missing:
+        return None, f"built from an older csrc/cpu_ops.cpp (no {', '.join(missing)}); run `make install`"
     try:  # nanobind must share MLX's type domain for mx.array to pass in
         mx.eval(_cpu_ops.swiglu(mx.zeros((1,)), mx.zeros((1,))))
     except TypeError as e:
@@ -225,17 +235,28 @@ def transpose_linears(model: nn.Module, native=None) -> int:
     (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
     returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`."""
     packed = native is not None and native.packed_gemm
+
+    def replace(child) -> nn.Module | None:
+        kind = type(child)
+        if kind not in _SWAPPABLE or child.weight.dtype != mx.float32:
+            return None
+        local = _local_linear(child, native, packed)
+        return local if kind is nn.Linear else ShardedLinear(local, child.group, kind is nn.ShardedToAllLinear)
+
+    return swap_modules(model, replace)
+
+
+def swap_modules(model: nn.Module, replace: Callable[[Any], nn.Module | None]) -> int:
+    """Walk `model`'s modules and lists, putting `replace(child)` wherever it is not None (its
+    parameters evaluated at once, so at most one module's weights exist twice); returns how many."""
     swapped = 0
 
     def visit(container) -> None:  # a Module is a dict of its parameters and children
         nonlocal swapped
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, child in list(items):
-            kind = type(child)
-            if kind in _SWAPPABLE and child.weight.dtype == mx.float32:
-                local = _local_linear(child, native, packed)
-                replacement = local if kind is nn.Linear else ShardedLinear(local, child.group,
-                                                                            kind is nn.ShardedToAllLinear)
+            replacement = replace(child)
+            if replacement is not None:
                 mx.eval(replacement.parameters())
                 container[key] = replacement
                 swapped += 1
@@ -334,21 +355,10 @@ class NativeRMSNorm(nn.Module):
 def swap_norms(model: nn.Module, native) -> int:
     """Swap every float32 `nn.RMSNorm` (layer norms, the final norm, qwen3's q/k norms) for a
     NativeRMSNorm; returns how many."""
-    swapped = 0
-
-    def visit(container) -> None:
-        nonlocal swapped
-        items = container.items() if isinstance(container, dict) else enumerate(container)
-        for key, child in list(items):
-            if type(child) is nn.RMSNorm and child.weight.dtype == mx.float32:
-                container[key] = NativeRMSNorm(child, native)
-                swapped += 1
-            elif isinstance(child, (dict, list)):
-                visit(child)
-
-    if native is not None:
-        visit(model)
-    return swapped
+    if native is None:
+        return 0
+    return swap_modules(model, lambda child: NativeRMSNorm(child, native)
+                        if type(child) is nn.RMSNorm and child.weight.dtype == mx.float32 else None)
 
 
 @dataclass(frozen=True)
@@ -414,7 +424,7 @@ class FusedPart(nn.Module):
     with the same input object, the others take their output from the same GEMM, as mlx-lm's layers
     call `q_proj(x), k_proj(x), v_proj(x)`; called with another input, a part runs its own panels."""
 
-    def __init__(self, shared: _SharedGemm | None, index: int, panels: tuple[int, int]) -> None:
+    def __init__(self, shared: _SharedGemm, index: int, panels: tuple[int, int]) -> None:
         super().__init__()
         self._shared, self._index = shared, index
         self._first, self._end = panels  # this part's panels of the fused weight
@@ -439,14 +449,14 @@ def fuse_linears(layers: list[nn.Module], native) -> list[FusedPart] | None:
     """`layers` (packed, or column shards of packed, all biased or none) as FusedParts of one GEMM; None
     when they cannot be (another kind of layer, mixed biases, or no split GEMM in `native`)."""
     locals_ = [packed_local(layer) for layer in layers]
-    if native is None or not hasattr(native, "packed_linear_split") or any(x is None for x in locals_):
+    if native is None or any(x is None for x in locals_):
         return None
     biased = {"bias" in x for x in locals_}
     if len(biased) != 1:
         return None
     weights = [x["weight_p"] for x in locals_]
     sizes = [w.shape[0] * native.panel for w in weights]
-    ends = [sum(w.shape[0] for w in weights[: i + 1]) for i in range(len(weights))]
+    ends = list(itertools.accumulate(w.shape[0] for w in weights))
     parts: list[FusedPart] = []
     shared = _SharedGemm(None, sizes, native)  # owner set below: the first part
     for i in range(len(layers)):

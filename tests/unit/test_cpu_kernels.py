@@ -489,3 +489,21 @@ def test_split_gemm_rejects_bad_sizes():
         NATIVE.packed_linear_split(mx.zeros((2, 8)), w, [40, 24])
     with pytest.raises(ValueError, match="gate panels then up"):
         NATIVE.packed_swiglu(mx.zeros((2, 8)), mx.zeros((3, 8, 16)))
+
+
+@NEEDS_NATIVE
+def test_paged_decode_refuses_pools_without_heads():
+    """A zero-head pool would divide by zero when the kernel groups query heads: refused at graph build."""
+    empty = mx.zeros((16, 0, 8))
+    with pytest.raises(ValueError, match="pools"):
+        NATIVE.paged_decode_attention(mx.zeros((2, 4, 8)), empty, empty, mx.zeros((2, 2)), mx.zeros((2,)), 8)
+
+
+@NEEDS_NATIVE
+def test_a_build_missing_part_of_the_api_is_not_used(monkeypatch):
+    """Every function the Python side calls is checked once, at load: a module built from an older
+    csrc/cpu_ops.cpp is not used at all, and the log line says what it lacks."""
+    assert all(hasattr(NATIVE, name) for name in cpu_kernels.NATIVE_API)
+    monkeypatch.delattr(NATIVE, "kv_write")
+    native, status = cpu_kernels.native_ops.__wrapped__()  # uncached: the check as at load
+    assert native is None and "no kv_write" in status and "make install" in status
