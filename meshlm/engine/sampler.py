@@ -107,8 +107,20 @@ def filter_logits(row: mx.array, p: SamplingParams) -> mx.array:
     return row
 
 
-def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
+@dataclass
+class Draw:
+    """A step's tokens, sampled on the device and not yet read: the next step's forward may take them as
+    its input before they are known (engine.py, asynchronous scheduling)."""
+
+    tokens: mx.array  # (rows,) the sampled ids, lazy
+    logprob_parts: list[mx.array]  # three per row that wants logprobs (`_logprob_graph`)
+    states: list[SeqSampling]
+    want_lp: list[int]  # rows whose logprobs are reported
+
+
+def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
+    """Build the sampling graph of one token per row. `logits` is (rows, vocab) float32; `states` one per
+    row. Each state's key is split now, so what `take` reads is what plain sampling would have drawn."""
     rows = [process_logits(logits[i], s, allowed=s.constraint.allowed() if s.constraint else None)
             for i, s in enumerate(states)]
     tokens = []
@@ -119,17 +131,26 @@ def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list
             tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.next_key()))
     tokens_arr = mx.stack(tokens)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    lp_parts = _logprob_graph(rows, tokens_arr, states, want_lp)
-    mx.eval(tokens_arr, *lp_parts)
-    ids = tokens_arr.tolist()
-    for tok, s in zip(ids, states):
+    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp)
+
+
+def take(d: Draw) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Read a draw's tokens and logprobs (waiting for them) and record the tokens in each row's state."""
+    mx.eval(d.tokens, *d.logprob_parts)
+    ids = d.tokens.tolist()
+    for tok, s in zip(ids, d.states):
         s.record([tok])
-    logprobs: list[TokenLogprob | None] = [None] * len(states)
-    for j, i in enumerate(want_lp):
-        chosen, top_ids, top_vals = lp_parts[3 * j : 3 * j + 3]
+    logprobs: list[TokenLogprob | None] = [None] * len(d.states)
+    for j, i in enumerate(d.want_lp):
+        chosen, top_ids, top_vals = d.logprob_parts[3 * j : 3 * j + 3]
         top = top_alternatives(top_ids.tolist(), top_vals.tolist())
         logprobs[i] = TokenLogprob(ids[i], chosen.item(), top)
     return ids, logprobs
+
+
+def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
+    return take(draw(logits, states))
 
 
 def top_alternatives(ids: list[int], values: list[float]) -> tuple[tuple[int, float], ...]:

@@ -60,7 +60,9 @@ class Scheduler:
         self._to_remove: list[int] = []  # uids whose KV ranks must drop next step
         self._saves: list[BlockSave] = []  # committed blocks to write through, in the next plan
         self._trims: dict[int, Trim] = {}  # rejected drafts' positions every rank drops, in the next plan
-        self._in_flight: dict[int, tuple[int, int]] = {}  # uid -> (step id, positions held once that plan ran)
+        # uid -> (step id, positions held once that plan ran) per plan in flight, oldest first: two when the
+        # next step was planned ahead (`continue_ahead`)
+        self._in_flight: dict[int, list[tuple[int, int]]] = {}
         self._step_ids = itertools.count()
         self.num_preemptions = 0
 
@@ -118,10 +120,55 @@ class Scheduler:
             fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )
         self._to_remove, self._saves, self._trims = [], [], {}
-        for c in draft.chunks:
-            self._in_flight[c.uid] = (plan.step_id, c.start + len(c.token_ids))
+        self._launched(plan)
         self.blocks.end_step()
         return plan, ended
+
+    def _launched(self, plan: StepPlan) -> None:
+        for c in plan.chunks:
+            self._in_flight.setdefault(c.uid, []).append((plan.step_id, c.start + len(c.token_ids)))
+
+    def continue_ahead(self, plan: StepPlan, uids: list[int]) -> StepPlan | None:
+        """Plan the step after `plan` while `plan` still runs, before its tokens are known (asynchronous
+        scheduling, engine.py): each sequence of `uids` decodes the token `plan` samples for it, which the
+        executor takes from the device. A sequence whose sampled token surely ends it (max_tokens, the
+        model's length) sits the step out. None when the next step needs `schedule`: a sequence to admit,
+        reap, roll back or export, blocks to save, a prompt still being read, a sequence not in `plan`,
+        or too few free blocks (nothing is preempted here). Its chunks hold the placeholder token 0 until
+        the caller knows the real ones; `update` reads only their lengths."""
+        if self._to_remove or self._saves or self._trims or len(uids) > self.config.max_tokens_per_step:
+            return None
+        if self.waiting and len(self.running) < self.config.max_batch_size:
+            return None  # room to admit: the next step is a full one
+        chunks = {c.uid: c for c in plan.chunks}
+        by_uid: dict[int, Sequence] = {}
+        for seq in self.running:
+            c = chunks.get(seq.uid)
+            if (c is None or seq.finished or seq.aborted or seq.export_from is not None or c.logits != LOGITS_LAST
+                    or self._in_flight.get(seq.uid) != [(plan.step_id, seq.num_tokens)]):
+                return None
+            by_uid[seq.uid] = seq
+        if sorted(uids) != sorted(by_uid):
+            return None
+        rows = [by_uid[u] for u in uids if len(by_uid[u].output_ids) + 1 < by_uid[u].params.max_tokens
+                and by_uid[u].num_tokens + 1 < self.max_model_len]
+        need = sum(max(0, self.blocks.blocks_for(s.num_tokens + 1) - len(self.blocks.table(s.uid))) for s in rows)
+        if not rows or need > self.blocks.num_free:
+            return None
+        tables = {}
+        for seq in rows:
+            tables[seq.uid] = self.blocks.allocate(seq.uid, seq.num_tokens + 1)
+        ahead = tuple(Chunk(s.uid, s.num_tokens, (0,), LOGITS_LAST) for s in rows)
+        nxt = StepPlan(
+            step_id=next(self._step_ids),
+            chunks=ahead,
+            tables=tuple(TableUpdate(uid, tuple(b)) for uid, b in tables.items() if b),
+            num_blocks=self.blocks.high_water,
+            fingerprint=batch_fingerprint(self._lengths_after(list(ahead))),
+        )
+        self._launched(nxt)
+        self.blocks.end_step()
+        return nxt
 
     def _exports(self) -> tuple[BlockExport, ...]:
         """Prompt blocks of exporting sequences that became final in the steps run so far (the plan's
@@ -233,7 +280,7 @@ class Scheduler:
     def _lengths_after(self, chunks: list[Chunk]) -> dict[int, int]:
         """Positions every rank holds per sequence once this plan is applied: plans still in flight are
         applied before it on every rank, so their chunks count."""
-        lengths = {s.uid: self._in_flight[s.uid][1] if s.uid in self._in_flight else s.num_computed_tokens
+        lengths = {s.uid: self._in_flight[s.uid][-1][1] if s.uid in self._in_flight else s.num_computed_tokens
                    for s in self.running}
         for c in chunks:
             lengths[c.uid] = c.start + len(c.token_ids)
@@ -250,9 +297,12 @@ class Scheduler:
         taken: dict[int, list[int]] = {}
         for chunk in plan.chunks:
             seq = by_uid.get(chunk.uid)
-            if seq is None or self._in_flight.get(chunk.uid, (None,))[0] != plan.step_id:
+            flights = self._in_flight.get(chunk.uid)
+            if seq is None or not flights or flights[0][0] != plan.step_id:
                 continue  # left (or was preempted, maybe re-admitted) while this plan was in flight
-            del self._in_flight[chunk.uid]
+            del flights[0]
+            if not flights:
+                del self._in_flight[chunk.uid]
             end = chunk.start + len(chunk.token_ids)
             tokens = sampled.get(chunk.uid)
             verify = chunk.logits == LOGITS_ALL and len(chunk.token_ids) > 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
@@ -12,8 +14,15 @@ class LocalExecutor:
     def __init__(self, rank: RankState) -> None:
         self.rank = rank
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self.rank.step(plan)
+    def execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
+        return self.rank.step(plan, tokens=tokens)
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Takes a decode plan whose input tokens are the previous step's samples, still on the device
+        (the engine's asynchronous scheduling). Only here: a worker rank would need them before they are
+        known, and a context-parallel step splits its tokens over ranks."""
+        return self.rank.runner.ring is None
 
     @property
     def times(self) -> StepTimes:

@@ -70,8 +70,8 @@ class RankState:
     def kv_bytes(self) -> int:
         return self.store.nbytes
 
-    def step(self, plan: StepPlan, hidden: mx.array | None = None) -> StepResult:
-        return self.runner.execute(plan, hidden)
+    def step(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+        return self.runner.execute(plan, hidden, tokens)
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""

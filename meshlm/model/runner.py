@@ -16,6 +16,7 @@ does not fit this rank's state (a missed step, a bad block id) is a clear
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,17 +98,14 @@ class Runner:
         return self.store.nbytes
 
     # -- a step -------------------------------------------------------------
-    def execute(self, plan: StepPlan, hidden: mx.array | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+        """Apply `plan` and launch its forward. `tokens`: the input ids of a plan of decode rows planned ahead
+        (`Scheduler.continue_ahead`), one per chunk in order, still being sampled by the previous step; the
+        chunks' own ids are placeholders then."""
         t0 = time.perf_counter()
-        # The previous step must have finished before this one writes the pools: a pending reader
-        # would make MLX copy a whole pool instead of updating it in place.
-        mx.eval(self._pending)
-        # ...and nothing here may hold the pools it wrote: a write whose input pool is still referenced
-        # (a ring step evaluates its large attention blocks mid-forward, while this list would still be
-        # alive) copies the whole pool, which also makes every reserved page resident.
-        self._pending = []
-        waited = time.perf_counter() - t0
-        self.times.add("device", waited)
+        # A step planned ahead is built while the previous one still runs, and waits for it only before
+        # it is launched (below).
+        waited = self._finish_previous() if tokens is None else 0.0
         self._check(plan)
         self._save(plan)
         self._export(plan)
@@ -123,9 +121,13 @@ class Runner:
         result = None  # set here by a context-parallel step
         collective = None  # a context-parallel rank's share of the step's last collectives
         if rows and self.ring is not None:
+            if tokens is not None:
+                raise SplitBrain(f"step {plan.step_id}: a context-parallel step takes no tokens planned ahead")
             result, collective = self._ring_step(rows, t0)
         elif rows:
             batch = Batch.build(rows, self.store.block_size)
+            if tokens is not None:
+                batch = self._with_tokens(batch, tokens, plan)
             out = forward(self.parts, batch, self.store, self.backend, hidden)
         for c in plan.chunks:
             self.seqs[c.uid].length = c.start + len(c.token_ids)
@@ -133,6 +135,8 @@ class Runner:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
         if result is None:
             result = self._result(out, batch, t0)
+        if tokens is not None:
+            waited += self._finish_previous()
         self._pending = self.store.keys + self.store.values
         self._pending += [x for x in (result.logits, result.hidden, collective) if x is not None]
         launched = time.perf_counter()
@@ -142,6 +146,25 @@ class Runner:
         mx.async_eval(self._pending)
         self.times.add("device", time.perf_counter() - launched)
         return result
+
+    def _finish_previous(self) -> float:
+        """Wait for the previous step before this one is launched; returns the seconds waited. Its readers
+        of the pools must be done before this step's writes are launched (MLX decides then whether a write
+        may update the pool in place: were a reader pending, it would copy the whole pool, which also makes
+        every reserved page resident), and nothing here may hold the pools once written (a ring step
+        evaluates its large attention blocks mid-forward, while this list would still be alive)."""
+        t0 = time.perf_counter()
+        mx.eval(self._pending)
+        self._pending = []
+        waited = time.perf_counter() - t0
+        self.times.add("device", waited)
+        return waited
+
+    def _with_tokens(self, batch: Batch, tokens: mx.array, plan: StepPlan) -> Batch:
+        if tokens.shape != (len(plan.chunks),) or any(len(c.token_ids) != 1 for c in plan.chunks):
+            raise SplitBrain(f"step {plan.step_id}: {tokens.shape} device tokens for a plan of "
+                             f"{plan.num_tokens} tokens in {len(plan.chunks)} chunks")
+        return dataclasses.replace(batch, tokens=tokens.astype(mx.int32))
 
     def _ring_step(self, rows: list[RowSpec], t0: float) -> tuple[StepResult, mx.array]:
         ring = self.ring

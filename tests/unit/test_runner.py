@@ -406,3 +406,56 @@ def test_a_partial_hit_may_lend_from_a_block_loaded_in_the_same_plan(path, tmp_p
     got = rank.store.extract([2])[0]
     for a, b in zip(got.keys + got.values, want.keys + want.values):
         assert mx.array_equal(a[:, : BS // 2], b[:, : BS // 2])
+
+
+def drive_ahead(rank: RankState, prompts: list[list[int]], max_tokens: int) -> tuple[dict[int, list[int]], int]:
+    """The engine's asynchronous scheduling in miniature: each decode step is planned (`continue_ahead`)
+    and launched on the previous step's argmax while it is still lazy, then the previous step is read.
+    Returns each sequence's tokens and how many steps were planned ahead."""
+    blocks = BlockManager(rank.max_blocks, rank.block_size, rank.salt, rank.ssd)
+    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=64), blocks, 4096)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens, temperature=0)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    plan, _ = sched.schedule()
+    result = rank.step(plan)
+    ahead_steps = 0
+    while True:
+        tokens = mx.argmax(result.logits, axis=-1) if result.logits is not None else None
+        ahead = sched.continue_ahead(plan, result.uids) if tokens is not None else None
+        if ahead is not None:
+            row = {u: i for i, u in enumerate(result.uids)}
+            following = rank.step(ahead, tokens=tokens[mx.array([row[c.uid] for c in ahead.chunks])])
+            ahead_steps += 1
+        sched.update(plan, {u: [t] for u, t in zip(result.uids, tokens.tolist())} if tokens is not None else {})
+        if ahead is not None:
+            plan, result = ahead, following
+        elif sched.has_work:
+            plan, _ = sched.schedule()
+            result = rank.step(plan)
+        else:
+            return {s.uid: s.output_ids for s in seqs}, ahead_steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_steps_planned_ahead_on_device_tokens_equal_each_sequence_alone(path, reference, backend):
+    prompts = [[5, 9, 33, 71], list(range(40, 60)), [200, 3]]
+    tokens, ahead = drive_ahead(make_rank(path, backend[0]), prompts, 12)
+    assert ahead >= 9  # every decode step but the first after a prefill, and any after a block save
+    for uid, p in enumerate(prompts):
+        assert tokens[uid] == reference(p, 12)[0]
+
+
+def test_a_step_planned_ahead_updates_the_pools_in_place(path):
+    """A step launched while the previous one still reads the pools would make MLX copy every pool it
+    writes (and page in a reserved pool whole): the runner waits for the previous step before launching."""
+    rank = make_rank(path, "native", budget=2**30)
+    store = rank.runner.store
+    mx.eval(store.keys + store.values)
+    reserved = mx.get_active_memory()
+    one_pool = store.keys[0].nbytes
+    assert one_pool >= 2**26
+    mx.reset_peak_memory()
+    # The long prompt's prefill still runs when the first step planned ahead is launched.
+    drive_ahead(rank, [[5, 9, 33, 71], [(7 * i) % VOCAB for i in range(1500)]], 8)
+    assert mx.get_peak_memory() - reserved < one_pool // 4

@@ -504,3 +504,54 @@ def test_a_bad_verify_outcome_is_refused():
     plan, _ = sched.schedule({0: (7, 8)})
     with pytest.raises(ValueError):
         sched.update(plan, {0: [1, 2, 3, 4]})
+
+
+# -- planning ahead (asynchronous scheduling) -----------------------------------
+
+
+def test_a_step_planned_ahead_continues_every_decoding_sequence_and_the_plans_apply_in_order():
+    sched = make_scheduler()
+    a, b = make_seq(0, max_tokens=10), make_seq(1, prompt_len=6, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    first, _ = sched.schedule()  # both prompts, logits for their last positions
+    ahead = sched.continue_ahead(first, [0, 1])
+    # b's first token leaves it one short of max_tokens: it takes the step planned ahead too.
+    assert [(c.uid, c.start, len(c.token_ids)) for c in ahead.chunks] == [(0, 4, 1), (1, 6, 1)]
+    assert ahead.fingerprint == batch_fingerprint({0: 5, 1: 7})
+    assert sched.continue_ahead(ahead, [0, 1]) is None  # `first` is not read yet: one plan ahead at most
+    sched.update(first, {0: [11], 1: [12]})
+    assert (a.num_computed_tokens, a.output_ids) == (4, [11])
+    # b's token from `ahead` ends it by max_tokens: the next one sits it out.
+    nxt = sched.continue_ahead(ahead, [0, 1])
+    assert nxt is not None and [c.uid for c in nxt.chunks] == [0]
+    sched.update(ahead, {0: [13], 1: [14]})
+    assert (a.num_computed_tokens, a.output_ids, b.output_ids, b.finished) == (5, [11, 13], [12, 14], True)
+    sched.update(nxt, {0: [15]})
+    assert a.output_ids == [11, 13, 15] and a.num_computed_tokens == 6
+    plan, ended = sched.schedule()  # b is reaped by a full plan
+    assert plan.removed == (1,) and [c.uid for c in plan.chunks] == [0]
+
+
+@pytest.mark.parametrize("case", ["arrival", "mid_prefill", "aborted", "finished", "no_blocks", "other_uids"])
+def test_planning_ahead_declines_what_needs_a_full_plan(case):
+    sched = make_scheduler(max_tokens_per_step=8, kv_budget=5 if case == "no_blocks" else 10_000)
+    a = make_seq(0, prompt_len=4)
+    sched.add(a)
+    if case == "mid_prefill":
+        sched.add(make_seq(1, prompt_len=12))  # 4 + 12 > 8 tokens: its prompt takes two steps
+    first, _ = sched.schedule()
+    uids = [c.uid for c in first.chunks if c.sample]
+    if case == "arrival":
+        sched.add(make_seq(2))
+    elif case == "aborted":
+        sched.abort(0)
+    elif case == "finished":
+        sched.finish(a, FinishReason.STOP)
+    elif case == "no_blocks":
+        ahead = sched.continue_ahead(first, uids)  # position 4 takes the fifth and last block
+        sched.update(first, {0: [TOKEN]})
+        first = ahead  # position 5 would need a sixth
+    elif case == "other_uids":
+        uids = [5]
+    assert sched.continue_ahead(first, uids) is None
