@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                           ServeConfig, ServerConfig, SpeculativeConfig)
+from meshlm.config import (ASYNC_SCHEDULING, DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
 
 log = logging.getLogger("meshlm")
 
@@ -43,6 +43,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
                    help="prefill chunk + decode tokens per step (smaller: steadier streams, slower long prompts)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, default="auto",
+                   help="plan each decode step while the previous one runs, on its tokens still on the device "
+                        "(one process); auto: only when the forward runs on a GPU, as on a CPU the host's "
+                        "work takes cores from the forward (docs/BENCHMARKS.md)")
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 * 2**20,
                    help="larger request bodies get 413 before they are parsed (default 16MiB)")
@@ -165,7 +169,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
                           args.native_kernels),
-        scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory),
+        scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
+                                  args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
                           args.ssd_cache_gb, args.ssd_ttl_days),
         parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,

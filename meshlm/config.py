@@ -27,12 +27,18 @@ class ModelConfig:
             raise ValueError("max_model_len must be at least 2")
 
 
+ASYNC_SCHEDULING = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 32  # sequences running at once
     max_tokens_per_step: int = 1024  # prefill chunk tokens + decode tokens in one step (docs/BENCHMARKS.md)
     max_waiting: int = 256  # bounded waiting queue; beyond it requests get 429
     kv_cache_memory: int | None = None  # bytes for KV; None: a fraction of RAM
+    # Plan decode steps while the previous one runs (engine.py, `_step_ahead`): on | off | auto (on when
+    # the forward runs on a GPU; on a CPU the host's work competes with the forward for the same cores).
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_tokens_per_step", "max_waiting"):
@@ -42,6 +48,8 @@ class SchedulerConfig:
             raise ValueError("max_tokens_per_step must be >= max_batch_size (one decode token each)")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -28,7 +29,7 @@ from meshlm.kv.blocks import BlockManager
 from meshlm.engine.stop import StopMatcher
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
-from meshlm.engine.sampler import SeqSampling, sample
+from meshlm.engine.sampler import Draw, SeqSampling, draw, sample, take
 from meshlm.spec.draft import DraftModel
 from meshlm.spec.rejection import Proposal, verify
 from meshlm.spec.speculator import Speculator
@@ -106,6 +107,24 @@ class _Pending:
 
 
 @dataclass
+class _Launched:
+    """A step whose forward and sampling are launched and not yet read (asynchronous scheduling): the next
+    step may be planned and launched on its tokens before they are known."""
+
+    plan: StepPlan
+    result: StepResult
+    draw: Draw
+    uids: list[int]  # the sequence of each sampled row, in order
+
+    def tokens_for(self, plan: StepPlan) -> mx.array:
+        """The sampled tokens as the input of `plan`'s chunks (planned ahead: one row per chunk)."""
+        if [c.uid for c in plan.chunks] == self.uids:
+            return self.draw.tokens
+        row = {u: i for i, u in enumerate(self.uids)}
+        return mx.take(self.draw.tokens, mx.array([row[c.uid] for c in plan.chunks]))
+
+
+@dataclass
 class _Tracked:
     seq: Sequence
     sampling: SeqSampling
@@ -168,6 +187,13 @@ class Engine:
         self.handoff: Handoff | None = None  # set by disagg/wiring.py on a server with --prefill-peer
         self._handing_off: dict[int, tuple[Sequence, Any]] = {}  # uid -> (sequence, its transfer)
         self.times = executor.times
+        # Asynchronous scheduling: plain decode steps are planned and launched while the previous step
+        # runs, on its sampled tokens still on the device (see `_step_ahead`). By default only on a GPU: a
+        # CPU forward keeps every core busy, so the host's work only moves (docs/BENCHMARKS.md). Speculation
+        # plans each step from the last one's tokens, and a pipeline overlaps micro-batches instead.
+        wanted = config.async_scheduling == "on" or (config.async_scheduling == "auto" and
+                                                     mx.default_device() == mx.gpu)
+        self._ahead = wanted and getattr(executor, "plans_ahead", False) and self.speculator is None and self._depth == 1
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback,
@@ -281,7 +307,10 @@ class Engine:
                 log.exception("engine step failed")
                 self._engine_failed(f"{type(exc).__name__}: {exc}")
 
-    def _step(self, pending: "_Pending | None") -> "_Pending | None":
+    def _step(self, carry: "_Pending | _Launched | None") -> "_Pending | _Launched | None":
+        if isinstance(carry, _Launched):
+            return self._step_ahead(carry)
+        pending = carry
         if self._depth == 1:
             plan, ended = self._next_plan(block=pending is None)
             with self.times.timing("emit"):
@@ -299,7 +328,46 @@ class Engine:
                 self._emit(pending)
         if plan is None or result is None:
             return None
-        return self._collect_within_deadline(plan, result)
+        launched = self._launch_draw(plan, result) if self._ahead else None
+        return launched or self._collect_within_deadline(plan, result)
+
+    def _step_ahead(self, launched: _Launched) -> "_Pending | _Launched | None":
+        """Asynchronous scheduling (vLLM's async scheduling, mlx-lm's generate loop): plan and launch the
+        next step of the same decoding sequences on `launched`'s sampled tokens before they are read, then
+        read them, update the scheduler and stream them while the next forward runs. This takes the
+        host's planning, graph building and sampling off the path between two forwards. A sequence that
+        ended on the read tokens ran one row too many in the next step: its result is dropped. Anything
+        else (an arrival to admit, an abort, a save, too few blocks) makes `continue_ahead` decline, and
+        the next step is planned normally once this one is read."""
+        with self.times.timing("schedule"):
+            with self._lock:
+                ahead = self.scheduler.continue_ahead(launched.plan, launched.uids)
+        result = None
+        if ahead is not None:
+            result = self._execute(ahead, launched.tokens_for(ahead))
+            self.metrics.steps_ahead.inc()
+        pending = self._collect_within_deadline(launched.plan, launched.result, launched)
+        with self.times.timing("emit"):
+            self._emit(pending)
+        if ahead is None:
+            return None
+        ahead = dataclasses.replace(ahead, chunks=tuple(
+            dataclasses.replace(c, token_ids=tuple(pending.sampled.get(c.uid, c.token_ids)[:1])) for c in ahead.chunks))
+        return self._launch_draw(ahead, result) or self._collect_within_deadline(ahead, result)
+
+    def _launch_draw(self, plan: StepPlan, result: StepResult) -> _Launched | None:
+        """Build the sampling of a plain decode step on the device, unread; None when the step needs
+        `_sample`'s full path (no logits, a verify chunk, a grammar, which needs the previous token)."""
+        if result.logits is None or any(len(c.token_ids) > 1 and c.logits == LOGITS_ALL for c in plan.chunks):
+            return None
+        uids = [u for u in result.uids if u in self._tracked]
+        states = [self._tracked[u].sampling for u in uids]
+        if not uids or len(set(uids)) != len(uids) or any(s.constraint is not None for s in states):
+            return None
+        logits = result.logits
+        if len(uids) < len(result.uids):
+            logits = logits[mx.array([i for i, u in enumerate(result.uids) if u in self._tracked])]
+        return _Launched(plan, result, draw(logits, states), uids)
 
     def _fill(self, block: bool) -> StepPlan | None:
         """A pipeline: plan and submit micro-batches until `depth` are in flight (or nothing more can
@@ -347,9 +415,9 @@ class Engine:
                 active = len(self.scheduler.running) + len(self.scheduler.waiting)
                 return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)))
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
-            return self.executor.execute(plan)
+            return self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
 
     def _prefetch_masks(self, plan: StepPlan) -> None:
         """Grammar masks for the rows this plan samples, computed while its forward runs."""
@@ -358,9 +426,10 @@ class Engine:
             if t is not None and t.sampling.constraint is not None:
                 t.sampling.constraint.prefetch(tuple(c.token_ids[1:]) if c.logits == LOGITS_ALL else ())
 
-    def _collect_within_deadline(self, plan: StepPlan, result: StepResult) -> "_Pending":
+    def _collect_within_deadline(self, plan: StepPlan, result: StepResult,
+                                 launched: _Launched | None = None) -> "_Pending":
         with self._deadline(f"step {plan.step_id}"):
-            return self._collect(plan, result)
+            return self._collect(plan, result, launched)
 
     def _drafts(self, busy: frozenset[int] = frozenset()) -> dict[int, tuple[int, ...]]:
         if self.speculator is None:
@@ -372,13 +441,13 @@ class Engine:
         t = self._tracked.get(uid)
         return None if t is None else t.sampling
 
-    def _collect(self, plan: StepPlan, result: StepResult) -> "_Pending":
+    def _collect(self, plan: StepPlan, result: StepResult, launched: _Launched | None = None) -> "_Pending":
         t0 = time.perf_counter()
-        if result.logits is not None:
-            mx.eval(result.logits)  # the forward's end: its wait is the device's time, not sampling's
+        if result.logits is not None:  # the device's time, not sampling's
+            mx.eval(result.logits if launched is None else launched.draw.tokens)
         waited = time.perf_counter() - t0
         self.times.add("device", waited)
-        sampled, logprobs, verified = self._sample(plan, result)
+        sampled, logprobs, verified = self._sample(plan, result) if launched is None else self._read(launched)
         with self._lock:
             finished, taken = self.scheduler.update(plan, sampled)
             self._update_gauges()
@@ -402,6 +471,13 @@ class Engine:
         for uid, tokens in pending.sampled.items():
             self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
         self._finish_all(pending.finished)
+
+    def _read(self, launched: _Launched) -> tuple[dict[int, list[int]], dict[int, list], dict]:
+        """`_sample`'s results from a draw launched with its step (`_launch_draw`); a sequence that ended
+        meanwhile (a stop string, a failure) is dropped, as there."""
+        tokens, lps = take(launched.draw)
+        sampled = {u: [tok] for u, tok in zip(launched.uids, tokens) if u in self._tracked}
+        return sampled, {u: [lp] for u, lp in zip(launched.uids, lps) if lp is not None and u in sampled}, {}
 
     def _sample(self, plan: StepPlan, result: StepResult):
         """Tokens (and logprobs) per sequence: one sampled token per plain row; for a verified chunk, its
