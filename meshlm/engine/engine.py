@@ -48,7 +48,9 @@ class Executor(Protocol):
 
     A pipeline executor also has `depth` > 1 (plans the engine keeps in flight, one micro-batch per
     stage) and `submit(plan)`, which starts a plan on the first stages; `execute` then finishes the
-    oldest submitted plan on the leader's stage."""
+    oldest submitted plan on the leader's stage. An executor with `plans_ahead` true also takes
+    `execute(plan, tokens)`: a decode plan whose input ids are the previous step's unread samples
+    (asynchronous scheduling)."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
