@@ -57,7 +57,10 @@ def test_greedy_text_and_logprobs_equal_planning_each_step_after_the_last(sync, 
     want = asyncio.run(complete_all(sync.url, _prompts(), 40))
     got = asyncio.run(complete_all(ahead.url, _prompts(), 40))
     assert_parity(got, want)
-    assert [g["usage"] for g in got] == [w["usage"] for w in want]
+    # Token counts, not cached_tokens: prefix hits between these concurrent prompts depend on arrival
+    # order and on the block size, which the two servers set differently.
+    counts = ("prompt_tokens", "completion_tokens")
+    assert [[g["usage"][k] for k in counts] for g in got] == [[w["usage"][k] for k in counts] for w in want]
     assert ahead.metric(AHEAD) - before > 15  # fewer than the ~40 steps: a step saving blocks to SSD is planned in full
     body = {"temperature": 0, "logprobs": 2}
     assert_parity(asyncio.run(_staggered(ahead.url, _prompts(), body)),
