@@ -359,16 +359,16 @@ class Engine:
 
     def _launch_draw(self, plan: StepPlan, result: StepResult) -> _Launched | None:
         """Build the sampling of a plain decode step on the device, unread; None when the step needs
-        `_sample`'s full path (no logits, a verify chunk, a grammar, which needs the previous token)."""
-        if result.logits is None or any(len(c.token_ids) > 1 and c.logits == LOGITS_ALL for c in plan.chunks):
+        `_sample`'s full path (no logits, a verify chunk: several rows of one sequence, a grammar, which
+        needs the previous token)."""
+        if result.logits is None:
             return None
-        uids = [u for u in result.uids if u in self._tracked]
+        rows = [i for i, u in enumerate(result.uids) if u in self._tracked]
+        uids = [result.uids[i] for i in rows]
         states = [self._tracked[u].sampling for u in uids]
         if not uids or len(set(uids)) != len(uids) or any(s.constraint is not None for s in states):
             return None
-        logits = result.logits
-        if len(uids) < len(result.uids):
-            logits = logits[mx.array([i for i, u in enumerate(result.uids) if u in self._tracked])]
+        logits = result.logits if len(rows) == len(result.uids) else result.logits[mx.array(rows)]
         return _Launched(plan, result, draw(logits, states), uids)
 
     def _fill(self, block: bool) -> StepPlan | None:

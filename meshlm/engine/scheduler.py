@@ -150,14 +150,11 @@ class Scheduler:
             by_uid[seq.uid] = seq
         if sorted(uids) != sorted(by_uid):
             return None
-        rows = [by_uid[u] for u in uids if len(by_uid[u].output_ids) + 1 < by_uid[u].params.max_tokens
-                and by_uid[u].num_tokens + 1 < self.max_model_len]
+        rows = [by_uid[u] for u in uids if not self._length_reached(by_uid[u], ahead=1)]
         need = sum(max(0, self.blocks.blocks_for(s.num_tokens + 1) - len(self.blocks.table(s.uid))) for s in rows)
         if not rows or need > self.blocks.num_free:
             return None
-        tables = {}
-        for seq in rows:
-            tables[seq.uid] = self.blocks.allocate(seq.uid, seq.num_tokens + 1)
+        tables = {seq.uid: self.blocks.allocate(seq.uid, seq.num_tokens + 1) for seq in rows}
         ahead = tuple(Chunk(s.uid, s.num_tokens, (0,), LOGITS_LAST) for s in rows)
         nxt = StepPlan(
             step_id=next(self._step_ids),
@@ -349,9 +346,14 @@ class Scheduler:
             return FinishReason.STOP
         if token in p.stop_token_ids:
             return FinishReason.STOP
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._length_reached(seq):
             return FinishReason.LENGTH
         return None
+
+    def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
+        """`seq` has reached max_tokens or the model's length, or will have after `ahead` more tokens."""
+        return (len(seq.output_ids) + ahead >= seq.params.max_tokens
+                or seq.num_tokens + ahead >= self.max_model_len)
 
     def fail_all(self) -> list[Sequence]:
         """Finish every sequence with an error (the executor died); returns them."""
