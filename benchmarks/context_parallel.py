@@ -12,7 +12,9 @@ OPENBLAS_NUM_THREADS=1, so 2 ranks get exactly twice the compute of the baseline
 - meshlm_cp2: `meshlm serve --context-parallel 2` (`--cp-algorithm auto`), both ranks started here by
   hand (hostfile on loopback, `--rank r`) so that each can be pinned: rank 0 (HTTP, scheduler) on
   core 0, rank 1 on core 1;
-- meshlm_cp2_pass_kv, meshlm_cp2_pass_q: the same with `--cp-algorithm pass-kv` / `pass-q`.
+- meshlm_cp2_pass_kv, meshlm_cp2_pass_q: the same with `--cp-algorithm pass-kv` / `pass-q`;
+- meshlm_cp2_pass_kv_serial: pass-KV with `--cp-overlap off` (the gather on the default stream, so
+  not overlapped with the attention to the rank's own KV): what the overlap is worth.
 
 Every server gets `--no-ssd-cache`, a fresh `--kv-cache-dir` and one `--max-model-len` covering the
 longest prompt any server gets plus the output. Prompts are random token ids in 3..499 sent to
@@ -84,8 +86,11 @@ CROSSOVER_TOKENS = 16384
 FRACTIONS = (0.0, 0.5, 0.75, 0.9, 0.97)
 TARGET_TTFT_SPEEDUP = 1.6  # meshlm_1core TTFT / meshlm_cp2 TTFT at 32K
 TARGET_KV_FRACTION = 0.55  # largest CP rank's KV bytes / one process's, 32K prompt
-SERVERS = ("meshlm_1core", "meshlm_cp2", "meshlm_cp2_pass_kv", "meshlm_cp2_pass_q")
-ALGORITHM = {"meshlm_cp2": "auto", "meshlm_cp2_pass_kv": "pass-kv", "meshlm_cp2_pass_q": "pass-q"}
+SERVERS = ("meshlm_1core", "meshlm_cp2", "meshlm_cp2_pass_kv", "meshlm_cp2_pass_kv_serial", "meshlm_cp2_pass_q")
+CROSSOVER_SERVERS = SERVERS[2:]
+ALGORITHM = {"meshlm_cp2": "auto", "meshlm_cp2_pass_kv": "pass-kv", "meshlm_cp2_pass_kv_serial": "pass-kv",
+             "meshlm_cp2_pass_q": "pass-q"}
+EXTRA_FLAGS = {"meshlm_cp2_pass_kv_serial": ["--cp-overlap", "off"]}  # the gather after the own attention
 QUICK = {"ttft_tokens": 4096, "crossover_tokens": 4096, "fractions": "0,0.75", "crossover_runs": 1}
 
 
@@ -105,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    + ",".join(f"{f:g}" for f in FRACTIONS) + ")")
     p.add_argument("--crossover-runs", type=int, help="runs per fraction and server, distinct prompts (default 2)")
     p.add_argument("--skip-crossover", action="store_true", help="no pass-KV/pass-Q servers")
+    p.add_argument("--servers", help=f"comma-separated subset of {','.join(SERVERS)} (default: all)")
     p.add_argument("--max-tokens-per-step", type=int, help="passed to every server (meshlm's default: "
                    f"{MAX_TOKENS_PER_STEP}); the prefill chunk the per-step auto choice assumes")
     p.add_argument("--quick", action="store_true", help="smoke run: 4096-token TTFT and crossover prompts, "
@@ -140,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_tokens_per_step is not None and args.max_tokens_per_step < 1:
         p.error("--max-tokens-per-step must be positive")
     args.step_tokens = args.max_tokens_per_step or MAX_TOKENS_PER_STEP
+    args.servers = args.servers.split(",") if args.servers else list(SERVERS)
+    if unknown := set(args.servers) - set(SERVERS):
+        p.error(f"--servers: unknown {sorted(unknown)}")
     if "--block-size" in args.meshlm_args or "--max-model-len" in args.meshlm_args:
         p.error("--meshlm-args: this script sets --max-model-len itself and assumes the default --block-size")
     return args
@@ -217,11 +226,12 @@ def start_1core(model: Path, args: argparse.Namespace, workdir: Path) -> list[_p
     return [server.start()]
 
 
-def start_cp2(model: Path, args: argparse.Namespace, workdir: Path, algorithm: str) -> list[_peer.ServerProcess]:
+def start_cp2(model: Path, args: argparse.Namespace, workdir: Path, algorithm: str,
+              extra: list[str]) -> list[_peer.ServerProcess]:
     """Both ranks by hand (as `meshlm launch` would on two hosts), rank 1 first, rank r on core r."""
     from meshlm.transport.auth import SECRET_ENV, ClusterSecret
 
-    tag = f"cp{RANKS}-{algorithm}"
+    tag = f"cp{RANKS}-{algorithm}" + "".join(extra).replace("--", "-")
     hosts = workdir / f"{tag}-hosts.json"
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * RANKS))
     ring_port = pp.port_run(RANKS)  # the ring backend: rank r listens on ring_port + r
@@ -231,7 +241,7 @@ def start_cp2(model: Path, args: argparse.Namespace, workdir: Path, algorithm: s
     for rank in reversed(range(RANKS)):
         flags = [*meshlm_flags(model, http[rank], args, workdir, tag), "--hostfile", str(hosts),
                  "--context-parallel", str(RANKS), "--cp-algorithm", algorithm, "--rank", str(rank),
-                 "--control-port", str(control), "--ring-port", str(ring_port)]
+                 "--control-port", str(control), "--ring-port", str(ring_port), *extra]
         server = _peer.ServerProcess(f"meshlm-{tag}-rank{rank}", pp.pinned(rank, [*_peer.meshlm_command(), *flags]),
                                      f"http://127.0.0.1:{http[rank]}", env=env)
         server.extra["flags"] = ["taskset", "-c", str(rank), "meshlm", *flags]
@@ -242,7 +252,7 @@ def start_cp2(model: Path, args: argparse.Namespace, workdir: Path, algorithm: s
 def start(name: str, model: Path, args: argparse.Namespace, workdir: Path) -> pp.Cluster:
     if name == "meshlm_1core":
         return pp.Cluster(name, start_1core(model, args, workdir), metrics=True)
-    return pp.Cluster(name, start_cp2(model, args, workdir, ALGORITHM[name]), metrics=True)
+    return pp.Cluster(name, start_cp2(model, args, workdir, ALGORITHM[name], EXTRA_FLAGS.get(name, [])), metrics=True)
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -446,7 +456,7 @@ def failed_requests(info: dict[str, Any]) -> int:
 
 
 def phases_of(name: str, args: argparse.Namespace) -> list:
-    if name in ("meshlm_cp2_pass_kv", "meshlm_cp2_pass_q"):
+    if name in CROSSOVER_SERVERS:
         return [crossover_phase]
     long = not args.skip_long and (name == "meshlm_cp2" or args.single_128k)
     return [ttft_phase, *([long_phase] if long else [])]
@@ -483,11 +493,13 @@ def auto_choices(model_info: dict[str, Any], total: int, cached: int, step_token
 
 def crossover_table(args: argparse.Namespace, servers: dict[str, dict], model_info: dict[str, Any]) -> dict:
     kv = servers.get("meshlm_cp2_pass_kv", {}).get("crossover", [])
+    serial = servers.get("meshlm_cp2_pass_kv_serial", {}).get("crossover", [])
     q = servers.get("meshlm_cp2_pass_q", {}).get("crossover", [])
     rows = []
     for i, f in enumerate(args.fractions):
         a = kv[i] if i < len(kv) else {}
         b = q[i] if i < len(q) else {}
+        c = serial[i] if i < len(serial) else {}
         cached = [r.get("cached_tokens") for e in (a, b) for r in e.get("runs", []) if r.get("cached_tokens") is not None]
         # the prefix cache's hit (whole blocks, less the last prompt token), else the nominal prefix
         hit = min(cached) if cached else int(f * args.crossover_tokens)
@@ -495,11 +507,13 @@ def crossover_table(args: argparse.Namespace, servers: dict[str, dict], model_in
         row: dict[str, Any] = {
             "fraction": f, "prefix_tokens_sent": int(f * args.crossover_tokens), "cached_tokens": hit,
             "new_tokens": args.crossover_tokens - hit,
-            "ttft_s": {"pass-kv": t_kv, "pass-q": t_q},
-            "runs": {"pass-kv": a.get("runs"), "pass-q": b.get("runs")},
+            "ttft_s": {"pass-kv": t_kv, "pass-q": t_q, "pass-kv_no_overlap": c.get("best_ttft_s")},
+            "runs": {"pass-kv": a.get("runs"), "pass-q": b.get("runs"), "pass-kv_no_overlap": c.get("runs")},
+            "overlap_speedup_pass_kv": _peer.ratio(c.get("best_ttft_s"), t_kv),
             "faster": None if t_kv is None or t_q is None else ("pass-kv" if t_kv <= t_q else "pass-q"),
             "pass_q_over_pass_kv": _peer.ratio(t_q, t_kv),
             "same_output_pass_kv_vs_pass_q": same_outputs(a.get("runs", []), b.get("runs", [])),
+            "same_output_pass_kv_overlap_vs_not": same_outputs(a.get("runs", []), c.get("runs", [])),
             "auto": auto_choices(model_info, args.crossover_tokens, hit, args.step_tokens),
         }
         auto = row["auto"]
@@ -608,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             "every_server": "--no-ssd-cache, a fresh --kv-cache-dir, --max-model-len above",
         }
         report["servers"] = servers
-        names = [n for n in SERVERS if not (args.skip_crossover and n in ("meshlm_cp2_pass_kv", "meshlm_cp2_pass_q"))]
+        names = [n for n in SERVERS if n in args.servers and not (args.skip_crossover and n in CROSSOVER_SERVERS)]
         for name in names:
             print(f"[{name}] starting", file=sys.stderr, flush=True)
             servers[name] = {}

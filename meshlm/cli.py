@@ -87,6 +87,9 @@ def _serve_parser(sub) -> None:
                    help="ring attention: pass KV or queries between ranks (auto: chosen per step)")
     g.add_argument("--cp-min-tokens", type=int, default=0,
                    help="sequences shorter than this keep their KV whole on one rank, chosen by load (0: split all)")
+    g.add_argument("--cp-overlap", default="auto", choices=ASYNC_SCHEDULING,
+                   help="pass-KV: gather the other ranks' KV on a second stream while attending to this rank's own "
+                        "(auto: on a GPU or with jaccl)")
     g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
                    help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
@@ -179,7 +182,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 pp_split=_ints(args.pp_split, "--pp-split"),
                                 stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,
                                 stage_port=args.stage_port, context_parallel=args.context_parallel,
-                                cp_algorithm=args.cp_algorithm, cp_min_tokens=args.cp_min_tokens),
+                                cp_algorithm=args.cp_algorithm, cp_min_tokens=args.cp_min_tokens,
+                                cp_overlap=args.cp_overlap),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,

@@ -127,6 +127,10 @@ class ParallelConfig:
     context_parallel: int = 1  # ranks holding the whole model, each a share of every sequence's KV
     cp_algorithm: str = "auto"  # auto | pass-kv | pass-q (model/context_batch.py)
     cp_min_tokens: int = 0  # sequences shorter than this keep their KV whole on one rank (kv/context_blocks.py)
+    # pass-KV's gather on a second stream, beside the attention to the rank's own KV. auto: on where the
+    # cores are not computing (a GPU) or a NIC moves the bytes (jaccl); on a CPU's TCP ring the transfer
+    # is the same cores' work and overlapping it measured no gain (docs/BENCHMARKS.md)
+    cp_overlap: str = "auto"
 
     def __post_init__(self) -> None:
         if min(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) < 1:
@@ -136,6 +140,8 @@ class ParallelConfig:
                              "choose one")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"--cp-algorithm must be one of {CP_ALGORITHMS}")
+        if self.cp_overlap not in ASYNC_SCHEDULING:
+            raise ValueError(f"--cp-overlap must be one of {', '.join(ASYNC_SCHEDULING)}")
         if self.cp_min_tokens < 0:
             raise ValueError(f"--cp-min-tokens must be >= 0, got {self.cp_min_tokens}")
         if self.cp_min_tokens and not self.context:

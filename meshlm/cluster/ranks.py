@@ -174,10 +174,19 @@ def _load(config: ServeConfig, topo: Topology):
         from meshlm.model.ring_attention import RingContext
 
         loaded = load_model(config.model)
-        ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm)
+        ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm,
+                           overlap=overlap_transfers(p))
         return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring)
     loaded = load_model(config.model, tensor_group=group)
     return loaded, build_rank(loaded, config.model, config.cache, budget, spec)
+
+
+def overlap_transfers(p: ParallelConfig) -> bool:
+    """--cp-overlap resolved: auto overlaps where the transfer does not take the computing cores' time
+    (the forward on a GPU, or jaccl's RDMA); on a CPU over the TCP ring it measured no gain."""
+    import mlx.core as mx
+
+    return p.cp_overlap == "on" or (p.cp_overlap == "auto" and (mx.default_device() == mx.gpu or p.backend == "jaccl"))
 
 
 def _handshake_fingerprint(loaded, topo: Topology) -> str:

@@ -10,8 +10,9 @@ step line up without a word exchanged about shapes:
   attend to this rank's KV row by row; the partial outputs return to their
   owners and merge by log-sum-exp;
 - pass-KV: every rank's KV of the step's rows (cached and new), gathered
-  rank after rank (`kv_width` each), and this rank's queries attend to all
-  of it, exactly, with no merge;
+  rank after rank (`kv_width` each); this rank's queries attend to its own
+  KV while the gather runs, then to the other ranks', and the two partials
+  merge by log-sum-exp;
 - logits: the rank holding a wanted position contributes its hidden state,
   the others zeros, and one sum gives every rank every wanted row.
 
@@ -63,9 +64,10 @@ class RingRow:
     uid: int
     own: slice  # this rank's new tokens of the row among its `width` batch tokens
     q_index: mx.array | None = None  # pass-Q: the row's queries among the gathered ones, by position
-    kv_slots: mx.array | None = None  # pass-Q, local: this rank's pool slots of the row, below its end
-    kv_index: mx.array | None = None  # pass-KV: the row's keys among the gathered ones, by position
-    blocks: tuple[QueryBlock, ...] = ()
+    kv_slots: mx.array | None = None  # this rank's pool slots of the row, below its end
+    kv_index: mx.array | None = None  # pass-KV: the other ranks' keys of the row among the gathered ones
+    blocks: tuple[QueryBlock, ...] = ()  # the row's queries against kv_slots (pass-Q, local) or kv_index
+    own_blocks: tuple[QueryBlock, ...] = ()  # pass-KV: this rank's queries against its own kv_slots
 
 
 def query_blocks(q_positions: np.ndarray, k_positions: np.ndarray) -> tuple[QueryBlock, ...]:
@@ -133,13 +135,17 @@ class ContextBatch:
                     row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
                     row.blocks = query_blocks(mine, splits[me][i].held(0, end))
             elif algorithm == PASS_KV:
-                index = [s * kv_width + kv_first[s] + np.arange(kv_counts[s][i]) for s in range(n)]
-                held = [splits[s][i].held(0, end) for s in range(n)]
-                at = np.concatenate(held)
+                # Its own KV straight from the pools (attended while the gather runs), the other ranks'
+                # from the gathered keys; the two partials merge by log-sum-exp.
+                row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
+                row.own_blocks = query_blocks(mine, splits[me][i].held(0, end))
+                others = [s for s in range(n) if s != me]
+                index = [s * kv_width + kv_first[s] + np.arange(kv_counts[s][i]) for s in others]
+                at = np.concatenate([splits[s][i].held(0, end) for s in others])
                 by_pos = np.argsort(at, kind="stable")
                 row.kv_index = _ints(np.concatenate(index)[by_pos])
                 row.blocks = query_blocks(mine, at[by_pos])
-                kv_local.append(row_slots(r.blocks, kv_counts[me][i], split.block_size))
+                kv_local.append(row.kv_slots)
             else:
                 index = [s * width + q_first[s] + np.arange(len(new[s][i])) for s in range(n)]
                 at = np.concatenate([new[s][i] for s in range(n)])

@@ -3,8 +3,10 @@
 A rank runs its share of each row's new tokens through every matrix alone;
 only attention needs the other ranks (model/context_batch.py has the index
 arithmetic, docs/CONTEXT_PARALLEL.md the design):
-- pass-KV: one all_gather of every rank's K and V of the step's rows, then
-  each query attends to all of them, masked by true positions;
+- pass-KV: one all_gather of every rank's K and V of the step's rows; each
+  rank attends its queries to its own K and V while the gather runs (on a
+  second stream, `RingContext.comm`), then to the other ranks', and merges
+  the two partials by log-sum-exp;
 - pass-Q: one all_gather of the queries, each rank attends all of them to
   its own KV, and one all_gather of the partial outputs with their
   log-sum-exps, merged exactly (`merge_partials`).
@@ -15,7 +17,8 @@ they cover tensor parallelism's all-reduces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -68,6 +71,27 @@ class RingContext:
     min_new_for_kv: int = MIN_NEW_FOR_KV  # auto: this many new tokens pick pass-KV whatever the cached share
     kv_heads: int = 1
     q_heads: int = 1
+    # pass-KV's gather on a second CPU stream (MLX runs each on its own thread), so the transfer
+    # overlaps this rank's attention to its own KV. False: on the default stream, after it.
+    overlap: bool = True
+    streams: "CommStreams" = field(default_factory=lambda: CommStreams())
+
+    def comm(self):
+        """The stream this thread's collectives that overlap run on, or None for the default stream."""
+        return self.streams.get() if self.overlap else None
+
+
+class CommStreams:
+    """One second CPU stream per thread that runs steps: an MLX stream belongs to the thread that made it."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[int, object] = {}
+
+    def get(self):
+        me = threading.get_ident()
+        if me not in self._by_thread:
+            self._by_thread[me] = mx.new_stream(mx.cpu)  # collectives run on the CPU, even beside a GPU
+        return self._by_thread[me]
 
 
 def tie(x: mx.array, prev: mx.array | None) -> mx.array:
@@ -85,8 +109,13 @@ class Collectives:
     def __init__(self) -> None:
         self.last: mx.array | None = None  # the previous collective's output (its first element is finite)
 
-    def gather(self, x: mx.array, group) -> mx.array:
-        self.last = mx.distributed.all_gather(tie(x, self.last), group=group)
+    def gather(self, x: mx.array, group, stream=None) -> mx.array:
+        x = tie(x, self.last)
+        if stream is None:
+            self.last = mx.distributed.all_gather(x, group=group)
+        else:
+            with mx.stream(stream):
+                self.last = mx.distributed.all_gather(x, group=group)
         return self.last
 
     def sum(self, x: mx.array, group) -> mx.array:
@@ -98,9 +127,9 @@ class RingLayerKV(LayerKV):
     """The cache one mlx-lm attention layer gets under context parallelism (LayerKV's contract)."""
 
     def __init__(self, store: KVStore, layer: int, batch: ContextBatch, group, chain: Collectives,
-                 backend: AttentionBackend, needed: bool = True) -> None:
+                 backend: AttentionBackend, needed: bool = True, comm=None) -> None:
         self.store, self.layer, self.batch, self.group, self.chain = store, layer, batch, group, chain
-        self.backend = backend
+        self.backend, self.comm = backend, comm
         self.needed = needed  # False: only this layer's K and V matter (see forward_ring)
         self.offset = TokenPositions(batch.positions)
 
@@ -126,27 +155,34 @@ class RingLayerKV(LayerKV):
     def _pass_kv(self, q, pool_k, pool_v, scale) -> mx.array:
         b = self.batch
         mine = mx.stack([mx.take(pool_k, b.kv_local, axis=0), mx.take(pool_v, b.kv_local, axis=0)])
-        every = self._gather(mine[None])  # (ranks, 2, kv_width, Hk, D)
+        every = self.chain.gather(mine[None], self.group, self.comm)  # (ranks, 2, kv_width, Hk, D)
+        if self.comm is not None:
+            mx.async_eval(every)  # the transfer starts now, on the comm stream's thread
+        rows = [row for row in b.rows if row.own.stop > row.own.start]
+        # Every row's attention to this rank's own KV first: its large blocks are evaluated as they are
+        # built (attend_blocks), beside the transfer, before anything waits for the gathered keys.
+        own = [attend_blocks(q[row.own], mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0),
+                             row.own_blocks, self.backend, scale) for row in rows]
         Hk, D = every.shape[-2], every.shape[-1]
         keys = every[:, 0].reshape(-1, Hk, D)
         values = every[:, 1].reshape(-1, Hk, D)
-        return self._attend_own(q, keys, values, lambda row: row.kv_index, scale)
+        outs = []
+        for row, mine_part in zip(rows, own):
+            k, v = mx.take(keys, row.kv_index, axis=0), mx.take(values, row.kv_index, axis=0)
+            theirs = attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)
+            outs.append(merge_partials([mine_part, theirs])[0])
+        return self._padded(outs, q)
 
     def _local(self, q, pool_k, pool_v, scale) -> mx.array:
         """Rows kept whole: this rank's own rows against its own pools, nothing gathered."""
-        return self._attend_own(q, pool_k, pool_v, lambda row: row.kv_slots, scale)
+        outs = [attend_blocks(q[row.own], mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0),
+                              row.blocks, self.backend, scale)[0]
+                for row in self.batch.rows if row.own.stop > row.own.start]
+        return self._padded(outs, q)
 
-    def _attend_own(self, q, keys, values, index, scale) -> mx.array:
-        """This rank's queries of each row against the row's keys (`index(row)`: where they sit in
-        keys/values), then zeros for the padding."""
+    def _padded(self, outs: list[mx.array], q: mx.array) -> mx.array:
+        """The rows' outputs in order, then zeros for the padding."""
         b = self.batch
-        outs = []
-        for row in b.rows:
-            if row.own.stop == row.own.start:
-                continue
-            at = index(row)
-            k, v = mx.take(keys, at, axis=0), mx.take(values, at, axis=0)
-            outs.append(attend_blocks(q[row.own], k, v, row.blocks, self.backend, scale)[0])
         if b.width > b.count:
             outs.append(mx.zeros((b.width - b.count, *q.shape[1:]), dtype=q.dtype))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
@@ -173,7 +209,7 @@ class RingLayerKV(LayerKV):
 
 
 def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
-                 backend: AttentionBackend) -> tuple[mx.array | None, mx.array]:
+                 backend: AttentionBackend, comm=None) -> tuple[mx.array | None, mx.array]:
     """This rank's share of a context-parallel step. Returns the logits of `batch.logit_rows` (on a rank
     with the LM head; else None) and what must be evaluated for this rank's part of the collectives (the
     last one: the chain makes it depend on every other; None when the step has none)."""
@@ -184,7 +220,8 @@ def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
         # A step without logits (a prefill chunk) needs only the last layer's K and V, not its attention:
         # one process's lazy graph never evaluates it, and here every rank skips it alike, collectives
         # included (its large blocks would otherwise be evaluated as they are built).
-        h = layer(h, None, RingLayerKV(store, i, batch, group, chain, backend, needed=bool(batch.logit_rows) or i < last))
+        needed = bool(batch.logit_rows) or i < last
+        h = layer(h, None, RingLayerKV(store, i, batch, group, chain, backend, needed, comm))
     if not batch.logit_rows:
         return None, chain.last
     picked = mx.take(h[0], batch.logit_index, axis=0) * batch.logit_mine[:, None].astype(h.dtype)

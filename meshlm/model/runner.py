@@ -170,7 +170,7 @@ class Runner:
         ring = self.ring
         algorithm = choose_algorithm(ring.algorithm, rows, ring.kv_heads, ring.q_heads, ring.min_new_for_kv)
         batch = ContextBatch.build(rows, ring.split, algorithm)
-        logits, collective = forward_ring(self.parts, batch, self.store, ring.group, self.backend)
+        logits, collective = forward_ring(self.parts, batch, self.store, ring.group, self.backend, ring.comm())
         if logits is None:
             return StepResult([], None, time.perf_counter() - t0), collective
         return StepResult(batch.logit_rows, logits.astype(mx.float32), time.perf_counter() - t0), collective

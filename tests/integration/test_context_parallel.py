@@ -57,12 +57,13 @@ def reference(model, tmp_path_factory):
 
 
 # auto runs pass-KV for a step with nothing cached and pass-Q for every later chunk and decode step
-# (this model: 2 KV heads of 4); CP=4 forced to pass-KV runs the other algorithm on every step. With
+# (this model: 2 KV heads of 4); CP=4 forced to pass-KV runs the other algorithm on every step, its gather
+# on a second stream (--cp-overlap on; auto leaves it off on a CPU, so CP=2 gathers on the default one). With
 # --cp-min-tokens 9000 the 8,200- and 300-token prompts are kept whole (each on the least loaded rank) and
 # ride the ring steps of the split ones; then three short prompts alone (placed on both ranks) run
 # steps with no ring at all.
 @pytest.mark.parametrize("flags", [("--context-parallel", "2", "--cp-min-tokens", "9000"),
-                                   ("--context-parallel", "4", "--cp-algorithm", "pass-kv")],
+                                   ("--context-parallel", "4", "--cp-algorithm", "pass-kv", "--cp-overlap", "on")],
                          ids=["cp2-auto-whole-below-9000", "cp4-pass-kv"])
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     whole = "--cp-min-tokens" in flags
@@ -107,8 +108,11 @@ def _health_naming_the_rank(url: str, within: float = 3.0) -> httpx.Response:
         time.sleep(0.1)
 
 
-def test_a_rank_killed_during_a_ring_prefill_ends_the_request_with_an_error(model, tmp_path):
-    srv = ServerProcess(model, *FLAGS, "--context-parallel", "2", "--max-tokens-per-step", "1024", log_dir=tmp_path)
+@pytest.mark.parametrize("flags", [(), ("--cp-algorithm", "pass-kv", "--cp-overlap", "on")],
+                         ids=["auto", "pass-kv-overlapped"])  # the second: the gather on its own stream dies
+def test_a_rank_killed_during_a_ring_prefill_ends_the_request_with_an_error(model, tmp_path, flags):
+    srv = ServerProcess(model, *FLAGS, "--context-parallel", "2", "--max-tokens-per-step", "1024", *flags,
+                        log_dir=tmp_path)
     try:
         worker = children(srv.proc.pid)[0]
 
