@@ -12,9 +12,10 @@ OPENBLAS_NUM_THREADS=1, so 2 ranks get exactly twice the compute of the baseline
 - meshlm_cp2: `meshlm serve --context-parallel 2` (`--cp-algorithm auto`), both ranks started here by
   hand (hostfile on loopback, `--rank r`) so that each can be pinned: rank 0 (HTTP, scheduler) on
   core 0, rank 1 on core 1;
-- meshlm_cp2_pass_kv, meshlm_cp2_pass_q: the same with `--cp-algorithm pass-kv` / `pass-q`;
-- meshlm_cp2_pass_kv_serial: pass-KV with `--cp-overlap off` (the gather on the default stream, so
-  not overlapped with the attention to the rank's own KV): what the overlap is worth.
+- meshlm_cp2_pass_kv, meshlm_cp2_pass_q: the same with `--cp-algorithm pass-kv` / `pass-q`
+  (pass-KV with `--cp-overlap off`, what `auto` resolves to on a CPU);
+- meshlm_cp2_pass_kv_overlap: pass-KV with `--cp-overlap on` (the gather on a second stream, beside
+  the attention to the rank's own KV): what the overlap is worth.
 
 Every server gets `--no-ssd-cache`, a fresh `--kv-cache-dir` and one `--max-model-len` covering the
 longest prompt any server gets plus the output. Prompts are random token ids in 3..499 sent to
@@ -86,11 +87,12 @@ CROSSOVER_TOKENS = 16384
 FRACTIONS = (0.0, 0.5, 0.75, 0.9, 0.97)
 TARGET_TTFT_SPEEDUP = 1.6  # meshlm_1core TTFT / meshlm_cp2 TTFT at 32K
 TARGET_KV_FRACTION = 0.55  # largest CP rank's KV bytes / one process's, 32K prompt
-SERVERS = ("meshlm_1core", "meshlm_cp2", "meshlm_cp2_pass_kv", "meshlm_cp2_pass_kv_serial", "meshlm_cp2_pass_q")
+SERVERS = ("meshlm_1core", "meshlm_cp2", "meshlm_cp2_pass_kv", "meshlm_cp2_pass_kv_overlap", "meshlm_cp2_pass_q")
 CROSSOVER_SERVERS = SERVERS[2:]
-ALGORITHM = {"meshlm_cp2": "auto", "meshlm_cp2_pass_kv": "pass-kv", "meshlm_cp2_pass_kv_serial": "pass-kv",
+ALGORITHM = {"meshlm_cp2": "auto", "meshlm_cp2_pass_kv": "pass-kv", "meshlm_cp2_pass_kv_overlap": "pass-kv",
              "meshlm_cp2_pass_q": "pass-q"}
-EXTRA_FLAGS = {"meshlm_cp2_pass_kv_serial": ["--cp-overlap", "off"]}  # the gather after the own attention
+# pass-KV's gather beside the attention to the rank's own KV (on) or after it (off; what auto picks on a CPU)
+EXTRA_FLAGS = {"meshlm_cp2_pass_kv": ["--cp-overlap", "off"], "meshlm_cp2_pass_kv_overlap": ["--cp-overlap", "on"]}
 QUICK = {"ttft_tokens": 4096, "crossover_tokens": 4096, "fractions": "0,0.75", "crossover_runs": 1}
 
 
@@ -493,13 +495,13 @@ def auto_choices(model_info: dict[str, Any], total: int, cached: int, step_token
 
 def crossover_table(args: argparse.Namespace, servers: dict[str, dict], model_info: dict[str, Any]) -> dict:
     kv = servers.get("meshlm_cp2_pass_kv", {}).get("crossover", [])
-    serial = servers.get("meshlm_cp2_pass_kv_serial", {}).get("crossover", [])
+    overlapped = servers.get("meshlm_cp2_pass_kv_overlap", {}).get("crossover", [])
     q = servers.get("meshlm_cp2_pass_q", {}).get("crossover", [])
     rows = []
     for i, f in enumerate(args.fractions):
         a = kv[i] if i < len(kv) else {}
         b = q[i] if i < len(q) else {}
-        c = serial[i] if i < len(serial) else {}
+        c = overlapped[i] if i < len(overlapped) else {}
         cached = [r.get("cached_tokens") for e in (a, b) for r in e.get("runs", []) if r.get("cached_tokens") is not None]
         # the prefix cache's hit (whole blocks, less the last prompt token), else the nominal prefix
         hit = min(cached) if cached else int(f * args.crossover_tokens)
@@ -507,9 +509,9 @@ def crossover_table(args: argparse.Namespace, servers: dict[str, dict], model_in
         row: dict[str, Any] = {
             "fraction": f, "prefix_tokens_sent": int(f * args.crossover_tokens), "cached_tokens": hit,
             "new_tokens": args.crossover_tokens - hit,
-            "ttft_s": {"pass-kv": t_kv, "pass-q": t_q, "pass-kv_no_overlap": c.get("best_ttft_s")},
-            "runs": {"pass-kv": a.get("runs"), "pass-q": b.get("runs"), "pass-kv_no_overlap": c.get("runs")},
-            "overlap_speedup_pass_kv": _peer.ratio(c.get("best_ttft_s"), t_kv),
+            "ttft_s": {"pass-kv": t_kv, "pass-q": t_q, "pass-kv_overlapped": c.get("best_ttft_s")},
+            "runs": {"pass-kv": a.get("runs"), "pass-q": b.get("runs"), "pass-kv_overlapped": c.get("runs")},
+            "overlap_speedup_pass_kv": _peer.ratio(t_kv, c.get("best_ttft_s")),  # > 1: overlapping paid
             "faster": None if t_kv is None or t_q is None else ("pass-kv" if t_kv <= t_q else "pass-q"),
             "pass_q_over_pass_kv": _peer.ratio(t_q, t_kv),
             "same_output_pass_kv_vs_pass_q": same_outputs(a.get("runs", []), b.get("runs", [])),

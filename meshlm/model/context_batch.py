@@ -36,10 +36,10 @@ from meshlm.model.batch import RowSpec, row_slots
 
 PASS_KV, PASS_Q, LOCAL = "pass-kv", "pass-q", "local"
 # The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
-# KV transfer) is off: measured 2026-11-24 (benchmarks/context_parallel.py and direct steps, CP=2 on
-# one core per rank, 1,024-token chunks), pass-KV won every chunk of a 16K-token prompt (3.1 vs 3.7 s
-# whole, 0.51 vs 0.81 s at a 0.9 cached fraction) but lost a 32K-token prompt (17.4 vs 13.1 s): what
-# it moves and copies grows with the context, so no context-free token count separates the two here.
+# KV transfer) is off: measured 2026-11-24 (benchmarks/context_parallel.py, CP=2 on one core per rank,
+# 1,024-token chunks of a 16K-token prompt), pass-Q was 1.11-1.22x faster at every cached fraction from
+# 0 to 0.97, and a first chunk with nothing cached cost the same either way: no new-token count picks
+# pass-KV profitably on this machine.
 MIN_NEW_FOR_KV = 1 << 30
 
 
