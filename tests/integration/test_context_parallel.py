@@ -1,6 +1,7 @@
 """Context parallelism with real ranks and real mx.distributed groups on 127.0.0.1: parity with one
 process on 8K-16K-token prompts (tiny long-context llama), both ring algorithms, CP=2 and CP=4, a
-cached-prefix request and a short one; a rank killed during a ring prefill and during decode.
+cached-prefix request and a short one; preemption, the SSD tier per rank and seeded sampling with every
+parameter; a rank killed during a ring prefill and during decode.
 
 Tolerance: greedy text identical; logprobs of the chosen tokens within 2e-4 (attention is exact, but
 merging partial softmaxes and summing in another order moves fp32 rounding)."""
@@ -159,3 +160,53 @@ def test_context_parallel_does_not_combine_and_needs_an_even_block(model, tmp_pa
         r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), *flags],
                            capture_output=True, text=True, timeout=120, env={**os.environ, "MESHLM_OPENBLAS": "0"})
         assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
+
+
+# Shorter prompts for the serving-stack test below: with a KV budget this small, sequences in flight are
+# preempted and re-admitted, and two sampled requests carry every sampling parameter.
+STACK = [_prompt(11, 310), _prompt(12, 300), _prompt(13, 290), _prompt(14, 280)]
+SAMPLED = [{"prompt": STACK[3], "max_tokens": 24, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02,
+            "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
+            "logit_bias": {"7": 3.0, "9": -100}, "seed": 4321, "logprobs": 2},
+           {"prompt": STACK[2], "max_tokens": 24, "temperature": 1.2, "seed": 99, "n": 2}]
+
+
+async def _sampled(url: str) -> list[list[str]]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = [await c.post("/v1/completions", json=body) for body in SAMPLED]
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    return [[ch["text"] for ch in r.json()["choices"]] for r in rs]
+
+
+def test_preemption_the_ssd_tier_and_sampling_under_context_parallelism(model, tmp_path):
+    """A KV budget so small that split sequences are preempted (and recomputed) mid-flight; a restarted
+    CP=2 server serves the same prompts from each rank's SSD tier; seeded sampling with every
+    parameter gives one process's text (sampling runs on rank 0 with the same keys; the logits differ
+    only by the merge's rounding, far inside any sampling boundary at these temperatures)."""
+    base = ("--max-model-len", "2048", "--block-size", "16")
+    for d in ("one", "cp", "cp-again"):
+        (tmp_path / d).mkdir()
+    one = ServerProcess(model, *base, "--no-ssd-cache", log_dir=tmp_path / "one")
+    try:
+        want = asyncio.run(complete_all(one.url, STACK, 64))
+        want_sampled = asyncio.run(_sampled(one.url))
+    finally:
+        one.stop()
+    cp = (*base, "--context-parallel", "2", "--kv-cache-memory", "320KB", "--kv-cache-dir", str(tmp_path / "kv"))
+    srv = ServerProcess(model, *cp, log_dir=tmp_path / "cp")
+    try:
+        got = asyncio.run(complete_all(srv.url, STACK, 64))
+        assert srv.metric("meshlm_preemptions_total") > 0
+        got_sampled = asyncio.run(_sampled(srv.url))
+    finally:
+        srv.stop()
+    assert_parity(got, want, TOL)
+    assert got_sampled == want_sampled
+    srv = ServerProcess(model, *cp, log_dir=tmp_path / "cp-again")
+    try:
+        again = asyncio.run(complete_all(srv.url, STACK[:2], 64))
+        ssd = srv.metric('meshlm_prefix_cache_hits_total{tier="ssd"}')
+    finally:
+        srv.stop()
+    assert_parity(again, want[:2], TOL)
+    assert ssd > 0
