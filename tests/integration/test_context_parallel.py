@@ -178,13 +178,13 @@ async def _sampled(url: str) -> list[list[str]]:
     return [[ch["text"] for ch in r.json()["choices"]] for r in rs]
 
 
-def test_preemption_the_ssd_tier_and_sampling_under_context_parallelism(model, tmp_path):
+def test_preemption_the_ssd_tier_sampling_and_speculation_under_context_parallelism(model, tmp_path):
     """A KV budget so small that split sequences are preempted (and recomputed) mid-flight; a restarted
-    CP=2 server serves the same prompts from each rank's SSD tier; seeded sampling with every
-    parameter gives one process's text (sampling runs on rank 0 with the same keys; the logits differ
+    CP=2 server serves the same prompts from each rank's SSD tier; n-gram speculation gives the same
+    greedy text; seeded sampling with every parameter gives one process's text (sampling runs on rank 0 with the same keys; the logits differ
     only by the merge's rounding, far inside any sampling boundary at these temperatures)."""
     base = ("--max-model-len", "2048", "--block-size", "16")
-    for d in ("one", "cp", "cp-again"):
+    for d in ("one", "cp", "cp-again", "spec"):
         (tmp_path / d).mkdir()
     one = ServerProcess(model, *base, "--no-ssd-cache", log_dir=tmp_path / "one")
     try:
@@ -210,3 +210,13 @@ def test_preemption_the_ssd_tier_and_sampling_under_context_parallelism(model, t
         srv.stop()
     assert_parity(again, want[:2], TOL)
     assert ssd > 0
+    # n-gram speculation: each verify row's logits come back from the ranks holding its positions
+    spec = ("--speculative", "ngram", "--no-adaptive-speculation", "--ngram-min", "1",
+            "--speculative-max-batch-size", "16")
+    srv = ServerProcess(model, *base, "--context-parallel", "2", "--no-ssd-cache", *spec, log_dir=tmp_path / "spec")
+    try:
+        speculated = asyncio.run(complete_all(srv.url, STACK, 64))
+        assert srv.metric("meshlm_spec_verify_steps_total") > 0
+    finally:
+        srv.stop()
+    assert_parity(speculated, want, TOL)
