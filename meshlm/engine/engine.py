@@ -415,7 +415,14 @@ class Engine:
                 if self._depth == 1:
                     return self.scheduler.schedule(drafts)
                 active = len(self.scheduler.running) + len(self.scheduler.waiting)
-                return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)))
+                # A pipeline's micro-batch takes 1/(2 * depth) of --max-tokens-per-step: a wave of prompts
+                # then runs as many small plans, and the stages idle only for one of them while the
+                # pipeline fills and drains, not for a whole step's prefill. Below that, per-step costs
+                # win: PP=2 served 1.39x one core with 1,024 tokens a plan, 1.52-1.55x with 512, 1.68x
+                # with 256, 1.55-1.60x with 128 (docs/BENCHMARKS.md, issue 13).
+                share = max(1, -(-self.scheduler.config.max_tokens_per_step // (2 * self._depth)))
+                return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)),
+                                               max_tokens=share)
 
     def _execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):

@@ -85,17 +85,19 @@ class Scheduler:
 
     # -- the step ---------------------------------------------------------
     def schedule(self, drafts: dict[int, tuple[int, ...]] | None = None, busy: frozenset[int] = frozenset(),
-                 max_rows: int | None = None) -> tuple[StepPlan, list[Finished]]:
+                 max_rows: int | None = None, max_tokens: int | None = None) -> tuple[StepPlan, list[Finished]]:
         """Plan one step. `drafts`: speculative tokens per decoding uid, verified in this step's forward
         when budget and KV allow (else the sequence decodes plainly). `busy`: sequences in a plan still in
         flight (a pipeline's other micro-batches), which wait for its results; `max_rows`: at most this
-        many sequences in the plan, so a pipeline's micro-batches stay even. Returns the plan and
-        sequences that ended without running (aborts)."""
+        many sequences in the plan, so a pipeline's micro-batches stay even; `max_tokens`: a lower token
+        budget than --max-tokens-per-step for this plan. Returns the plan and sequences that ended
+        without running (aborts)."""
         exports = self._exports()  # before the reap: a sequence that just finished still holds its blocks
         ended = self._reap()
         drafts = drafts or {}
         draft = _Draft()
-        budget = self.config.max_tokens_per_step
+        budget = self.config.max_tokens_per_step if max_tokens is None else min(max_tokens,
+                                                                                self.config.max_tokens_per_step)
         rows = max_rows if max_rows is not None else self.config.max_batch_size
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.

@@ -555,3 +555,20 @@ def test_planning_ahead_declines_what_needs_a_full_plan(case):
     elif case == "other_uids":
         uids = [5]
     assert sched.continue_ahead(first, uids) is None
+
+
+def test_a_pipeline_micro_batch_takes_its_share_of_the_token_budget():
+    """`max_tokens` (a pipeline's share of --max-tokens-per-step) caps a plan's prefill below the step
+    budget; the next micro-batch, with the first still in flight, takes the rest of the prompts."""
+    sched = make_scheduler(max_tokens_per_step=64)
+    for uid in (1, 2):
+        sched.add(make_seq(uid, prompt_len=40))
+    first, _ = sched.schedule(max_tokens=32)
+    assert sum(chunk_sizes(first).values()) == 32 and chunk_sizes(first) == {1: 32}
+    second, _ = sched.schedule(busy=frozenset({1}), max_tokens=32)
+    assert chunk_sizes(second) == {2: 32}
+    sched.update(first, {})
+    sched.update(second, {})
+    sched.add(make_seq(3, prompt_len=100))
+    third, _ = sched.schedule(max_tokens=1000)  # never above the step budget
+    assert chunk_sizes(third) == {1: 8, 2: 8, 3: 48}
