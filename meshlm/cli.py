@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (ASYNC_SCHEDULING, DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
+from meshlm.config import (AUTO_ON_OFF, DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
 
 log = logging.getLogger("meshlm")
@@ -43,7 +43,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
                    help="prefill chunk + decode tokens per step (smaller: steadier streams, slower long prompts)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    p.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, default="auto",
+    p.add_argument("--async-scheduling", choices=AUTO_ON_OFF, default="auto",
                    help="plan each decode step while the previous one runs, on its tokens still on the device "
                         "(one process); auto: only when the forward runs on a GPU, as on a CPU the host's "
                         "work takes cores from the forward (docs/BENCHMARKS.md)")
@@ -87,7 +87,7 @@ def _serve_parser(sub) -> None:
                    help="ring attention: pass KV or queries between ranks (auto: chosen per step)")
     g.add_argument("--cp-min-tokens", type=int, default=0,
                    help="sequences shorter than this keep their KV whole on one rank, chosen by load (0: split all)")
-    g.add_argument("--cp-overlap", default="auto", choices=ASYNC_SCHEDULING,
+    g.add_argument("--cp-overlap", default="auto", choices=AUTO_ON_OFF,
                    help="pass-KV: gather the other ranks' KV on a second stream while attending to this rank's own "
                         "(auto: on a GPU or with jaccl)")
     g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")

@@ -27,7 +27,7 @@ class ModelConfig:
             raise ValueError("max_model_len must be at least 2")
 
 
-ASYNC_SCHEDULING = ("auto", "on", "off")
+AUTO_ON_OFF = ("auto", "on", "off")  # --async-scheduling, --cp-overlap
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class SchedulerConfig:
             raise ValueError("max_tokens_per_step must be >= max_batch_size (one decode token each)")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
-        if self.async_scheduling not in ASYNC_SCHEDULING:
-            raise ValueError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}")
+        if self.async_scheduling not in AUTO_ON_OFF:
+            raise ValueError(f"async_scheduling must be one of {', '.join(AUTO_ON_OFF)}")
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ class ParallelConfig:
                              "choose one")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"--cp-algorithm must be one of {CP_ALGORITHMS}")
-        if self.cp_overlap not in ASYNC_SCHEDULING:
-            raise ValueError(f"--cp-overlap must be one of {', '.join(ASYNC_SCHEDULING)}")
+        if self.cp_overlap not in AUTO_ON_OFF:
+            raise ValueError(f"--cp-overlap must be one of {', '.join(AUTO_ON_OFF)}")
         if self.cp_min_tokens < 0:
             raise ValueError(f"--cp-min-tokens must be >= 0, got {self.cp_min_tokens}")
         if self.cp_min_tokens and not self.context:

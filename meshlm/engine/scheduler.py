@@ -96,8 +96,9 @@ class Scheduler:
         ended = self._reap()
         drafts = drafts or {}
         draft = _Draft()
-        budget = self.config.max_tokens_per_step if max_tokens is None else min(max_tokens,
-                                                                                self.config.max_tokens_per_step)
+        budget = self.config.max_tokens_per_step
+        if max_tokens is not None:
+            budget = min(budget, max_tokens)
         rows = max_rows if max_rows is not None else self.config.max_batch_size
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.

@@ -110,12 +110,8 @@ class Collectives:
         self.last: mx.array | None = None  # the previous collective's output (its first element is finite)
 
     def gather(self, x: mx.array, group, stream=None) -> mx.array:
-        x = tie(x, self.last)
-        if stream is None:
-            self.last = mx.distributed.all_gather(x, group=group)
-        else:
-            with mx.stream(stream):
-                self.last = mx.distributed.all_gather(x, group=group)
+        """`stream`: where the gather runs (None: the default stream)."""
+        self.last = mx.distributed.all_gather(tie(x, self.last), group=group, stream=stream)
         return self.last
 
     def sum(self, x: mx.array, group) -> mx.array:
@@ -161,8 +157,7 @@ class RingLayerKV(LayerKV):
         rows = [row for row in b.rows if row.own.stop > row.own.start]
         # Every row's attention to this rank's own KV first: its large blocks are evaluated as they are
         # built (attend_blocks), beside the transfer, before anything waits for the gathered keys.
-        own = [attend_blocks(q[row.own], mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0),
-                             row.own_blocks, self.backend, scale) for row in rows]
+        own = [self._attend_pools(q, row, row.own_blocks, pool_k, pool_v, scale) for row in rows]
         Hk, D = every.shape[-2], every.shape[-1]
         keys = every[:, 0].reshape(-1, Hk, D)
         values = every[:, 1].reshape(-1, Hk, D)
@@ -175,10 +170,14 @@ class RingLayerKV(LayerKV):
 
     def _local(self, q, pool_k, pool_v, scale) -> mx.array:
         """Rows kept whole: this rank's own rows against its own pools, nothing gathered."""
-        outs = [attend_blocks(q[row.own], mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0),
-                              row.blocks, self.backend, scale)[0]
+        outs = [self._attend_pools(q, row, row.blocks, pool_k, pool_v, scale)[0]
                 for row in self.batch.rows if row.own.stop > row.own.start]
         return self._padded(outs, q)
+
+    def _attend_pools(self, q, row, blocks, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
+        """This rank's queries of `row` against the row's KV in this rank's own pools: output and lse."""
+        k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
+        return attend_blocks(q[row.own], k, v, blocks, self.backend, scale)
 
     def _padded(self, outs: list[mx.array], q: mx.array) -> mx.array:
         """The rows' outputs in order, then zeros for the padding."""
