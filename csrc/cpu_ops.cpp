@@ -49,9 +49,14 @@ namespace {
 constexpr float LOG2E = 1.4426950408889634f;
 
 // 2^x, relative error ~2e-7 (Cephes exp2f polynomial on [-0.5, 0.5]); inputs
-// below -126 give 2^-126. Branch-free so the loops around it vectorise.
+// below -64 give exactly 0. Branch-free so the loops around it vectorise.
+// Why 0 below -64: a softmax weight under 2^-64 of the row's largest changes
+// no float32 sum, while one near 2^-126 (every masked key) turns subnormal once
+// normalised, and Intel cores multiply subnormals through microcode assists:
+// a causal prefill's attention ran 20x slower on a Xeon (docs/BENCHMARKS.md).
 inline float exp2_fast(float x) {
-  x = std::min(std::max(x, -126.0f), 127.0f);
+  float keep = x >= -64.0f ? 1.0f : 0.0f;
+  x = std::min(std::max(x, -64.0f), 127.0f);
   float whole = std::nearbyint(x);
   float f = x - whole;
   float p = 1.535336188319500e-4f;
@@ -64,7 +69,7 @@ inline float exp2_fast(float x) {
   uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * scale * keep;
 }
 
 void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* __restrict out, size_t n) {
