@@ -227,23 +227,49 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, model_type, backend)
         assert max(mx.abs(g - w).max().item() for g, w in zip(got[uid], want[uid])) < 1e-4
 
 
+# The packed GEMM's micro-kernels: 256-bit, and 512-bit where the build has it (the default there).
+GEMM_KERNELS = ["256-bit"] + (["512-bit"] if NATIVE is not None and NATIVE.gemm_wide_built else [])
+
+
+@pytest.fixture(params=GEMM_KERNELS)
+def gemm_kernel(request):
+    NATIVE.set_gemm_wide(request.param == "512-bit")
+    yield request.param
+    NATIVE.set_gemm_wide(True)
+
+
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel and its tails
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_nn_linear(rows, bias):
-    linear = nn.Linear(96, 160, bias=bias)
+@pytest.mark.parametrize("out", [160, 176])  # panels in pairs, and an odd one left for the 256-bit kernel
+def test_packed_linear_matches_nn_linear(rows, bias, out, gemm_kernel):
+    linear = nn.Linear(96, out, bias=bias)
     x = mx.random.normal((rows, 96))
     packed = cpu_kernels.PackedLinear(linear, NATIVE)
-    assert packed["weight_p"].shape == (10, 96, 16)
+    assert packed["weight_p"].shape == (out // 16, 96, 16)
     assert mx.array_equal(packed.weight, linear.weight).item()
     assert mx.abs(packed(x) - linear(x)).max().item() < 1e-5
-    assert packed(x.reshape(1, rows, 96)).shape == (1, rows, 160)
+    assert packed(x.reshape(1, rows, 96)).shape == (1, rows, out)
     xh = x.astype(mx.bfloat16)  # other dtypes take MLX's matmul on the unpacked weight, as nn.Linear would
     assert packed(xh).dtype == linear(xh).dtype and mx.abs(packed(xh) - linear(xh)).max().item() < 1e-5
 
 
 @NEEDS_PACKED_GEMM
-def test_packed_gemm_threads_and_streams():
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_a_split_gemm_pairs_panels_across_its_outputs(rows, gemm_kernel):
+    """Outputs of 3, 2 and 1 panels: the 512-bit kernel's panel pairs straddle two outputs."""
+    w = mx.random.normal((96, 96))
+    b = mx.random.normal((96,))
+    x = mx.random.normal((rows, 64))[:, :48]  # a strided view, gathered by the kernel
+    packed = w[:48].reshape(48, 6, 16).transpose(1, 0, 2)  # x @ W for W (48, 96) as 6 panels
+    outs = NATIVE.packed_linear_split(x, mx.contiguous(packed), [48, 32, 16], b)
+    want = x @ w[:48] + b
+    assert [o.shape for o in outs] == [(rows, 48), (rows, 32), (rows, 16)]
+    assert mx.abs(mx.concatenate(outs, axis=1) - want).max().item() < 1e-4
+
+
+@NEEDS_PACKED_GEMM
+def test_packed_gemm_threads_and_streams(gemm_kernel):
     """Two threads share a GEMM's panels; a GEMM from a second stream meanwhile runs alone. Many calls in
     a row, so the helper thread's sleep/wake hand-off is exercised as well."""
     NATIVE.set_gemm_threads(2)
