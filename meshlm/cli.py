@@ -97,7 +97,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--draft-model", default=None, help="--speculative draft: model directory with the same tokenizer")
     g.add_argument("--speculative-max-batch-size", type=int, default=4,
                    help="with more decoding sequences than this, a step decodes plainly")
-    g.add_argument("--ngram-min", type=int, default=2, help="n-gram proposer: shortest suffix matched")
+    g.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
     g.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched (tried first)")
     g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
                    help="speculate even for sequences whose drafts are not paying off")
