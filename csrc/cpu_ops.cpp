@@ -718,7 +718,7 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
                              const float* __restrict w1, const float* bias0, const float* bias1,
                              float* __restrict c0, int64_t ldc0, float* __restrict c1, int64_t ldc1, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
-         b4 = a0, a5 = a0, b5 = a0;
+         b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0;
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (MR > 1) {
       _mm_prefetch(reinterpret_cast<const char*>(w0 + PANEL * (k + PREFETCH_LINES)), _MM_HINT_T0);
@@ -736,6 +736,8 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
     if constexpr (MR > 3) row(3, a3, b3);
     if constexpr (MR > 4) row(4, a4, b4);
     if constexpr (MR > 5) row(5, a5, b5);
+    if constexpr (MR > 6) row(6, a6, b6);
+    if constexpr (MR > 7) row(7, a7, b7);
   }
   __m512 bias_lo = bias0 ? _mm512_loadu_ps(bias0) : _mm512_setzero_ps();
   __m512 bias_hi = bias1 ? _mm512_loadu_ps(bias1) : _mm512_setzero_ps();
@@ -749,6 +751,8 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
   if constexpr (MR > 3) store(3, a3, b3);
   if constexpr (MR > 4) store(4, a4, b4);
   if constexpr (MR > 5) store(5, a5, b5);
+  if constexpr (MR > 6) store(6, a6, b6);
+  if constexpr (MR > 7) store(7, a7, b7);
 }
 #endif
 
@@ -784,10 +788,12 @@ PanelOut panel_out(const GemmArgs& g, int64_t p) {
 }
 
 #if MESHLM_AVX512
+constexpr int64_t WIDE_ROWS = 8;  // rows per pass: 16 accumulators of the 32 registers
+
 void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
   int64_t i = 0;
-  for (; i + 6 <= g.M; i += 6) {
-    gemm_micro_512x2<6>(g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc, b.c + i * b.ldc,
+  for (; i + WIDE_ROWS <= g.M; i += WIDE_ROWS) {
+    gemm_micro_512x2<WIDE_ROWS>(g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc, b.c + i * b.ldc,
                         b.ldc, g.K);
   }
   const float* x = g.x + i * g.K;
@@ -798,6 +804,8 @@ void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
     case 3: gemm_micro_512x2<3>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
     case 4: gemm_micro_512x2<4>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
     case 5: gemm_micro_512x2<5>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
+    case 6: gemm_micro_512x2<6>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
+    case 7: gemm_micro_512x2<7>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
     default: break;
   }
 }

@@ -239,7 +239,7 @@ def gemm_kernel(request):
 
 
 @NEEDS_PACKED_GEMM
-@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 64, 65, 300])  # the 6-row kernel and its tails
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 65, 300])  # 6- and 8-row passes and their tails
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [160, 176])  # panels in pairs, and an odd one left for the 256-bit kernel
 def test_packed_linear_matches_nn_linear(rows, bias, out, gemm_kernel):
