@@ -53,6 +53,13 @@ namespace {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
+// Whether the kernels use their 512-bit versions: on where the build has them, unless turned off (the
+// 256-bit ones stay selectable, so tests cover both on a machine with AVX-512). Read when a kernel runs.
+std::atomic<bool>& wide_kernels() {
+  static std::atomic<bool> on{MESHLM_AVX512};
+  return on;
+}
+
 // 2^x, relative error ~2e-7 (Cephes exp2f polynomial on [-0.5, 0.5]); inputs
 // below -64 give exactly 0. Branch-free so the loops around it vectorise.
 // Why 0 below -64: a softmax weight under 2^-64 of the row's largest changes
@@ -183,6 +190,45 @@ void head_scores(const float* __restrict q, const float* __restrict kh, int64_t 
   }
 }
 
+#if MESHLM_AVX512
+// scores[s] = q . keys[s] for D a multiple of 16, eight keys at a time: eight independent FMA chains keep
+// both FMA units busy, where head_scores' one key at a time waits on its chain of dependent FMAs and its
+// horizontal sum (~4x slower per key on a Xeon).
+void head_scores_512(const float* __restrict q, const float* __restrict kh, int64_t kstride, int64_t S, int64_t D,
+                     float* __restrict scores) {
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    const float* kr = kh + s * kstride;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 qv = _mm512_loadu_ps(q + d);
+      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + d), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + kstride + d), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 2 * kstride + d), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 3 * kstride + d), a3);
+      a4 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 4 * kstride + d), a4);
+      a5 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 5 * kstride + d), a5);
+      a6 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 6 * kstride + d), a6);
+      a7 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 7 * kstride + d), a7);
+    }
+    scores[s] = _mm512_reduce_add_ps(a0);
+    scores[s + 1] = _mm512_reduce_add_ps(a1);
+    scores[s + 2] = _mm512_reduce_add_ps(a2);
+    scores[s + 3] = _mm512_reduce_add_ps(a3);
+    scores[s + 4] = _mm512_reduce_add_ps(a4);
+    scores[s + 5] = _mm512_reduce_add_ps(a5);
+    scores[s + 6] = _mm512_reduce_add_ps(a6);
+    scores[s + 7] = _mm512_reduce_add_ps(a7);
+  }
+  for (; s < S; ++s) {
+    const float* kr = kh + s * kstride;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kr + d), a);
+    scores[s] = _mm512_reduce_add_ps(a);
+  }
+}
+#endif
+
 // out[0:64] += sum_s p[s] * values[s][0:64] (no scaling): one block of a paged row at a time.
 void weighted_values_64_acc(const float* __restrict p, const float* __restrict vh, int64_t vstride, int64_t S,
                             float* __restrict out) {
@@ -237,12 +283,13 @@ struct PagedShape {
   int64_t R, Hk, r, D, slots, max_blocks, block_size;
   int64_t ks[2], vs[2];  // element strides of the pools on Hk, slot
   float q_scale;  // applied to q here: a separate multiply is one more graph node per layer
+  bool wide = false;  // the 512-bit scores (wide_kernels)
 };
 
 void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, const float* v,
                          const int32_t* tables, const int32_t* lengths, float* out) {
   const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
-  std::vector<float> scores, allowed, qbuf(D);
+  std::vector<float> scores, allowed, qbuf(r * D), inv(r);
   for (int64_t b = 0; b < sh.R; ++b) {
     int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
     const int32_t* table = tables + b * sh.max_blocks;
@@ -253,23 +300,31 @@ void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, c
       std::fill(orow, orow + sh.Hk * r * D, 0.0f);
       continue;
     }
-    if (static_cast<int64_t>(scores.size()) < len) {
-      scores.resize(len);
-      allowed.assign(len, 1.0f);
-    }
+    if (static_cast<int64_t>(scores.size()) < r * len) scores.resize(r * len);
+    if (static_cast<int64_t>(allowed.size()) < len) allowed.assign(len, 1.0f);
+    // The r query heads sharing a KV head go through its blocks together: each block's keys and
+    // values are read from memory once and reused from L1 by every query head (one query head at a
+    // time read a long row's keys r times from beyond L2).
     for (int64_t h = 0; h < sh.Hk; ++h) {
       const float* kh = k + h * sh.ks[0];
       const float* vh = v + h * sh.vs[0];
       for (int64_t j = 0; j < r; ++j) {
         const float* qsrc = q + ((b * sh.Hk + h) * r + j) * D;
-        float* qj = qbuf.data();
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) qj[d] = qsrc[d] * sh.q_scale;
-        float* o = orow + (h * r + j) * D;
-        for (int64_t blk = 0; blk * bs < len; ++blk) {
-          int64_t n = std::min(bs, len - blk * bs);
-          const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
-          float* sc = scores.data() + blk * bs;
+        for (int64_t d = 0; d < D; ++d) qbuf[j * D + d] = qsrc[d] * sh.q_scale;
+      }
+      for (int64_t blk = 0; blk * bs < len; ++blk) {
+        int64_t n = std::min(bs, len - blk * bs);
+        const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
+        for (int64_t j = 0; j < r; ++j) {
+          const float* qj = qbuf.data() + j * D;
+          float* sc = scores.data() + j * len + blk * bs;
+#if MESHLM_AVX512
+          if (sh.wide && D % 16 == 0) {
+            head_scores_512(qj, kb, sh.ks[1], n, D, sc);
+            continue;
+          }
+#endif
 #if MESHLM_AVX2
           if (D % 64 == 0) {
             head_scores(qj, kb, sh.ks[1], n, D, sc);
@@ -284,12 +339,16 @@ void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, c
             sc[s] = dot;
           }
         }
-        float inv = softmax_row(scores.data(), allowed.data(), len);
-        std::fill(o, o + D, 0.0f);
-        for (int64_t blk = 0; blk * bs < len; ++blk) {
-          int64_t n = std::min(bs, len - blk * bs);
-          const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
-          const float* p = scores.data() + blk * bs;
+      }
+      for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, allowed.data(), len);
+      float* oh = orow + h * r * D;
+      std::fill(oh, oh + r * D, 0.0f);
+      for (int64_t blk = 0; blk * bs < len; ++blk) {
+        int64_t n = std::min(bs, len - blk * bs);
+        const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+        for (int64_t j = 0; j < r; ++j) {
+          const float* p = scores.data() + j * len + blk * bs;
+          float* o = oh + j * D;
 #if MESHLM_AVX2
           if (D % 64 == 0) {
             for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
@@ -303,8 +362,11 @@ void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, c
             for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
           }
         }
+      }
+      for (int64_t j = 0; j < r; ++j) {
+        float* o = oh + j * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv[j];
       }
     }
   }
@@ -421,7 +483,7 @@ class PagedDecodeAttention : public CpuOnly {
     int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
     PagedShape sh{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
                   tables.shape(1), block_size_, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
-                  q_scale_};
+                  q_scale_, wide_kernels().load()};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = In<float>(q), kp = k.data<float>(), vp = v.data<float>(), tp = In<int32_t>(tables),
@@ -768,7 +830,7 @@ struct GemmArgs {
   int64_t ends[MAX_SPLITS];  // cumulative panels per output
   int splits;
   int64_t M, K;
-  bool wide = false;  // the 512-bit kernel (GemmPool::wide)
+  bool wide = false;  // the 512-bit micro-kernel (wide_kernels)
 };
 
 // Panel p's place: its weights, bias, and first output column with that output's row stride.
@@ -846,7 +908,7 @@ class GemmPool {
  public:
   void run(GemmArgs g, int64_t panels) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
-    g.wide = wide_;
+    g.wide = wide_kernels().load();
     if (threads_ < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
       packed_gemm_panels(g, 0, panels);
       return;
@@ -863,10 +925,6 @@ class GemmPool {
     while (inside_.load() == ticket) _mm_pause();  // its last chunk
   }
   void set_threads(int n) { threads_ = std::max(1, n); }
-  // Which micro-kernel packed GEMMs use: the 512-bit one where the build has it, unless set off (the
-  // 256-bit kernel stays selectable, so tests cover both on a machine with AVX-512).
-  void set_wide(bool on) { wide_ = on && MESHLM_AVX512; }
-  bool wide() const { return wide_; }
 
  private:
   static constexpr int64_t CHUNK = 4;  // panels per grab
@@ -906,7 +964,6 @@ class GemmPool {
   int64_t panels_ = 0;
   int tickets_ = 0;
   int threads_ = 1;
-  bool wide_ = MESHLM_AVX512;
   std::mutex use_;
   std::once_flag started_;
 };
@@ -1145,13 +1202,9 @@ void set_gemm_threads(int n) {
 #endif
 }
 
-bool set_gemm_wide(bool on) {
-#if MESHLM_AVX2
-  gemm_pool().set_wide(on);
-  return gemm_pool().wide();
-#else
-  return false;
-#endif
+bool set_wide_kernels(bool on) {
+  wide_kernels().store(on && MESHLM_AVX512);
+  return wide_kernels().load();
 }
 }  // namespace
 
@@ -1171,9 +1224,10 @@ NB_MODULE(_cpu_ops, m) {
   m.def("packed_swiglu", &packed_swiglu, nb::arg("x"), nb::arg("w"),
         "silu(x @ Wg) * (x @ Wu), W holding Wg's panels then Wu's");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
-  m.attr("gemm_wide_built") = static_cast<bool>(MESHLM_AVX512);
-  m.def("set_gemm_wide", &set_gemm_wide, nb::arg("on"),
-        "packed GEMMs use the 512-bit kernel (where built; the default) or the 256-bit one; returns which");
+  m.attr("wide_kernels_built") = static_cast<bool>(MESHLM_AVX512);
+  m.def("set_wide_kernels", &set_wide_kernels, nb::arg("on"),
+        "the packed GEMM and the paged decode scores use their 512-bit versions (where built; the default) "
+        "or the 256-bit ones; returns which");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),

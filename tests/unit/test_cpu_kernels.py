@@ -67,10 +67,22 @@ def test_attention_matches_mlx(B, H, Hk, L, S, mask_kind, native):
     assert mx.abs(got - want).max().item() < TOL
 
 
+# The compiled kernels' vector widths (the packed GEMM, the paged decode scores): 256-bit, and 512-bit where
+# the build has it (the default there).
+WIDTHS = ["256-bit"] + (["512-bit"] if NATIVE is not None and NATIVE.wide_kernels_built else [])
+
+
+@pytest.fixture(params=WIDTHS)
+def kernel_width(request):
+    NATIVE.set_wide_kernels(request.param == "512-bit")
+    yield request.param
+    NATIVE.set_wide_kernels(True)
+
+
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # the native kernel's 64-wide passes, and its generic loop
 @pytest.mark.parametrize("flat", [False, True])  # q pre-scaled as (R, Hk, r, D), or (R, H, D) scaled by the kernel
-def test_paged_decode_reads_each_rows_blocks_in_place(head_dim, flat):
+def test_paged_decode_reads_each_rows_blocks_in_place(head_dim, flat, kernel_width):
     bs, blocks = 8, 12
     pool_k, pool_v = mx.random.normal((blocks * bs, 2, head_dim)), mx.random.normal((blocks * bs, 2, head_dim))
     tables = mx.array([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 4, 7]])
@@ -227,22 +239,13 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, model_type, backend)
         assert max(mx.abs(g - w).max().item() for g, w in zip(got[uid], want[uid])) < 1e-4
 
 
-# The packed GEMM's micro-kernels: 256-bit, and 512-bit where the build has it (the default there).
-GEMM_KERNELS = ["256-bit"] + (["512-bit"] if NATIVE is not None and NATIVE.gemm_wide_built else [])
-
-
-@pytest.fixture(params=GEMM_KERNELS)
-def gemm_kernel(request):
-    NATIVE.set_gemm_wide(request.param == "512-bit")
-    yield request.param
-    NATIVE.set_gemm_wide(True)
 
 
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 65, 300])  # 6- and 8-row passes and their tails
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [160, 176])  # panels in pairs, and an odd one left for the 256-bit kernel
-def test_packed_linear_matches_nn_linear(rows, bias, out, gemm_kernel):
+def test_packed_linear_matches_nn_linear(rows, bias, out, kernel_width):
     linear = nn.Linear(96, out, bias=bias)
     x = mx.random.normal((rows, 96))
     packed = cpu_kernels.PackedLinear(linear, NATIVE)
@@ -256,7 +259,7 @@ def test_packed_linear_matches_nn_linear(rows, bias, out, gemm_kernel):
 
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 7, 40])
-def test_a_split_gemm_pairs_panels_across_its_outputs(rows, gemm_kernel):
+def test_a_split_gemm_pairs_panels_across_its_outputs(rows, kernel_width):
     """Outputs of 3, 2 and 1 panels: the 512-bit kernel's panel pairs straddle two outputs."""
     w = mx.random.normal((96, 96))
     b = mx.random.normal((96,))
@@ -269,7 +272,7 @@ def test_a_split_gemm_pairs_panels_across_its_outputs(rows, gemm_kernel):
 
 
 @NEEDS_PACKED_GEMM
-def test_packed_gemm_threads_and_streams(gemm_kernel):
+def test_packed_gemm_threads_and_streams(kernel_width):
     """Two threads share a GEMM's panels; a GEMM from a second stream meanwhile runs alone. Many calls in
     a row, so the helper thread's sleep/wake hand-off is exercised as well."""
     NATIVE.set_gemm_threads(2)
