@@ -78,7 +78,7 @@ class SpeculativeConfig:
     """Speculative decoding (docs/SPECULATIVE.md): who proposes, how far ahead, and when it is worth it."""
 
     method: str = "off"
-    num_tokens: int = 5  # drafts per verify step (K); K + 1 = 6 rows fit one tile of the CPU GEMM kernel
+    num_tokens: int = 5  # drafts per verify step (K); K + 1 = 6 rows: one pass of the CPU GEMM (8 with AVX-512)
     draft_model: str | None = None  # method "draft": an mlx-lm model directory with the target's tokenizer
     max_batch_size: int = 4  # decoding sequences above this: plain decoding (docs/BENCHMARKS.md)
     # n-gram proposer: shortest suffix looked up. 1, since a verify step costs little more than a plain one
