@@ -849,26 +849,25 @@ PanelOut panel_out(const GemmArgs& g, int64_t p) {
           (g.ends[j] - first) * PANEL};
 }
 
+// Each micro-kernel instantiated for every row count up to its pass, indexed by rows: a GEMM runs full
+// passes and then its remaining rows through the same table.
+using Micro256 = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+constexpr int64_t ROWS_256 = 6;
+constexpr Micro256 MICRO_256[ROWS_256 + 1] = {nullptr, gemm_micro<1>, gemm_micro<2>, gemm_micro<3>,
+                                              gemm_micro<4>, gemm_micro<5>, gemm_micro<6>};
+
 #if MESHLM_AVX512
-constexpr int64_t WIDE_ROWS = 8;  // rows per pass: 16 accumulators of the 32 registers
+using Micro512 = void (*)(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
+                          int64_t, float*, int64_t, int64_t);
+constexpr int64_t ROWS_512 = 8;  // 16 accumulators of the 32 registers
+constexpr Micro512 MICRO_512[ROWS_512 + 1] = {nullptr, gemm_micro_512x2<1>, gemm_micro_512x2<2>,
+                                              gemm_micro_512x2<3>, gemm_micro_512x2<4>, gemm_micro_512x2<5>,
+                                              gemm_micro_512x2<6>, gemm_micro_512x2<7>, gemm_micro_512x2<8>};
 
 void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
-  int64_t i = 0;
-  for (; i + WIDE_ROWS <= g.M; i += WIDE_ROWS) {
-    gemm_micro_512x2<WIDE_ROWS>(g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc, b.c + i * b.ldc,
-                        b.ldc, g.K);
-  }
-  const float* x = g.x + i * g.K;
-  float *ca = a.c + i * a.ldc, *cb = b.c + i * b.ldc;
-  switch (g.M - i) {
-    case 1: gemm_micro_512x2<1>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 2: gemm_micro_512x2<2>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 3: gemm_micro_512x2<3>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 4: gemm_micro_512x2<4>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 5: gemm_micro_512x2<5>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 6: gemm_micro_512x2<6>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    case 7: gemm_micro_512x2<7>(x, g.K, a.w, b.w, a.bias, b.bias, ca, a.ldc, cb, b.ldc, g.K); break;
-    default: break;
+  for (int64_t i = 0; i < g.M; i += ROWS_512) {
+    MICRO_512[std::min(ROWS_512, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
+                                           b.c + i * b.ldc, b.ldc, g.K);
   }
 }
 #endif
@@ -883,17 +882,8 @@ void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
     }
 #endif
     auto [w, bias, c, ldc] = panel_out(g, p);
-    int64_t i = 0;
-    for (; i + 6 <= g.M; i += 6) gemm_micro<6>(g.x + i * g.K, g.K, w, bias, c + i * ldc, ldc, g.K);
-    const float* x = g.x + i * g.K;
-    c += i * ldc;
-    switch (g.M - i) {
-      case 1: gemm_micro<1>(x, g.K, w, bias, c, ldc, g.K); break;
-      case 2: gemm_micro<2>(x, g.K, w, bias, c, ldc, g.K); break;
-      case 3: gemm_micro<3>(x, g.K, w, bias, c, ldc, g.K); break;
-      case 4: gemm_micro<4>(x, g.K, w, bias, c, ldc, g.K); break;
-      case 5: gemm_micro<5>(x, g.K, w, bias, c, ldc, g.K); break;
-      default: break;
+    for (int64_t i = 0; i < g.M; i += ROWS_256) {
+      MICRO_256[std::min(ROWS_256, g.M - i)](g.x + i * g.K, g.K, w, bias, c + i * ldc, ldc, g.K);
     }
   }
 }
