@@ -82,7 +82,7 @@ class SpeculativeConfig:
     draft_model: str | None = None  # method "draft": an mlx-lm model directory with the target's tokenizer
     max_batch_size: int = 4  # decoding sequences above this: plain decoding (docs/BENCHMARKS.md)
     # n-gram proposer: shortest suffix looked up. 1, since a verify step costs little more than a plain one
-    # and a weak draft is then cheap (input-grounded 1.66x -> 1.80-1.83x, docs/BENCHMARKS.md).
+    # and a weak draft is then cheap (input-grounded 1.66x -> 1.77-1.83x, docs/BENCHMARKS.md).
     ngram_min: int = 1
     ngram_max: int = 4  # ... longest (tried first)
     adaptive: bool = True  # stop speculating a sequence whose measured gain is below 1
