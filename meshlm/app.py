@@ -21,7 +21,7 @@ from meshlm.disagg import wiring as disagg
 from meshlm.kv.blocks import BlockManager, CacheStats
 from meshlm.kv.context_blocks import ContextBlocks, WholeStats
 from meshlm.kv.received import ReceivedBlocks, ReceivedThenSSD
-from meshlm.metrics import ContextBlocksCollector, PrefixCacheCollector, RankTimesCollector
+from meshlm.metrics import AllReduceCollector, ContextBlocksCollector, PrefixCacheCollector, RankTimesCollector
 from meshlm.model.loader import LoadedModel, load_model
 from meshlm.platform import kv_budget_bytes
 from meshlm.process_exit import end_process
@@ -101,6 +101,8 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     engine.metrics.registry.register(RankTimesCollector(executor.rank_times))
+    if executor.all_reduce_stats() is not None:
+        engine.metrics.registry.register(AllReduceCollector(executor.all_reduce_stats))
     if whole_stats is not None:
         engine.metrics.registry.register(ContextBlocksCollector(lambda: engine.scheduler.blocks))
     return engine

@@ -74,6 +74,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
     g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
     g.add_argument("--jaccl-coordinator", default=None, help="jaccl: host:port (MLX_JACCL_COORDINATOR)")
+    g.add_argument("--local-all-reduce", default="auto", choices=AUTO_ON_OFF,
+                   help="sum through shared memory when every rank is on this machine (auto: where it applies, "
+                        "on the CPU; off: the --backend's own all-reduce)")
     g = p.add_argument_group("pipeline parallelism (docs/DISTRIBUTED.md)")
     g.add_argument("--pipeline-parallel", type=int, default=1,
                    help="stages, each a rank holding a range of layers; alone on one machine it starts them itself")
@@ -183,7 +186,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,
                                 stage_port=args.stage_port, context_parallel=args.context_parallel,
                                 cp_algorithm=args.cp_algorithm, cp_min_tokens=args.cp_min_tokens,
-                                cp_overlap=args.cp_overlap),
+                                cp_overlap=args.cp_overlap, local_all_reduce=args.local_all_reduce),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,

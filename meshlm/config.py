@@ -27,7 +27,7 @@ class ModelConfig:
             raise ValueError("max_model_len must be at least 2")
 
 
-AUTO_ON_OFF = ("auto", "on", "off")  # --async-scheduling, --cp-overlap
+AUTO_ON_OFF = ("auto", "on", "off")  # --async-scheduling, --cp-overlap, --local-all-reduce
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,9 @@ class ParallelConfig:
     # cores are not computing (a GPU) or a NIC moves the bytes (jaccl); on a CPU's TCP ring the transfer
     # is the same cores' work and overlapping it measured no gain (docs/BENCHMARKS.md)
     cp_overlap: str = "auto"
+    # Tensor parallelism's sums through shared memory when every rank is on this machine
+    # (transport/local_reduce.py). auto: where it applies (a loopback ring, the CPU, the module built)
+    local_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         if min(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) < 1:
@@ -144,6 +147,8 @@ class ParallelConfig:
             raise ValueError(f"--cp-algorithm must be one of {CP_ALGORITHMS}")
         if self.cp_overlap not in AUTO_ON_OFF:
             raise ValueError(f"--cp-overlap must be one of {', '.join(AUTO_ON_OFF)}")
+        if self.local_all_reduce not in AUTO_ON_OFF:
+            raise ValueError(f"--local-all-reduce must be one of {', '.join(AUTO_ON_OFF)}")
         if self.cp_min_tokens < 0:
             raise ValueError(f"--cp-min-tokens must be >= 0, got {self.cp_min_tokens}")
         if self.cp_min_tokens and not self.context:

@@ -107,6 +107,27 @@ class RankTimesCollector:
         yield family
 
 
+class AllReduceCollector:
+    """Rank 0's tensor-parallel sums through shared memory (transport/local_reduce.py), read at scrape
+    time: how many, their seconds, and the part of those spent waiting for the other ranks (the
+    skew between ranks; the rest is copying and adding). Part of meshlm_rank_seconds' device phase."""
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        count, seconds, waiting = self.stats()
+        yield CounterMetricFamily("meshlm_all_reduce", "Shared-memory all-reduces rank 0 took part in", value=count)
+        family = CounterMetricFamily("meshlm_all_reduce_seconds", "Rank 0's seconds in shared-memory all-reduces, "
+                                     "all of it (total) and waiting for the other ranks' parts (waiting)",
+                                     labels=["part"])
+        family.add_metric(["total"], seconds)
+        family.add_metric(["waiting"], waiting)
+        yield family
+
+
 class ContextBlocksCollector:
     """Sequences kept whole on one context-parallel rank (--cp-min-tokens, kv/context_blocks.py), read at
     scrape time: `blocks()` is the engine's current ContextBlocks."""

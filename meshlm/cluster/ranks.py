@@ -102,6 +102,7 @@ class Leader:
     def _on_failure(self, message: str) -> None:
         if self.fail is not None:
             self.fail(f"cluster failed: {message}")
+        self.executor.abort_sums()  # the engine's thread may be asleep in one: it fails its step instead
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -160,10 +161,37 @@ def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
     return StageLayout.create(num_layers, p.pipeline_parallel, p.pp_split, weights)
 
 
+def local_sum_group(config: ServeConfig, topo: Topology):
+    """The SharedMemoryGroup tensor-parallel layers sum over (--local-all-reduce), or None for the MLX
+    group's own all-reduce. Read before the group forms: rank 0 removes its ring file then."""
+    import mlx.core as mx
+
+    from meshlm.transport.local_reduce import SharedMemoryGroup, group_path, native_module, ring_is_local, spin_us
+
+    p = topo.parallel
+    if p.local_all_reduce == "off" or p.tensor_parallel < 2:
+        return None
+    native, status = native_module()
+    why_not = (f"the {p.backend} backend" if p.backend != "ring"
+               else "not every rank is on this machine (a ring on loopback)" if not ring_is_local(topo.ring_file)
+               else "the GPU sums with MLX's backend" if mx.default_device() != mx.cpu
+               else "--no-cpu-kernels" if not config.model.cpu_kernels
+               else f"the module is {status}" if native is None else None)
+    if why_not is not None:
+        if p.local_all_reduce == "on":
+            raise ClusterError(f"--local-all-reduce on cannot apply: {why_not}")
+        log.info("tensor-parallel sums: the %s backend (%s)", p.backend, why_not)
+        return None
+    path = group_path(topo.secret.reveal(), p.control_addr)
+    log.info("tensor-parallel sums: %s, %s", status, path)
+    return SharedMemoryGroup(path, p.rank, p.world_size, native, spin_us(p.world_size))
+
+
 def _load(config: ServeConfig, topo: Topology):
     from meshlm.model.loader import load_model
 
     p = topo.parallel
+    sums = local_sum_group(config, topo) if not (p.pipeline or p.context) else None
     group = init_group(p, topo.ring_file)
     if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
         shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
@@ -176,9 +204,9 @@ def _load(config: ServeConfig, topo: Topology):
         loaded = load_model(config.model)
         ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm,
                            overlap=overlap_transfers(p))
-        return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring)
+        return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring), None
     loaded = load_model(config.model, tensor_group=group)
-    return loaded, build_rank(loaded, config.model, config.cache, budget, spec)
+    return loaded, build_rank(loaded, config.model, config.cache, budget, spec, sum_group=sums), sums
 
 
 def overlap_transfers(p: ParallelConfig) -> bool:
@@ -198,8 +226,10 @@ def _handshake_fingerprint(loaded, topo: Topology) -> str:
 def _follow(config: ServeConfig, topo: Topology) -> int:
     from meshlm.executor.worker import run_worker
 
-    loaded, rank = _load(config, topo)
-    return run_worker(topo.parallel, topo.secret, rank, _handshake_fingerprint(loaded, topo))
+    loaded, rank, sums = _load(config, topo)
+    # Rank 0 creates the sums' file before it welcomes any rank.
+    return run_worker(topo.parallel, topo.secret, rank, _handshake_fingerprint(loaded, topo),
+                      on_joined=sums.join if sums is not None else None)
 
 
 def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
@@ -209,20 +239,25 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     port = int(p.control_addr.rsplit(":", 1)[1])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
-    loaded, rank = _load(config, topo)
+    loaded, rank, sums = _load(config, topo)
     control.fingerprint = _handshake_fingerprint(loaded, topo)
     log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
              p.control_addr)
     try:
-        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
+        # The sums' file exists from just before the workers are welcomed (and join it) until they all have.
+        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, before_welcome=sums.create if sums else None)
     except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
+        if sums is not None:
+            sums.remove_file()
         raise ClusterError(str(exc)) from None
     log.info("all %d ranks joined; model fingerprint %s", p.world_size, loaded.fingerprint)
+    if sums is not None:  # else the executor removes it once they have (its idle polls)
+        sums.remove_file_once_joined(timeout=2.0)
     # Every rank must hold every block the leader hands out: plan within the smallest budget.
     kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
     if kv_blocks < rank.max_blocks:
         log.info("KV blocks limited to %d by the smallest rank's --kv-cache-memory", kv_blocks)
-    leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout), children=children,
+    leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout, sums), children=children,
                     kv_blocks=kv_blocks)
     # The probe notices a dead worker even while the engine thread is blocked in a collective.
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)

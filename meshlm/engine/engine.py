@@ -65,6 +65,10 @@ class Executor(Protocol):
         """Every rank's seconds by phase so far (workers' as of their last ACK), in PHASES order."""
         ...
 
+    def all_reduce_stats(self) -> tuple[int, float, float] | None:
+        """Rank 0's shared-memory all-reduces: (count, seconds, seconds waiting); None where there are none."""
+        ...
+
     def idle(self) -> None:
         """Called about every IDLE_POLL_SECONDS with nothing to run (heartbeats, liveness checks)."""
         ...

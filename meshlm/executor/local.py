@@ -31,6 +31,9 @@ class LocalExecutor:
     def rank_times(self) -> dict[int, tuple[float, ...]]:
         return {0: self.times.totals()}
 
+    def all_reduce_stats(self) -> None:
+        return None
+
     def kv_bytes(self) -> int:
         return self.rank.kv_bytes
 

@@ -84,12 +84,13 @@ class RankState:
 
 
 def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget: int,
-               spec: RankSpec = RankSpec(), ring: RingContext | None = None) -> RankState:
-    """Adapt `loaded.model` (this rank's own instance) and allocate its KV store within `kv_budget` bytes."""
+               spec: RankSpec = RankSpec(), ring: RingContext | None = None, sum_group=None) -> RankState:
+    """Adapt `loaded.model` (this rank's own instance) and allocate its KV store within `kv_budget` bytes.
+    `sum_group`: a SharedMemoryGroup its tensor-parallel layers sum over instead of their MLX group."""
     native, status = cpu_kernels.native_ops() if model_cfg.native_kernels else (None, "off (--no-native-kernels)")
     cpu = mx.default_device() == mx.cpu
     backend = attention_backend(cpu, model_cfg.cpu_kernels, native, cores_for_this_process())
-    parts = adapt(loaded.model, model_cfg.cpu_kernels, native)
+    parts = adapt(loaded.model, model_cfg.cpu_kernels, native, sum_group)
     if cpu and model_cfg.cpu_kernels:
         log.info("CPU kernels: native: %s", status)
         if native is not None:

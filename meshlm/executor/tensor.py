@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class TensorExecutor:
-    def __init__(self, rank: RankState, control: ControlLeader, step_timeout: float) -> None:
+    def __init__(self, rank: RankState, control: ControlLeader, step_timeout: float, sums=None) -> None:
         self.rank = rank
         self.control = control
         self.step_timeout = step_timeout
+        self.sums = sums  # a SharedMemoryGroup the layers sum over, or None (the MLX group's)
         self._unacked: int | None = None
         self.failure: str | None = None
 
@@ -38,6 +39,7 @@ class TensorExecutor:
                 self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self.control.broadcast(plan)
             self._unacked = plan.step_id
+        self._remove_joined_file()
 
     @property
     def times(self) -> StepTimes:
@@ -52,6 +54,13 @@ class TensorExecutor:
             self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self._unacked = None
         self.control.maybe_heartbeat()
+        self._remove_joined_file()
+
+    def _remove_joined_file(self) -> None:
+        # The workers map the shared-memory sums' file right after the handshake: a few polls later,
+        # its name can go, so that no way this process ends (SIGKILL included) leaves it behind.
+        if self.sums is not None:
+            self.sums.remove_file(only_once_joined=True)
 
     def kv_bytes(self) -> int:
         return self.rank.kv_bytes
@@ -61,6 +70,7 @@ class TensorExecutor:
         failing ("peer lost") is a symptom, the control channel usually names the rank within ms."""
         if self.failure is None:
             self.failure = self._diagnose(error)
+            self.abort_sums()
             try:
                 self.control.shutdown(reason=f"leader failed: {self.failure}", linger=0.5)
             except Exception:  # best effort: the survivors also leave by their own timeouts
@@ -78,7 +88,18 @@ class TensorExecutor:
                 return error
             time.sleep(0.05)
 
+    def abort_sums(self) -> None:
+        """No rank may stay asleep in a shared-memory sum that another will never join."""
+        if self.sums is not None:
+            self.sums.abort()
+
+    def all_reduce_stats(self) -> tuple[int, float, float] | None:
+        """Rank 0's shared-memory sums: (count, seconds, seconds waiting for the others); None without."""
+        return self.sums.stats() if self.sums is not None else None
+
     def close(self) -> None:
         self.control.shutdown(reason="leader shutting down", linger=1.0)
         self.control.close()
         self.rank.flush(timeout=2)
+        if self.sums is not None:
+            self.sums.remove_file()

@@ -35,9 +35,10 @@ def _hard_exit(message: str) -> None:
 
 
 def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fingerprint: str,
-               join_stages: Callable[[], StageIO] | None = None) -> int:
+               join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None) -> int:
     """Serve plans until the cluster ends. `join_stages`: a pipeline stage's links to its neighbours,
-    formed once every rank has joined the control channel."""
+    formed once every rank has joined the control channel; `on_joined`: called once this rank has
+    (joining the shared-memory sums, whose file the leader makes before any handshake)."""
     host, port = cfg.control_addr.rsplit(":", 1)
     control = ControlWorker(host, int(port), cfg.rank, fingerprint, timeout=cfg.worker_timeout,
                             world_size=cfg.world_size, secret=secret,
@@ -49,8 +50,10 @@ def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fing
     log.info("rank %d joined the leader at %s", cfg.rank, cfg.control_addr)
     io = None
     try:
+        if on_joined is not None:
+            on_joined()
         io = join_stages() if join_stages is not None else None
-    except ControlError as exc:
+    except (ControlError, RuntimeError) as exc:
         control.close()
         raise ClusterError(str(exc)) from None
     watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")

@@ -147,8 +147,9 @@ def kv_shape(model: nn.Module, parts: ModelParts, block_size: int, dtype: mx.Dty
     return KVShape(len(parts.layers), kv_heads, head_dim, block_size, dtype)
 
 
-def adapt(model: nn.Module, cpu_kernels_on: bool, native=None) -> ModelParts:
-    """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts."""
+def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None) -> ModelParts:
+    """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
+    what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py)."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
@@ -166,7 +167,7 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None) -> ModelParts:
         for layer in parts.layers:
             if not isinstance(layer.mlp, GatedMLP):
                 layer.mlp = GatedMLP(layer.mlp, act)
-        swapped = cpu_kernels.transpose_linears(model, native)
+        swapped = cpu_kernels.transpose_linears(model, native, sum_group)
         if swapped:
             log.info("CPU kernels: %d linear layers hold their weights %s", swapped,
                      "in 16-column panels" if native is not None and native.packed_gemm else "transposed")

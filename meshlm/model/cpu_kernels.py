@@ -18,7 +18,7 @@ model a 512-token prefill spent 1.25 s of 2.4 s in attention. `power(2, x)` is
   (a batch-16 decode step of the demo model: 102 -> 96 ms).
 
 When `make install` could build csrc/cpu_ops.cpp (`_cpu_ops`, see
-scripts/build_cpu_ops.py), these run as vectorised C++ MLX primitives
+scripts/build_native.py), these run as vectorised C++ MLX primitives
 instead of MLX's scalar CPU loops: SwiGLU, the softmax of a prefill's scores,
 a decode's whole attention straight from the KV pool's blocks (one pass over
 each row's keys and values instead of ~100 tiny GEMMs per layer), and the
@@ -227,13 +227,14 @@ def _local_linear(layer: nn.Module, native, packed: bool) -> nn.Module:
     return TransposedLinear(layer)
 
 
-def transpose_linears(model: nn.Module, native=None) -> int:
+def transpose_linears(model: nn.Module, native=None, sum_group=None) -> int:
     """Swap every float32 `nn.Linear` for a TransposedLinear, or with `native` (`_cpu_ops` with its packed
     GEMM) a PackedLinear where its output size is a multiple of the panel width; quantized layers stay.
     Tensor-parallel shards are swapped too (`ShardedLinear`), keeping their collective: without that, a
     rank's matmuls ran MLX's slower `x @ W.T` and TP=2 lost a third of its speed-up to the 1-rank model
     (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
-    returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`."""
+    returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`. `sum_group`:
+    what the shards sum over instead of their own MLX group (a SharedMemoryGroup)."""
     packed = native is not None and native.packed_gemm
 
     def replace(child) -> nn.Module | None:
@@ -241,7 +242,9 @@ def transpose_linears(model: nn.Module, native=None) -> int:
         if kind not in _SWAPPABLE or child.weight.dtype != mx.float32:
             return None
         local = _local_linear(child, native, packed)
-        return local if kind is nn.Linear else ShardedLinear(local, child.group, kind is nn.ShardedToAllLinear)
+        if kind is nn.Linear:
+            return local
+        return ShardedLinear(local, sum_group or child.group, kind is nn.ShardedToAllLinear)
 
     return swap_modules(model, replace)
 

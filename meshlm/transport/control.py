@@ -34,7 +34,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from meshlm.engine.plan import StepPlan
@@ -150,8 +150,10 @@ class ControlLeader:
 
     # -- handshake ------------------------------------------------------------------
 
-    def wait_for_workers(self, timeout: float | None = None) -> dict[int, Hello]:
+    def wait_for_workers(self, timeout: float | None = None,
+                         before_welcome: Callable[[], None] | None = None) -> dict[int, Hello]:
         """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks.
+        `before_welcome` runs once every rank is admitted (what the workers use once welcomed).
 
         A connection that does not prove it holds the secret is dropped (with a
         warning naming its address) and the wait goes on; a peer of another
@@ -164,6 +166,8 @@ class ControlLeader:
             try:
                 while len(admitted) < self.world_size - 1:
                     self._handshake_round(sel, admitted, deadline)
+                if before_welcome is not None:
+                    before_welcome()
                 self._welcome_all(admitted)
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")

@@ -67,11 +67,18 @@ def single_reference(tp_model, tmp_path_factory):
         srv.stop()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_path, tp):
-    srv = start(tp_model, tmp_path, "--tensor-parallel", str(tp))
+# Local ranks sum through shared memory by default (transport/local_reduce.py); "off" keeps MLX's ring.
+@pytest.mark.parametrize("tp,sums", [(2, "auto"), (4, "auto"), (2, "off")], ids=["tp2", "tp4", "tp2-ring"])
+def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_path, tp, sums):
+    from meshlm.transport.local_reduce import native_module
+
+    srv = start(tp_model, tmp_path, "--tensor-parallel", str(tp), "--local-all-reduce", sums)
     try:
         got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        shared = sums == "auto" and native_module()[0] is not None
+        assert ("tensor-parallel sums: shared memory" in srv.log.read_text()) == shared
+        if shared:  # rank 0 took part in every sum: two per layer per step
+            assert srv.metric("meshlm_all_reduce_total") >= 2 * 2 * 16
     finally:
         srv.stop()
     assert [g["choices"][0]["text"] for g in got] == [r["choices"][0]["text"] for r in single_reference]
