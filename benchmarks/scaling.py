@@ -54,6 +54,7 @@ import tensor_parallel as tp  # noqa: E402  (scrape, finish, end_report, other_s
 TARGETS = {"tensor": 1.7, "pipeline": 1.7, "context": None}  # N=2 ranks / one core at 16 streams (issues 13, 17)
 LAYOUT_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--pipeline-parallel", "context": "--context-parallel"}
 _RANK_SECONDS = re.compile(r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\}\s+(\S+)$')
+_ALL_REDUCE_SECONDS = re.compile(r'^meshlm_all_reduce_seconds_total\{part="(\w+)"\}\s+(\S+)$')
 PROBE_ITERS = 300
 
 
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--probe-rank", type=int, help=argparse.SUPPRESS)  # internal: one all-reduce probe rank
+    p.add_argument("--probe-shm", help=argparse.SUPPRESS)  # internal: the probe's shared-memory group file
     args = p.parse_args(argv)
     given = [(name, getattr(args, name)) for name in LAYOUT_FLAGS if getattr(args, name) is not None]
     args.layout, args.ranks = given[0] if given else ("tensor", 2)
@@ -140,17 +142,21 @@ def start_ranks(model: Path, args: argparse.Namespace, workdir: Path) -> pp.Clus
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def rank_seconds(url: str) -> dict[int, dict[str, float]]:
-    """`meshlm_rank_seconds_total` from /metrics: {rank: {phase: seconds}}."""
+def rank_seconds(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
+    """From /metrics: `meshlm_rank_seconds_total` as {rank: {phase: seconds}}, and rank 0's shared-memory
+    all-reduce seconds as {part: seconds} (empty where the ranks sum with MLX's backend)."""
     out: dict[int, dict[str, float]] = {}
+    sums: dict[str, float] = {}
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return out
+        return out, sums
     for line in text.splitlines():
         if m := _RANK_SECONDS.match(line.strip()):
             out.setdefault(int(m.group(2)), {})[m.group(1)] = float(m.group(3))
-    return out
+        elif m := _ALL_REDUCE_SECONDS.match(line.strip()):
+            sums[m.group(1)] = float(m.group(2))
+    return out, sums
 
 
 def breakdown(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]], steps: int,
@@ -179,12 +185,18 @@ def run_load(cluster: pp.Cluster, args: argparse.Namespace, info: dict[str, Any]
         cluster.request_model = _peer.served_model_id(cluster.url)
         pp.warm_up(cluster, args, info)
         prompts = tp.level_prompts(0, args.requests, args.prompt_words, args.seed)
-        before, times0 = tp.scrape(cluster.url), rank_seconds(cluster.url)
+        before, (times0, sums0) = tp.scrape(cluster.url), rank_seconds(cluster.url)
         summary, results = pp.one_level(cluster, prompts, args.streams, args)
-        after, times1 = tp.scrape(cluster.url), rank_seconds(cluster.url)
+        after, (times1, sums1) = tp.scrape(cluster.url), rank_seconds(cluster.url)
         steps = int(after.get("meshlm_step_seconds_count", 0) - before.get("meshlm_step_seconds_count", 0))
         if steps > 0:
             summary["ms_per_step_by_rank"] = breakdown(times0, times1, steps, summary["wall_s"])
+            if sums1:
+                count = after.get("meshlm_all_reduce_total", 0) - before.get("meshlm_all_reduce_total", 0)
+                summary["all_reduce_rank0"] = {
+                    "sums_per_step": round(count / steps, 2),
+                    **{f"{part}_ms_per_step": round((s - sums0.get(part, 0.0)) / steps * 1e3, 3)
+                       for part, s in sums1.items()}}
         info["load"] = summary
         info["_texts"] = [r.text if r.ok else None for r in results]
         ok = not summary.get("requests_failed")
@@ -201,13 +213,24 @@ def run_load(cluster: pp.Cluster, args: argparse.Namespace, info: dict[str, Any]
 
 def probe_rank(args: argparse.Namespace) -> int:
     """One rank of the probe (run pinned, with MLX_HOSTFILE/MLX_RANK): all_sum latency per shape, as meshlm
-    sends it (transport/collectives.py: large sums in pieces) and as one mx.distributed.all_sum, as JSON."""
+    sends it over the ring (transport/collectives.py: large sums in pieces), as one mx.distributed.all_sum,
+    and through shared memory (transport/local_reduce.py, where built), as JSON."""
     import mlx.core as mx
 
     from meshlm.transport.collectives import all_sum
+    from meshlm.transport.local_reduce import SharedMemoryGroup, native_module, spin_us
 
     group = mx.distributed.init(backend="ring")
     sums = {"meshlm": lambda x: all_sum(x, group), "one_piece": lambda x: mx.distributed.all_sum(x, group=group)}
+    native, _ = native_module()
+    if native is not None and args.probe_shm:
+        shm = SharedMemoryGroup(Path(args.probe_shm), group.rank(), group.size(), native, spin_us(group.size()))
+        if group.rank() == 0:
+            shm.create()
+        mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))  # rank 0 has created it
+        if group.rank() != 0:
+            shm.join()
+        sums["shared_memory"] = shm.all_sum
     out: dict[str, dict[str, float]] = {}
     for how, fn in sums.items():
         for name, rows in (("decode", args.streams), ("prefill", args.prefill_chunk)):
@@ -232,7 +255,8 @@ def all_reduce_probe(args: argparse.Namespace, hidden: int, layers: int, workdir
     for rank in reversed(range(n)):
         env = {**pp.one_core_env(), "MLX_HOSTFILE": str(ring), "MLX_RANK": str(rank)}
         cmd = pp.pinned(rank % cores, [sys.executable, __file__, "--probe-rank", str(rank), "--streams",
-                                       str(args.streams), "--prefill-chunk", str(args.prefill_chunk)])
+                                       str(args.streams), "--prefill-chunk", str(args.prefill_chunk),
+                                       "--probe-shm", str(workdir / "probe-sums")])
         procs.append(subprocess.Popen([*cmd, "--hidden", str(hidden)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
@@ -246,9 +270,10 @@ def all_reduce_probe(args: argparse.Namespace, hidden: int, layers: int, workdir
     rank0 = json.loads(outs[-1][0].strip().splitlines()[-1])
     per_layer = 2  # attention's output projection and the MLP's down projection each reduce
     return {
-        "what": f"all-reduce of float32 (rows, {hidden}), ring backend, {n} processes pinned like the ranks; a "
-                "tensor-parallel layer reduces twice; meshlm: as the ranks send it (pieces of at most 512 KiB), "
-                "one_piece: a single mx.distributed.all_sum",
+        "what": f"all-reduce of float32 (rows, {hidden}), {n} processes pinned like the ranks, back to back; a "
+                "tensor-parallel layer reduces twice; meshlm: over the ring backend as ranks that are not all local "
+                "send it (pieces of at most 512 KiB), one_piece: a single mx.distributed.all_sum, shared_memory: "
+                "what local ranks use by default (--local-all-reduce; transport/local_reduce.py)",
         "decode_rows": args.streams, "prefill_rows": args.prefill_chunk,
         **{how: {"all_sum_us": {k: round(v, 1) for k, v in times.items()},
                  "per_layer_us": {k: round(v * per_layer, 1) for k, v in times.items()},
@@ -279,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             "ms_per_step_by_rank": "meshlm_rank_seconds_total over the load / engine steps; device = the forward and "
                                    "its collectives (see all_reduce for the collectives alone); unaccounted = wall "
                                    "per step minus every phase (rank 0: its HTTP thread's share of the core)",
+            "all_reduce_rank0": "rank 0's shared-memory sums inside the forwards (meshlm_all_reduce_*) per engine "
+                                "step: total, and waiting for the other ranks to reach the same sum (their skew)",
         },
     }
     if others := tp.other_servers():
