@@ -57,9 +57,9 @@ class FatalExit:
             self.server.should_exit = True
 
     def exit(self) -> None:
-        """After the orderly shutdown: a failed engine ends the process with its status."""
-        if self.code:
-            end_process(self.code)
+        """After the orderly shutdown: end the process with its status (EXIT_ENGINE_FAILED, else 0), without
+        the interpreter's teardown, which a cluster's MLX backend does not survive (process_exit.py)."""
+        end_process(self.code)
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
@@ -186,4 +186,6 @@ class _DrainingServer(uvicorn.Server):
     def _drain(self, sig, frame) -> None:
         self.engine.drain(SHUTDOWN_GRACE_SECONDS)
         time.sleep(0.2)  # let the error events reach the clients before connections close
-        super().handle_exit(sig, frame)
+        # Not super().handle_exit: uvicorn would re-raise the signal once serving ends, and its default
+        # action would kill the process before the engine stops (the SSD tier's pending writes lost).
+        self.should_exit = True

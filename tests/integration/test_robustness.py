@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -151,3 +152,17 @@ def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+def test_sigterm_drains_then_stops_the_engine_and_exits_0(tiny_model, tmp_path):
+    """SIGTERM ends serving in order: the engine stops, its SSD writes are flushed, the process exits 0.
+    (uvicorn re-raised the signal once serving ended, which killed the process before any of that.)"""
+    srv = ServerProcess(tiny_model, log_dir=tmp_path)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b c d " * 40, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+    assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
