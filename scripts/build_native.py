@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
@@ -48,7 +49,9 @@ def command(source: Path, out: Path) -> list[str]:
     ]
 
 
-def build(what: str, source: Path, target: Path) -> int:
+def build(what: str, source: Path, target: Path) -> Callable[[], int] | int:
+    """Start compiling `source`; returns a call that waits for it and installs the module (its status),
+    or a status at once when it cannot start."""
     # Built beside the target, then renamed over it: a running server keeps the file it mapped.
     partial = target.with_name(target.name + ".partial")
     try:
@@ -57,21 +60,27 @@ def build(what: str, source: Path, target: Path) -> int:
         print(f"{what}: not built ({e}); meshlm will use MLX's own ops")
         return 1
     print(f"{what}: building", target.relative_to(ROOT), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        target.unlink(missing_ok=True)
-        print(f"{what}: build failed; meshlm will use MLX's own ops\n$ {shlex.join(cmd)}\n{done.stderr[-4000:]}")
-        return 1
-    os.replace(partial, target)
-    return 0
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def finish() -> int:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            partial.unlink(missing_ok=True)
+            target.unlink(missing_ok=True)
+            print(f"{what}: build failed; meshlm will use MLX's own ops\n$ {shlex.join(cmd)}\n{err[-4000:]}")
+            return 1
+        os.replace(partial, target)
+        return 0
+
+    return finish
 
 
 def main() -> int:
     if sys.platform != "linux":
         print("native ops: not built (only Linux runs MLX on the CPU; macOS uses Metal)")
         return 0
-    return max(build(*ext) for ext in EXTENSIONS)
+    started = [build(*ext) for ext in EXTENSIONS]  # side by side: one compiler per core
+    return max(s if isinstance(s, int) else s() for s in started)
 
 
 if __name__ == "__main__":
