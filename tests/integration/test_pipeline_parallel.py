@@ -76,11 +76,17 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
              "--kv-cache-dir", str(kv))
     srv = ServerProcess(model, *flags, log_dir=tmp_path)
     try:
-        got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
+        # Whether sequences in flight outgrow the budget depends on how many run at once, so on when the
+        # requests arrive: on a loaded machine one burst ran them staggered and preempted none. A few
+        # bursts, every one at parity, until one preempts.
+        for _ in range(3):
+            got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
+            assert_parity(got, reference)
+            if srv.metric("meshlm_preemptions_total") > 0:
+                break
         assert srv.metric("meshlm_preemptions_total") > 0
     finally:
         srv.stop()
-    assert_parity(got, reference)
     srv = ServerProcess(model, *flags, log_dir=tmp_path)
     try:
         again = asyncio.run(complete_all(srv.url, PROMPTS[:2], 16))
