@@ -97,7 +97,7 @@ class LocalGroup {
  public:
   // `create`: this rank makes the file (replacing any left by an earlier group); the others open it.
   LocalGroup(const std::string& path, int rank, int world, size_t slot_bytes, double spin_us, bool create)
-      : path_(path), rank_(rank), world_(world), slot_bytes_(slot_bytes), spin_us_(spin_us) {
+      : rank_(rank), world_(world), slot_bytes_(slot_bytes), spin_us_(spin_us) {
     if (world < 1 || world > MAX_RANKS || rank < 0 || rank >= world) {
       throw std::invalid_argument("local_reduce: rank " + std::to_string(rank) + " of " + std::to_string(world) +
                                   " (at most " + std::to_string(MAX_RANKS) + " ranks)");
@@ -133,11 +133,6 @@ class LocalGroup {
   }
 
   ~LocalGroup() { munmap(base_, bytes_); }
-
-  int rank() const { return rank_; }
-  int world() const { return world_; }
-  size_t slot_bytes() const { return slot_bytes_; }
-  const std::string& path() const { return path_; }
 
   // out = the sum over ranks of every rank's `in`, n floats, in slot-sized rounds.
   void all_sum(const float* in, float* out, size_t n) {
@@ -239,15 +234,14 @@ class LocalGroup {
     }
   }
 
-  std::string path_;
   int rank_, world_;
   size_t slot_bytes_;
   double spin_us_;
   size_t bytes_ = 0;
   char* base_ = nullptr;
   Header* h_ = nullptr;
-  uint32_t seq_ = 0;
-  std::atomic<uint64_t> sums_{0}, total_ns_{0}, wait_ns_{0};  // read by other threads (metrics)  // sums started here: only the stream's thread runs them, in graph order
+  uint32_t seq_ = 0;  // sums started here: only the stream's thread runs them, in graph order
+  std::atomic<uint64_t> sums_{0}, total_ns_{0}, wait_ns_{0};  // read by other threads (metrics)
 };
 
 class AllSum : public mx::UnaryPrimitive {
@@ -290,10 +284,6 @@ NB_MODULE(_local_reduce, m) {
            nb::arg("world"), nb::arg("slot_bytes"), nb::arg("spin_us"), nb::arg("create"),
            "join the group whose ranks share the file at `path`; one rank creates it (`create`), before the "
            "others open it")
-      .def_prop_ro("rank", &LocalGroup::rank)
-      .def_prop_ro("world", &LocalGroup::world)
-      .def_prop_ro("slot_bytes", &LocalGroup::slot_bytes)
-      .def_prop_ro("path", &LocalGroup::path)
       .def("abort", &LocalGroup::abort, "make every rank's waiting and later sums raise")
       .def_prop_ro("failed", &LocalGroup::failed)
       .def_prop_ro("joined", &LocalGroup::joined, "ranks that have mapped the file so far")

@@ -191,7 +191,7 @@ def _load(config: ServeConfig, topo: Topology):
     from meshlm.model.loader import load_model
 
     p = topo.parallel
-    sums = local_sum_group(config, topo) if not (p.pipeline or p.context) else None
+    sums = local_sum_group(config, topo)
     group = init_group(p, topo.ring_file)
     if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
         shutil.rmtree(topo.ring_file.parent, ignore_errors=True)

@@ -97,9 +97,6 @@ class SharedMemoryGroup:
             raise RuntimeError(f"{exc} (--local-all-reduce needs every rank on this machine; "
                                "`--local-all-reduce off` uses MLX's backend)") from None
 
-    def size(self) -> int:
-        return self.world
-
     def all_sum(self, x: mx.array) -> mx.array:
         if self._group is None:
             raise RuntimeError("the local all-reduce group was used before the ranks joined it")

@@ -13,10 +13,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-from meshlm.transport.local_reduce import SLOT_BYTES, group_path, native_module, ring_is_local, spin_us
+from meshlm.transport.local_reduce import (SLOT_BYTES, SharedMemoryGroup, group_path, native_module, ring_is_local,
+                                           spin_us)
 
 NATIVE, STATUS = native_module()
 NEEDS_NATIVE = pytest.mark.skipif(NATIVE is None, reason=f"local all-reduce not built: {STATUS}")
@@ -25,12 +27,13 @@ NEEDS_NATIVE = pytest.mark.skipif(NATIVE is None, reason=f"local all-reduce not 
 # digests per size, then follows `then` (exit at once, or wait to be killed).
 RANK = textwrap.dedent("""
     import hashlib, json, os, sys, time
+    from pathlib import Path
     import mlx.core as mx
     import numpy as np
     from meshlm.transport.local_reduce import SharedMemoryGroup, native_module
     path, rank, world, sizes, then = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
     native, _ = native_module()
-    g = SharedMemoryGroup(__import__("pathlib").Path(path), rank, world, native, 0.0)
+    g = SharedMemoryGroup(Path(path), rank, world, native, 0.0)
     if rank == 0:
         g.create()
     else:
@@ -102,10 +105,6 @@ def test_a_peer_that_exits_fails_the_waiting_sum_instead_of_hanging(shm_path):
 
 @NEEDS_NATIVE
 def test_abort_wakes_every_rank_waiting_in_a_sum(shm_path):
-    from meshlm.transport.local_reduce import SharedMemoryGroup
-
-    import mlx.core as mx
-
     waiting = start(shm_path, 1, 2, [], then="sum-again")  # joins, then waits in a sum rank 0 never starts
     g = SharedMemoryGroup(shm_path, 0, 2, NATIVE, 0.0)
     g.create()
@@ -123,23 +122,19 @@ def test_abort_wakes_every_rank_waiting_in_a_sum(shm_path):
 
 @NEEDS_NATIVE
 def test_joining_a_group_that_is_not_there_or_not_this_layout_is_an_error(shm_path):
-    from meshlm.transport.local_reduce import SharedMemoryGroup
-
     with pytest.raises(RuntimeError, match="every rank on this machine"):
         SharedMemoryGroup(shm_path, 1, 2, NATIVE, 0.0).join()
     SharedMemoryGroup(shm_path, 0, 2, NATIVE, 0.0).create()
     with pytest.raises(RuntimeError, match="layout"):
         SharedMemoryGroup(shm_path, 1, 3, NATIVE, 0.0).join()
     with pytest.raises(RuntimeError, match="before the ranks joined"):
-        SharedMemoryGroup(shm_path, 1, 2, NATIVE, 0.0).all_sum(__import__("mlx.core").core.ones((2,)))
+        SharedMemoryGroup(shm_path, 1, 2, NATIVE, 0.0).all_sum(mx.ones((2,)))
     with pytest.raises(ValueError):
         NATIVE.LocalGroup(str(shm_path), 2, 2, SLOT_BYTES, 0.0, False)
 
 
 @NEEDS_NATIVE
 def test_the_group_file_is_removed_by_rank_0_once_every_rank_has_it(shm_path):
-    from meshlm.transport.local_reduce import SharedMemoryGroup
-
     leader = SharedMemoryGroup(shm_path, 0, 2, NATIVE, 0.0)
     leader.create()
     leader.remove_file(only_once_joined=True)  # rank 1 has not mapped it yet
