@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -286,91 +288,94 @@ struct PagedShape {
   bool wide = false;  // the 512-bit scores (wide_kernels)
 };
 
-void paged_decode_kernel(const PagedShape& sh, const float* q, const float* k, const float* v,
-                         const int32_t* tables, const int32_t* lengths, float* out) {
+// One item of a paged decode: row b's query heads of KV head h (a row's KV heads are independent, so
+// the GEMM threads share a step's items: one decode row of the demo model has 3, a 6-token verify 18).
+void paged_decode_item(const PagedShape& sh, const float* q, const float* k, const float* v,
+                       const int32_t* tables, const int32_t* lengths, float* out, int64_t b, int64_t h) {
   const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
-  std::vector<float> scores, allowed, qbuf(r * D), inv(r);
-  for (int64_t b = 0; b < sh.R; ++b) {
-    int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
-    const int32_t* table = tables + b * sh.max_blocks;
-    bool valid = len > 0;
-    for (int64_t j = 0; j * bs < len; ++j) valid = valid && table[j] >= 0 && table[j] < pool_blocks;
-    float* orow = out + b * sh.Hk * r * D;
-    if (!valid) {
-      std::fill(orow, orow + sh.Hk * r * D, 0.0f);
-      continue;
-    }
-    if (static_cast<int64_t>(scores.size()) < r * len) scores.resize(r * len);
-    if (static_cast<int64_t>(allowed.size()) < len) allowed.assign(len, 1.0f);
-    // The r query heads sharing a KV head go through its blocks together: each block's keys and
-    // values are read from memory once and reused from L1 by every query head (one query head at a
-    // time read a long row's keys r times from beyond L2).
-    for (int64_t h = 0; h < sh.Hk; ++h) {
-      const float* kh = k + h * sh.ks[0];
-      const float* vh = v + h * sh.vs[0];
-      for (int64_t j = 0; j < r; ++j) {
-        const float* qsrc = q + ((b * sh.Hk + h) * r + j) * D;
+  thread_local std::vector<float> scores, allowed, qbuf, inv;  // per thread: no allocation per item
+  int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
+  const int32_t* table = tables + b * sh.max_blocks;
+  bool valid = len > 0;
+  for (int64_t j = 0; j * bs < len; ++j) valid = valid && table[j] >= 0 && table[j] < pool_blocks;
+  float* oh = out + (b * sh.Hk + h) * r * D;
+  if (!valid) {
+    std::fill(oh, oh + r * D, 0.0f);
+    return;
+  }
+  if (static_cast<int64_t>(scores.size()) < r * len) scores.resize(r * len);
+  if (static_cast<int64_t>(allowed.size()) < len) allowed.assign(len, 1.0f);
+  if (static_cast<int64_t>(qbuf.size()) < r * D) qbuf.resize(r * D);
+  if (static_cast<int64_t>(inv.size()) < r) inv.resize(r);
+  // The r query heads sharing a KV head go through its blocks together: each block's keys and
+  // values are read from memory once and reused from L1 by every query head (one query head at a
+  // time read a long row's keys r times from beyond L2).
+  const float* kh = k + h * sh.ks[0];
+  const float* vh = v + h * sh.vs[0];
+  for (int64_t j = 0; j < r; ++j) {
+    const float* qsrc = q + ((b * sh.Hk + h) * r + j) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) qbuf[j * D + d] = qsrc[d] * sh.q_scale;
-      }
-      for (int64_t blk = 0; blk * bs < len; ++blk) {
-        int64_t n = std::min(bs, len - blk * bs);
-        const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
-        for (int64_t j = 0; j < r; ++j) {
-          const float* qj = qbuf.data() + j * D;
-          float* sc = scores.data() + j * len + blk * bs;
+    for (int64_t d = 0; d < D; ++d) qbuf[j * D + d] = qsrc[d] * sh.q_scale;
+  }
+  for (int64_t blk = 0; blk * bs < len; ++blk) {
+    int64_t n = std::min(bs, len - blk * bs);
+    const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
+    for (int64_t j = 0; j < r; ++j) {
+      const float* qj = qbuf.data() + j * D;
+      float* sc = scores.data() + j * len + blk * bs;
 #if MESHLM_AVX512
-          if (sh.wide && D % 16 == 0) {
-            head_scores_512(qj, kb, sh.ks[1], n, D, sc);
-            continue;
-          }
+      if (sh.wide && D % 16 == 0) {
+        head_scores_512(qj, kb, sh.ks[1], n, D, sc);
+        continue;
+      }
 #endif
 #if MESHLM_AVX2
-          if (D % 64 == 0) {
-            head_scores(qj, kb, sh.ks[1], n, D, sc);
-            continue;
-          }
+      if (D % 64 == 0) {
+        head_scores(qj, kb, sh.ks[1], n, D, sc);
+        continue;
+      }
 #endif
-          for (int64_t s = 0; s < n; ++s) {
-            const float* kr = kb + s * sh.ks[1];
-            float dot = 0.0f;
+      for (int64_t s = 0; s < n; ++s) {
+        const float* kr = kb + s * sh.ks[1];
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
-            sc[s] = dot;
-          }
-        }
-      }
-      for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, allowed.data(), len);
-      float* oh = orow + h * r * D;
-      std::fill(oh, oh + r * D, 0.0f);
-      for (int64_t blk = 0; blk * bs < len; ++blk) {
-        int64_t n = std::min(bs, len - blk * bs);
-        const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
-        for (int64_t j = 0; j < r; ++j) {
-          const float* p = scores.data() + j * len + blk * bs;
-          float* o = oh + j * D;
-#if MESHLM_AVX2
-          if (D % 64 == 0) {
-            for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
-            continue;
-          }
-#endif
-          for (int64_t s = 0; s < n; ++s) {
-            if (p[s] == 0.0f) continue;
-            const float* vr = vb + s * sh.vs[1];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
-          }
-        }
-      }
-      for (int64_t j = 0; j < r; ++j) {
-        float* o = oh + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv[j];
+        for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
+        sc[s] = dot;
       }
     }
   }
+  for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, allowed.data(), len);
+  std::fill(oh, oh + r * D, 0.0f);
+  for (int64_t blk = 0; blk * bs < len; ++blk) {
+    int64_t n = std::min(bs, len - blk * bs);
+    const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+    for (int64_t j = 0; j < r; ++j) {
+      const float* p = scores.data() + j * len + blk * bs;
+      float* o = oh + j * D;
+#if MESHLM_AVX2
+      if (D % 64 == 0) {
+        for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
+        continue;
+      }
+#endif
+      for (int64_t s = 0; s < n; ++s) {
+        if (p[s] == 0.0f) continue;
+        const float* vr = vb + s * sh.vs[1];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
+      }
+    }
+  }
+  for (int64_t j = 0; j < r; ++j) {
+    float* o = oh + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv[j];
+  }
 }
+
+// Calls fn(i0, i1) over [0, n) in chunks shared by the calling thread and the GEMM pool's helper
+// (defined with the pool, below).
+void parallel_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn);
 
 // A primitive's input, taken as MLX evaluated it. Inputs are not wrapped in Contiguous nodes when the
 // graph is built: every node costs the thread that builds and schedules the graph (a decode step of
@@ -490,7 +495,11 @@ class PagedDecodeAttention : public CpuOnly {
                   lp = In<int32_t>(lengths), o = out.data<float>()]() {
       std::vector<float> qs;
       std::vector<int32_t> ts, ls;
-      paged_decode_kernel(sh, qp.get(qs), kp, vp, tp.get(ts), lp.get(ls), o);
+      const float* qv = qp.get(qs);
+      const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
+      parallel_items(sh.R * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) paged_decode_item(sh, qv, kp, vp, tv, lv, o, i / sh.Hk, i % sh.Hk);
+      });
     });
   }
 
@@ -780,7 +789,8 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
                              const float* __restrict w1, const float* bias0, const float* bias1,
                              float* __restrict c0, int64_t ldc0, float* __restrict c1, int64_t ldc1, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
-         b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0;
+         b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0, a8 = a0, b8 = a0, a9 = a0, b9 = a0,
+         a10 = a0, b10 = a0, a11 = a0, b11 = a0;
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (MR > 1) {
       _mm_prefetch(reinterpret_cast<const char*>(w0 + PANEL * (k + PREFETCH_LINES)), _MM_HINT_T0);
@@ -800,6 +810,10 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
     if constexpr (MR > 5) row(5, a5, b5);
     if constexpr (MR > 6) row(6, a6, b6);
     if constexpr (MR > 7) row(7, a7, b7);
+    if constexpr (MR > 8) row(8, a8, b8);
+    if constexpr (MR > 9) row(9, a9, b9);
+    if constexpr (MR > 10) row(10, a10, b10);
+    if constexpr (MR > 11) row(11, a11, b11);
   }
   __m512 bias_lo = bias0 ? _mm512_loadu_ps(bias0) : _mm512_setzero_ps();
   __m512 bias_hi = bias1 ? _mm512_loadu_ps(bias1) : _mm512_setzero_ps();
@@ -815,6 +829,10 @@ inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float
   if constexpr (MR > 5) store(5, a5, b5);
   if constexpr (MR > 6) store(6, a6, b6);
   if constexpr (MR > 7) store(7, a7, b7);
+  if constexpr (MR > 8) store(8, a8, b8);
+  if constexpr (MR > 9) store(9, a9, b9);
+  if constexpr (MR > 10) store(10, a10, b10);
+  if constexpr (MR > 11) store(11, a11, b11);
 }
 #endif
 
@@ -859,15 +877,21 @@ constexpr Micro256 MICRO_256[ROWS_256 + 1] = {nullptr, gemm_micro<1>, gemm_micro
 #if MESHLM_AVX512
 using Micro512 = void (*)(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
                           int64_t, float*, int64_t, int64_t);
-constexpr int64_t ROWS_512 = 8;  // 16 accumulators of the 32 registers
-constexpr Micro512 MICRO_512[ROWS_512 + 1] = {nullptr, gemm_micro_512x2<1>, gemm_micro_512x2<2>,
-                                              gemm_micro_512x2<3>, gemm_micro_512x2<4>, gemm_micro_512x2<5>,
-                                              gemm_micro_512x2<6>, gemm_micro_512x2<7>, gemm_micro_512x2<8>};
+constexpr int64_t ROWS_512 = 8;  // rows a pass: 16 accumulators of the 32 registers
+// ... except that a GEMM of up to ROWS_512_ONE_PASS rows (a speculative verify of up to 11 drafts) takes
+// them all in one pass of up to 24 accumulators: two passes read every panel pair twice, the second
+// time from L2 with the memory idle, and a 9-row GEMM of the demo model's weights cost 1.3x an 8-row one.
+constexpr int64_t ROWS_512_ONE_PASS = 12;
+constexpr Micro512 MICRO_512[ROWS_512_ONE_PASS + 1] = {
+    nullptr,                gemm_micro_512x2<1>,  gemm_micro_512x2<2>,  gemm_micro_512x2<3>, gemm_micro_512x2<4>,
+    gemm_micro_512x2<5>,    gemm_micro_512x2<6>,  gemm_micro_512x2<7>,  gemm_micro_512x2<8>, gemm_micro_512x2<9>,
+    gemm_micro_512x2<10>,   gemm_micro_512x2<11>, gemm_micro_512x2<12>};
 
 void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
-  for (int64_t i = 0; i < g.M; i += ROWS_512) {
-    MICRO_512[std::min(ROWS_512, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
-                                           b.c + i * b.ldc, b.ldc, g.K);
+  const int64_t pass = g.M <= 2 * ROWS_512_ONE_PASS ? ROWS_512_ONE_PASS : ROWS_512;
+  for (int64_t i = 0; i < g.M; i += pass) {
+    MICRO_512[std::min(pass, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
+                                       b.c + i * b.ldc, b.ldc, g.K);
   }
 }
 #endif
@@ -903,40 +927,70 @@ class GemmPool {
       packed_gemm_panels(g, 0, panels);
       return;
     }
-    std::call_once(started_, [this] { std::thread([this] { loop(); }).detach(); });
-    while (inside_.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
-    job_ = g;
-    panels_ = panels;
-    next_.store(0);
-    int ticket = ++tickets_;
-    posted_.store(ticket);
-    posted_.notify_one();
-    work();
-    while (inside_.load() == ticket) _mm_pause();  // its last chunk
+    post(g, panels, CHUNK, nullptr);
+  }
+  // Any other job of independent items (the paged decode's rows and KV heads), shared the same way.
+  void run_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(use_, std::try_to_lock);
+    if (threads_ < 2 || n < 2 || !busy.owns_lock()) {
+      fn(0, n);
+      return;
+    }
+    post(GemmArgs{}, n, std::max<int64_t>(1, chunk), &fn);
   }
   void set_threads(int n) { threads_ = std::max(1, n); }
 
  private:
   static constexpr int64_t CHUNK = 4;  // panels per grab
+  static constexpr int PREPARING = 0;  // posted_ while the caller writes a job (tickets start at 1)
   static constexpr int SPIN = 2000;  // pause instructions (~20-50 us) before sleeping; longer spins slowed batch-16 decode
+
+  // Hands the job to the helper and works on it beside it; returns once both are done.
+  //
+  // The job's fields are written only while no helper can be in work(): posted_ first says "none"
+  // (PREPARING), then the caller waits until the helper is not inside. A helper that announces itself
+  // after that wait re-reads posted_ and sees PREPARING (or the new ticket, whose job is complete), never
+  // the old ticket: it once could, and then worked on a job being written, the caller returning while
+  // it still ran a paged decode's items against a function that had gone out of scope (a SIGSEGV).
+  void post(const GemmArgs& g, int64_t items, int64_t chunk, const std::function<void(int64_t, int64_t)>* fn) {
+    std::call_once(started_, [this] { std::thread([this] { loop(); }).detach(); });
+    posted_.store(PREPARING);
+    while (inside_.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
+    job_ = g;
+    fn_ = fn;
+    panels_ = items;
+    chunk_ = chunk;
+    next_.store(0);
+    tickets_ = tickets_ == std::numeric_limits<int>::max() ? 1 : tickets_ + 1;  // never PREPARING (a server
+    int ticket = tickets_;                                                         // runs ~10^4 GEMMs a second)
+    posted_.store(ticket);
+    posted_.notify_one();
+    work();
+    while (inside_.load() == ticket) _mm_pause();  // its last chunk
+  }
 
   void work() {
     for (;;) {
-      int64_t p0 = next_.fetch_add(CHUNK);
+      int64_t p0 = next_.fetch_add(chunk_);
       if (p0 >= panels_) return;
-      packed_gemm_panels(job_, p0, std::min(p0 + CHUNK, panels_));
+      int64_t p1 = std::min(p0 + chunk_, panels_);
+      if (fn_ != nullptr) {
+        (*fn_)(p0, p1);
+      } else {
+        packed_gemm_panels(job_, p0, p1);
+      }
     }
   }
   void loop() {
     int seen = 0;
     for (;;) {
       int ticket = posted_.load();
-      for (int spin = 0; ticket == seen && spin < SPIN; ++spin) {
+      for (int spin = 0; (ticket == seen || ticket == PREPARING) && spin < SPIN; ++spin) {
         _mm_pause();
         ticket = posted_.load();
       }
-      if (ticket == seen) {
-        posted_.wait(seen);
+      if (ticket == seen || ticket == PREPARING) {
+        posted_.wait(ticket);
         continue;
       }
       seen = ticket;
@@ -951,7 +1005,8 @@ class GemmPool {
   std::atomic<int> posted_{0}, inside_{0};
   std::atomic<int64_t> next_{0};
   GemmArgs job_{};
-  int64_t panels_ = 0;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;  // set: the job is this, not a GEMM
+  int64_t panels_ = 0, chunk_ = CHUNK;  // items of the job, and how many a grab takes
   int tickets_ = 0;
   int threads_ = 1;
   std::mutex use_;
@@ -961,6 +1016,10 @@ class GemmPool {
 GemmPool& gemm_pool() {
   static GemmPool* pool = new GemmPool();  // never destroyed: its detached thread outlives static destructors
   return *pool;
+}
+
+void parallel_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+  gemm_pool().run_items(n, chunk, fn);
 }
 
 // Runs `g` on the GEMM threads inside the stream's task, x (and the bias) read as MLX produced them.

@@ -140,7 +140,7 @@ class CPUBackend:
         if q.dtype != mx.float32:
             return PortableBackend.decode(self, q, pool_k, pool_v, rows, block_size, scale)
         R = q.shape[0]
-        if self.split and R >= SPLIT_DECODE_ROWS:
+        if self.split and self.native is None and R >= SPLIT_DECODE_ROWS:  # the kernel shares its own rows
             h = R // 2
             first = self._decode(q[:h], pool_k, pool_v, rows, 0, h, block_size, scale)
             with mx.stream(self._second()):

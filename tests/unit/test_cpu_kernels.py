@@ -242,7 +242,7 @@ def test_every_tiny_architecture_keeps_its_logits(tmp_path, model_type, backend)
 
 
 @NEEDS_PACKED_GEMM
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 65, 300])  # 6- and 8-row passes and their tails
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 9, 12, 13, 16, 17, 64, 65, 300])  # 6- and 8-row passes, their tails, one-pass 9-12
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [160, 176])  # panels in pairs, and an odd one left for the 256-bit kernel
 def test_packed_linear_matches_nn_linear(rows, bias, out, kernel_width):
@@ -291,6 +291,35 @@ def test_packed_gemm_threads_and_streams(kernel_width):
             want += [ref(x), ref(x * 2)]
         mx.eval(outs)
         assert max(mx.abs(o - w).max().item() for o, w in zip(outs, want)) < 1e-4
+
+
+@NEEDS_PACKED_GEMM
+def test_paged_decode_items_shared_with_the_gemm_thread_match_one_thread():
+    """The paged decode hands its (row, KV head) items to the GEMM pool, whose helper then alternates
+    between GEMM panels and attention items with no pause in between: hundreds of such hand-offs give
+    bit-identical outputs to one thread."""
+    bs, blocks, D = 8, 64, 64
+    pool_k, pool_v = mx.random.normal((blocks * bs, 3, D)), mx.random.normal((blocks * bs, 3, D))
+    layer = cpu_kernels.PackedLinear(nn.Linear(D * 9, D * 9), NATIVE)
+    rows = 6
+    tables = mx.array([[(r * 7 + j) % blocks for j in range(8)] for r in range(rows)])
+    lengths = mx.array([40 + 3 * r for r in range(rows)])
+
+    def chain(x):
+        for _ in range(60):
+            q = layer(x).reshape(rows, 9, D)
+            x = NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, lengths, bs, 0.1).reshape(rows, 9 * D)
+        return x
+
+    x = mx.random.normal((rows, 9 * D))
+    outs = {}
+    for threads in (1, 2, 1, 2):
+        NATIVE.set_gemm_threads(threads)
+        got = chain(x)
+        mx.eval(got)
+        outs.setdefault(threads, []).append(got)
+    NATIVE.set_gemm_threads(2)
+    assert all(mx.array_equal(o, outs[1][0]).item() for os_ in outs.values() for o in os_)
 
 
 @NEEDS_PACKED_GEMM
