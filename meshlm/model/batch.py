@@ -111,7 +111,7 @@ class Batch:
                    _extend(groups, n_decode, block_size), logit_rows, mx.array(logit_index, dtype=mx.int32))
 
 
-SPLIT_MAX_TOKENS = 8  # a row continuing its KV with this few tokens attends as that many decode rows
+SPLIT_MAX_TOKENS = 16  # a row continuing its KV with this few tokens attends as that many decode rows
 
 
 def _split_short_rows(rows: list[RowSpec]) -> list[RowSpec]:

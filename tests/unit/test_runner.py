@@ -314,13 +314,14 @@ def test_a_chunk_gives_logits_for_every_position_and_equals_one_at_a_time(path, 
 
 
 def test_short_continuing_rows_split_into_decode_rows_and_others_do_not():
+    long = batch_module.SPLIT_MAX_TOKENS + 1  # one token more than a split takes
     rows = [RowSpec(1, 10, (5, 6, 7), tuple(range(4)), LOGITS_ALL), RowSpec(2, 0, (5, 6), (4,), LOGITS_LAST),
-            RowSpec(3, 20, tuple(range(9)), tuple(range(5, 9)), LOGITS_ALL), RowSpec(4, 3, (8,), (9,), LOGITS_LAST),
-            RowSpec(5, 6, (1, 2), (10,), LOGITS_LAST)]
+            RowSpec(3, 20, tuple(range(long)), tuple(range(11, 11 + (20 + long + BS - 1) // BS)), LOGITS_ALL),
+            RowSpec(4, 3, (8,), (9,), LOGITS_LAST), RowSpec(5, 6, (1, 2), (10,), LOGITS_LAST)]
     b = Batch.build(rows, BS)
     assert b.decode.count == 3 + 1 + 2  # uid 1's three tokens, uid 4, uid 5's two
     assert b.decode.lengths.tolist() == [11, 12, 13, 4, 7, 8]
-    assert b.logit_rows == [1, 1, 1, 4, 5, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3]  # LOGITS_LAST of uid 5: its last token
+    assert b.logit_rows == [1, 1, 1, 4, 5, 2] + [3] * long  # LOGITS_LAST of uid 5: its last token
 
 
 def test_trim_rolls_a_row_back_and_the_next_tokens_see_only_what_was_kept(path, reference):
