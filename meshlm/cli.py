@@ -97,6 +97,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
                    help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per verify step (K)")
+    g.add_argument("--num-speculative-tokens-max", type=int, default=0,
+                   help="n-gram: a sequence whose drafts were all accepted drafts twice as many next time, up to "
+                        "this (0: 3 x K, at most 15; K: never more than K)")
     g.add_argument("--draft-model", default=None, help="--speculative draft: model directory with the same tokenizer")
     g.add_argument("--speculative-max-batch-size", type=int, default=4,
                    help="with more decoding sequences than this, a step decodes plainly")
@@ -191,7 +194,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
-                                      args.adaptive_speculation),
+                                      args.adaptive_speculation, args.num_speculative_tokens_max),
         disagg=DisaggConfig(args.role, args.prefill_port, tuple(args.prefill_peer), args.disagg_min_tokens,
                             args.prefill_timeout),
     )

@@ -86,12 +86,18 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4  # ... longest (tried first)
     adaptive: bool = True  # stop speculating a sequence whose measured gain is below 1
+    # n-gram drafts of a sequence whose last verify accepted every one double, up to this, and fall back
+    # to K at the first rejection: text copied from the prompt is accepted in long runs. 0: 3 x K, at most
+    # 15 (16 rows cost the demo model ~1.6x a decode step on the CPU, docs/BENCHMARKS.md).
+    max_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative must be one of {SPECULATIVE_METHODS}")
         if not 1 <= self.num_tokens <= 32:
             raise ValueError("--num-speculative-tokens must be in 1..32")
+        if self.max_num_tokens and not self.num_tokens <= self.max_num_tokens <= 32:
+            raise ValueError("--num-speculative-tokens-max must be in --num-speculative-tokens..32 (0: the default)")
         if self.max_batch_size < 1:
             raise ValueError("--speculative-max-batch-size must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
@@ -102,6 +108,11 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    @property
+    def grown_num_tokens(self) -> int:
+        """The most drafts a verify step of one sequence takes once its drafts keep being accepted."""
+        return self.max_num_tokens or max(self.num_tokens, min(3 * self.num_tokens, 15))
 
 
 BACKENDS = ("ring", "jaccl", "mpi")

@@ -40,6 +40,7 @@ class Acceptance:
     matched: int = 0
     idle: int = 0  # steps since a model draft last ran for this sequence
     probe_after: int = PROBE_STEPS  # ... and how many to wait before trying it again
+    k: int = 0  # n-gram drafts to propose next (0: the configured K), grown while every draft is accepted
 
     @property
     def alpha(self) -> float:

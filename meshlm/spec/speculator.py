@@ -54,11 +54,11 @@ class Speculator:
         if not decoding or len(decoding) > self.config.max_batch_size:
             return {}
         candidates = []
+        most = self.config.num_tokens if self.draft is not None else self.config.grown_num_tokens
         for seq in decoding:
             if not seq.params.speculative:
                 continue
-            k = min(self.config.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    self.max_model_len - seq.num_tokens - 1)
+            k = min(most, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             if self.draft is not None:
                 k = min(k, self.draft.room(seq))
             if k > 0:
@@ -71,19 +71,23 @@ class Speculator:
                        sampling: Callable[[int], SeqSampling | None]) -> dict[int, tuple[int, ...]]:
         ratio = self.cost.slope_ratio()
         drafts: dict[int, tuple[int, ...]] = {}
+        base = self.config.num_tokens
         for seq, k in candidates:
-            proposal = tuple(self.proposer.propose(seq.uid, seq.tokens, k))
+            acc = self._seqs.setdefault(seq.uid, Acceptance())
+            proposal = tuple(self.proposer.propose(seq.uid, seq.tokens, min(k, acc.k or base)))
             state = sampling(seq.uid) if proposal else None
             if state is not None and state.constraint is not None:
                 # A point-mass draft the grammar forbids is surely rejected: verifying it is wasted work.
                 proposal = proposal[: state.constraint.valid_prefix(proposal)]
             if not proposal:
                 continue
-            acc = self._seqs.setdefault(seq.uid, Acceptance())
             if self.config.adaptive and not worth_it(acc.alpha, len(proposal), rows, rows, ratio):
-                if not acc.shadow:
-                    acc.shadow, acc.matched = proposal, 0
-                continue
+                if len(proposal) > base and worth_it(acc.alpha, base, rows, rows, ratio):
+                    proposal = proposal[:base]  # grown too far for what this sequence accepts
+                else:
+                    if not acc.shadow:
+                        acc.shadow, acc.matched = proposal, 0
+                    continue
             acc.shadow, acc.matched = (), 0  # the verify step measures it now
             drafts[seq.uid] = proposal
         return drafts
@@ -123,6 +127,11 @@ class Speculator:
     def verified(self, uid: int, drafted: int, accepted: int, emitted: int) -> None:
         acc = self._seqs.setdefault(uid, Acceptance())
         acc.observe(accepted, accepted < drafted)
+        base = self.config.num_tokens
+        if accepted < drafted:
+            acc.k = base
+        elif drafted >= (acc.k or base):  # a full proposal, all accepted: the text is being copied
+            acc.k = min(2 * drafted, self.config.grown_num_tokens)
         m = self.metrics
         m.spec_verifies.inc()
         m.spec_drafted.inc(drafted)

@@ -304,6 +304,9 @@ def test_demo_model_input_grounded_text_equals_plain(tmp_path):
             outs.append(r.json()["choices"][0]["message"]["content"])
             if flags:
                 assert srv.metric("meshlm_spec_accepted_tokens_total") > 10
+                # The copy was accepted in runs long enough for the drafts to grow past K = 5 (to 10, then
+                # 15): verify chunks of up to 16 tokens ran, and their text is plain decoding's.
+                assert srv.metric('meshlm_spec_accepted_per_position_total{position="9"}') > 0
         finally:
             srv.stop()
     assert outs[0] == outs[1] and outs[0]

@@ -54,3 +54,43 @@ def test_step_cost_fit():
     for _ in range(20):
         flat.record(4, 0.05)  # no spread in tokens: the prior ratio splits the time
     assert flat.slope_ratio() == pytest.approx(0.1)
+
+
+def _copying_sequence(k_base: int, k_max: int):
+    """A Speculator and a sequence that decodes a prompt copied twice over (every n-gram draft right)."""
+    from meshlm.config import SpeculativeConfig
+    from meshlm.engine.request import SamplingParams, Sequence
+    from meshlm.metrics import Metrics
+    from meshlm.spec.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", k_base, max_num_tokens=k_max), Metrics(), max_model_len=4096)
+    text = list(range(100, 160))
+    seq = Sequence(0, text + text[:3], SamplingParams(max_tokens=200, temperature=0))
+    seq.num_computed_tokens = len(seq.prompt_ids) - 1  # prefilled but for the last token: decoding
+    return spec, seq, text
+
+
+def test_ngram_drafts_grow_while_accepted_and_fall_back_at_a_rejection():
+    spec, seq, text = _copying_sequence(3, 10)
+    lengths = []
+    for _ in range(4):
+        drafts = spec.propose([seq], lambda uid: None)[seq.uid]
+        lengths.append(len(drafts))
+        assert list(drafts) == text[len(seq.tokens) - len(text):][: len(drafts)]
+        spec.verified(seq.uid, len(drafts), len(drafts), len(drafts) + 1)  # every draft accepted
+        seq.output_ids.extend(text[len(seq.tokens) - len(text):][: len(drafts) + 1])
+        seq.num_computed_tokens = seq.num_tokens - 1
+    assert lengths == [3, 6, 10, 10]  # doubled after each full acceptance, capped by the maximum
+    spec.verified(seq.uid, 10, 4, 5)  # a rejection: back to K
+    assert len(spec.propose([seq], lambda uid: None)[seq.uid]) == 3
+
+
+def test_draft_growth_default_and_its_limits():
+    from meshlm.config import SpeculativeConfig
+
+    assert SpeculativeConfig("ngram", 5).grown_num_tokens == 15
+    assert SpeculativeConfig("ngram", 2).grown_num_tokens == 6
+    assert SpeculativeConfig("ngram", 20).grown_num_tokens == 20  # K beyond the default cap: no growth
+    assert SpeculativeConfig("ngram", 5, max_num_tokens=5).grown_num_tokens == 5
+    with pytest.raises(ValueError):
+        SpeculativeConfig("ngram", 5, max_num_tokens=4)
