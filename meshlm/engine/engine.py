@@ -472,8 +472,10 @@ class Engine:
             for uid, tokens in taken.items():
                 self.speculator.generated(uid, tokens)
             # Back-to-back steps: the gap is one step's time. Only decode and verify steps are fitted: a
-            # prefill chunk's tokens cost another rate, and drafts are weighed against decoding.
-            decoding = all(len(c.token_ids) == 1 or c.uid in verified for c in plan.chunks)
+            # prefill chunk's tokens cost another rate, and drafts are weighed against decoding. A step with
+            # no chunks (one that only retires sequences) costs ~1 ms for 0 tokens: fitted, it doubled the
+            # slope b, and the policy then stopped sequences whose drafts were paying.
+            decoding = bool(plan.chunks) and all(len(c.token_ids) == 1 or c.uid in verified for c in plan.chunks)
             if self._last_collect is not None and decoding:
                 self.speculator.step_done(plan.num_tokens, now - self._last_collect, bool(verified))
             self._last_collect = now
