@@ -193,6 +193,74 @@ void head_scores(const float* __restrict q, const float* __restrict kh, int64_t 
 }
 
 #if MESHLM_AVX512
+inline __m256 fold(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// The eight lane sums of a0..a7 as one vector, by a tree of adds: ~3 operations a sum, where one
+// _mm512_reduce_add_ps per key took ~8 in a chain.
+inline __m256 sum8(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512 a5, __m512 a6, __m512 a7) {
+  __m256 h01 = _mm256_hadd_ps(fold(a0), fold(a1)), h23 = _mm256_hadd_ps(fold(a2), fold(a3));
+  __m256 h45 = _mm256_hadd_ps(fold(a4), fold(a5)), h67 = _mm256_hadd_ps(fold(a6), fold(a7));
+  __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit lane: 4 partial sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// o[j][0:DV*16] += sum_s p[j][s] * values[s][0:DV*16] for the NQ query heads of one KV head at once: each
+// value row is loaded once for all of them (one block of a paged row; p rows pstride apart). The same
+// multiply-adds in the same order per element as one head at a time, so the same result.
+template <int NQ, int DV>
+inline void weighted_values_multi(const float* __restrict p, int64_t pstride, const float* __restrict vh,
+                                  int64_t vstride, int64_t S, float* __restrict o, int64_t ostride) {
+  static_assert(NQ * DV <= 16);
+  __m512 acc[NQ][DV];
+#pragma GCC unroll 16
+  for (int j = 0; j < NQ; ++j) {
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; ++d) acc[j][d] = _mm512_loadu_ps(o + j * ostride + 16 * d);
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const float* vr = vh + s * vstride;
+    __m512 v[DV];
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vr + 16 * d);
+#pragma GCC unroll 16
+    for (int j = 0; j < NQ; ++j) {
+      __m512 w = _mm512_set1_ps(p[j * pstride + s]);
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc[j][d] = _mm512_fmadd_ps(w, v[d], acc[j][d]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NQ; ++j) {
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + j * ostride + 16 * d, acc[j][d]);
+  }
+}
+
+// All r query heads' values of one block, in groups as wide as the registers allow (D 64 or 128); false:
+// another head size, which the caller handles one head at a time.
+inline bool weighted_values_heads(const float* p, int64_t pstride, int64_t r, const float* vb, int64_t vstride,
+                                  int64_t n, float* o, int64_t D) {
+  if (D == 64) {
+    int64_t j = 0;
+    for (; j + 4 <= r; j += 4) weighted_values_multi<4, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
+    switch (r - j) {
+      case 3: weighted_values_multi<3, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
+      case 2: weighted_values_multi<2, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
+      case 1: weighted_values_multi<1, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
+    }
+    return true;
+  }
+  if (D == 128) {
+    int64_t j = 0;
+    for (; j + 2 <= r; j += 2) weighted_values_multi<2, 8>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
+    if (j < r) weighted_values_multi<1, 8>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
+    return true;
+  }
+  return false;
+}
+
 // scores[s] = q . keys[s] for D a multiple of 16, eight keys at a time: eight independent FMA chains keep
 // both FMA units busy, where head_scores' one key at a time waits on its chain of dependent FMAs and its
 // horizontal sum (~4x slower per key on a Xeon).
@@ -213,14 +281,7 @@ void head_scores_512(const float* __restrict q, const float* __restrict kh, int6
       a6 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 6 * kstride + d), a6);
       a7 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr + 7 * kstride + d), a7);
     }
-    scores[s] = _mm512_reduce_add_ps(a0);
-    scores[s + 1] = _mm512_reduce_add_ps(a1);
-    scores[s + 2] = _mm512_reduce_add_ps(a2);
-    scores[s + 3] = _mm512_reduce_add_ps(a3);
-    scores[s + 4] = _mm512_reduce_add_ps(a4);
-    scores[s + 5] = _mm512_reduce_add_ps(a5);
-    scores[s + 6] = _mm512_reduce_add_ps(a6);
-    scores[s + 7] = _mm512_reduce_add_ps(a7);
+    _mm256_storeu_ps(scores + s, sum8(a0, a1, a2, a3, a4, a5, a6, a7));
   }
   for (; s < S; ++s) {
     const float* kr = kh + s * kstride;
@@ -262,15 +323,16 @@ void weighted_values_64_acc(const float* __restrict p, const float* __restrict v
 
 #endif
 
-// Base-2 softmax of one row of scores in place, masked keys (allowed[s] == 0) weighted 0; returns
-// 1 / sum (0 when every key is masked, so that row's output is zeros, not NaN).
-float softmax_row(float* __restrict sc, const float* __restrict allowed, int64_t S) {
+// Base-2 softmax of one row of scores in place (every key counts: a paged row's keys are exactly its
+// length); returns 1 / sum. The max is a vector reduction: its scalar loop took ~13 % of the kernel.
+float softmax_row(float* __restrict sc, int64_t S) {
   float m = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) m = allowed[s] != 0.0f ? std::max(m, sc[s]) : m;
+#pragma omp simd reduction(max : m)
+  for (int64_t s = 0; s < S; ++s) m = std::max(m, sc[s]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t s = 0; s < S; ++s) {
-    float p = exp2_fast(sc[s] - m) * allowed[s];
+    float p = exp2_fast(sc[s] - m);
     sc[s] = p;
     sum += p;
   }
@@ -293,7 +355,7 @@ struct PagedShape {
 void paged_decode_item(const PagedShape& sh, const float* q, const float* k, const float* v,
                        const int32_t* tables, const int32_t* lengths, float* out, int64_t b, int64_t h) {
   const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
-  thread_local std::vector<float> scores, allowed, qbuf, inv;  // per thread: no allocation per item
+  thread_local std::vector<float> scores, qbuf, inv;  // per thread: no allocation per item
   int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
   const int32_t* table = tables + b * sh.max_blocks;
   bool valid = len > 0;
@@ -304,7 +366,6 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
     return;
   }
   if (static_cast<int64_t>(scores.size()) < r * len) scores.resize(r * len);
-  if (static_cast<int64_t>(allowed.size()) < len) allowed.assign(len, 1.0f);
   if (static_cast<int64_t>(qbuf.size()) < r * D) qbuf.resize(r * D);
   if (static_cast<int64_t>(inv.size()) < r) inv.resize(r);
   // The r query heads sharing a KV head go through its blocks together: each block's keys and
@@ -344,11 +405,14 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
       }
     }
   }
-  for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, allowed.data(), len);
+  for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, len);
   std::fill(oh, oh + r * D, 0.0f);
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
     const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+#if MESHLM_AVX512
+    if (sh.wide && weighted_values_heads(scores.data() + blk * bs, len, r, vb, sh.vs[1], n, oh, D)) continue;
+#endif
     for (int64_t j = 0; j < r; ++j) {
       const float* p = scores.data() + j * len + blk * bs;
       float* o = oh + j * D;
