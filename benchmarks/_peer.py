@@ -388,8 +388,9 @@ class ServerProcess:
         tree = process_tree(pid)
         if self.proc.poll() is None:
             _signal_group(pid, signal.SIGTERM)
-            for p in tree:
-                _signal_pid(p, signal.SIGTERM)
+            for p in tree:  # only those that left the group: a second SIGTERM makes meshlm stop at once
+                if _pgid(p) != pid:
+                    _signal_pid(p, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -431,6 +432,13 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def _signal_pid(pid: int, sig: int) -> None:

@@ -391,6 +391,7 @@ def one_level(cluster: Cluster, prompts: list[str], streams: int,
     summary["cpu_cores_used_per_rank"] = {str(r): round(c / span, 2) for r, c in cpu.items()} if span else None
     other = max(0.0, busy - sum(cpu.values()) - client)
     summary["other_processes_cpu_s"] = round(other, 2)  # CPU used by neither the servers nor this client
+    summary["client_cpu_s"] = round(client, 2)  # this process: the load's HTTP clients
     summary["contended"] = other > 0.1 * span * cores
     if cluster.metrics:
         summary.update(step_time(before, tp.scrape(cluster.url), wall))
