@@ -291,7 +291,8 @@ class ControlLeader:
     def _reject(self, link: Link, reason: str, version: int = wire.VERSION) -> None:
         try:
             link.send(wire.encode_reject(max(self._seq, 1), reason, version), timeout=1.0)
-        except LinkClosed:
+            link.read_available()  # closing with unread bytes would reset the connection, REJECT unread
+        except (LinkClosed, ProtocolError):
             pass
         link.close()
 
@@ -304,8 +305,20 @@ class ControlLeader:
         self._listener.close()
 
     def _close_unadmitted(self, sel: selectors.BaseSelector) -> None:
+        """Refuse the connections still in their handshake once the cluster has formed (or failed to form),
+        saying why: what a connection already sent is judged first, so a wrong secret hears so even
+        when a real worker proved itself sooner. A plain close used to leave its unread PROOF in our
+        buffer, and the kernel then reset the connection: the peer learned nothing."""
         for cand in _candidates(sel):
-            cand.link.close()
+            reason = "the leader stopped admitting workers (its cluster formed, or its start was aborted) before " \
+                     "this connection proved itself"
+            try:
+                cand.authenticate(self._secret)
+            except (Refused, ProtocolError) as e:
+                reason = str(e)
+            except (LinkClosed, VersionMismatch, HandshakeError):
+                pass
+            self._reject(cand.link, reason)
 
     # -- steady state ---------------------------------------------------------------
 

@@ -358,7 +358,9 @@ def test_strangers_on_the_control_port_do_not_disturb_the_cluster(model, tmp_pat
         wait_healthy(hc.url, procs)
         thread.join(10)
         assert impostor_error and isinstance(impostor_error[0], HandshakeError)
-        assert "authentication failed" in str(impostor_error[0])
+        # Refused for its proof, or (when rank 1 proved itself first, as happens under load) because the
+        # cluster formed without it: either way told why, never a bare reset.
+        assert any(why in str(impostor_error[0]) for why in ("authentication failed", "stopped admitting workers"))
         for stranger in (silent, garbage):
             stranger.settimeout(10)
             assert b"".join(iter(lambda s=stranger: s.recv(4096), b"")) != b""  # CHALLENGE, REJECT, then closed

@@ -648,6 +648,30 @@ def test_strangers_sending_garbage_or_nothing_do_not_disturb_the_handshake():
         raw.close()
 
 
+def test_connections_still_in_their_handshake_are_told_why_once_the_cluster_forms():
+    """A real worker can prove itself before a stranger that connected earlier: the stranger is then
+    refused with a reason (its wrong proof judged if it sent one), never a bare reset."""
+    leader = _leader()
+    waiting = Waiting(leader)
+    pending, late_impostor = Raw.connect(leader.port), Raw.connect(leader.port)
+    assert pending.frame().kind is Kind.CHALLENGE
+    nonce = decode(Kind.CHALLENGE, late_impostor.frame().payload).nonce
+    workers = _start(leader.port, 2, [(1, FP)])
+    for frame in hello_frames(nonce, OTHER):
+        late_impostor.send(frame)  # while the leader may already be welcoming rank 1
+    assert set(waiting.outcome()) == {1}
+    reasons = []
+    for raw in (pending, late_impostor):
+        frame = raw.frame()
+        assert frame.kind is Kind.REJECT
+        reasons.append(decode_reason(frame.payload))
+    assert "stopped admitting workers" in reasons[0]
+    assert "authentication failed" in reasons[1] or "stopped admitting workers" in reasons[1]
+    _serve_one_plan(leader, workers)
+    pending.close()
+    late_impostor.close()
+
+
 def test_silent_stranger_is_dropped_at_its_own_deadline():
     leader = _leader(auth_timeout=0.3)
     waiting = Waiting(leader, timeout=3.0)
