@@ -318,7 +318,7 @@ class ControlLeader:
                 reason = str(e)
             except (LinkClosed, VersionMismatch, HandshakeError):
                 pass
-            self._reject(cand.link, reason)
+            self._drop(sel, cand, reason)  # logged and refused as any other stranger
 
     # -- steady state ---------------------------------------------------------------
 

@@ -648,9 +648,10 @@ def test_strangers_sending_garbage_or_nothing_do_not_disturb_the_handshake():
         raw.close()
 
 
-def test_connections_still_in_their_handshake_are_told_why_once_the_cluster_forms():
+def test_connections_still_in_their_handshake_are_told_why_once_the_cluster_forms(caplog):
     """A real worker can prove itself before a stranger that connected earlier: the stranger is then
-    refused with a reason (its wrong proof judged if it sent one), never a bare reset."""
+    refused with a reason (its wrong proof judged if it sent one), never a bare reset, and logged as
+    every refused connection is."""
     leader = _leader()
     waiting = Waiting(leader)
     pending, late_impostor = Raw.connect(leader.port), Raw.connect(leader.port)
@@ -667,6 +668,7 @@ def test_connections_still_in_their_handshake_are_told_why_once_the_cluster_form
         reasons.append(decode_reason(frame.payload))
     assert "stopped admitting workers" in reasons[0]
     assert "authentication failed" in reasons[1] or "stopped admitting workers" in reasons[1]
+    assert len(re.findall(r"dropped connection from 127\.0\.0\.1:\d+ during the handshake", caplog.text)) == 2
     _serve_one_plan(leader, workers)
     pending.close()
     late_impostor.close()
