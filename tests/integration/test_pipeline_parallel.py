@@ -2,8 +2,13 @@
 and uneven splits, the demo model split 10/20), and failures: a stage killed, stopped, or sending a
 corrupt activation packet ends requests with an error in seconds and /health says why.
 
-Tolerance: greedy text identical; logprobs of the chosen tokens within 1e-4 (a stage boundary only
-moves where the hidden state is handed over, not how it is computed)."""
+Tolerance: greedy text identical; logprobs of the chosen tokens within TOL = 1e-3. A stage boundary
+only moves where the hidden state is handed over, but micro-batches change how a prompt is chunked, and
+a chunk of up to batch.SPLIT_MAX_TOKENS tokens after cached ones runs as decode rows (another kernel,
+another summation order). The tiny random qwen3 is sensitive to that: measured 2026-11-25, its fp32
+logprobs on PROMPTS differ from float64 by up to 2.4e-4 with stock mlx-lm and 2.7e-4 with meshlm in one
+process, and one process gives a prompt's first logprob 5e-4 apart when it is prefilled whole or with a
+short last chunk. 1e-4 (the tolerance until then) failed about one CI run in four."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 FAULT_ENTRY = str(Path(__file__).parent / "fault_entry.py")
 SECRET = "0123456789abcdef" * 4
+TOL = 1e-3
 PROMPTS = [f"prompt {i}: " + "the river runs past the old mill " * (i % 4 + 1) for i in range(16)]
 
 
@@ -62,8 +68,8 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
             assert srv.metric("meshlm_spec_verify_steps_total") > 0
     finally:
         srv.stop()
-    assert_parity(got, reference)
-    assert_parity(again, reference[:4])
+    assert_parity(got, reference, tol=TOL)
+    assert_parity(again, reference[:4], tol=TOL)
     log = srv.log.read_text()
     assert "layers 0..0 of 4" in log or "layers 0..1 of 4" in log  # the first stage holds only its layers
 
@@ -81,7 +87,7 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
         # bursts, every one at parity, until one preempts.
         for _ in range(3):
             got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
-            assert_parity(got, reference)
+            assert_parity(got, reference, tol=TOL)
             if srv.metric("meshlm_preemptions_total") > 0:
                 break
         assert srv.metric("meshlm_preemptions_total") > 0
@@ -93,7 +99,7 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
         hits = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
-    assert_parity(again, reference[:2])
+    assert_parity(again, reference[:2], tol=TOL)
     assert 'meshlm_prefix_cache_hits_total{tier="ssd"}' in hits
     ssd = [float(line.rsplit(" ", 1)[1]) for line in hits.splitlines()
            if line.startswith('meshlm_prefix_cache_hits_total{tier="ssd"}')]
@@ -109,7 +115,7 @@ def test_demo_model_split_10_20_matches_one_process(tmp_path):
             outs.append(asyncio.run(complete_all(srv.url, prompts, 12)))
         finally:
             srv.stop()
-    assert_parity(outs[1], outs[0])
+    assert_parity(outs[1], outs[0])  # the demo model is not as sensitive: the default 1e-4
 
 
 def test_a_split_that_does_not_fit_the_model_is_refused(model, tmp_path):
