@@ -941,21 +941,21 @@ constexpr Micro256 MICRO_256[ROWS_256 + 1] = {nullptr, gemm_micro<1>, gemm_micro
 #if MESHLM_AVX512
 using Micro512 = void (*)(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
                           int64_t, float*, int64_t, int64_t);
-constexpr int64_t ROWS_512 = 8;  // rows a pass: 16 accumulators of the 32 registers
-// ... except that a GEMM of up to ROWS_512_ONE_PASS rows (a speculative verify of up to 11 drafts) takes
-// them all in one pass of up to 24 accumulators: two passes read every panel pair twice, the second
-// time from L2 with the memory idle, and a 9-row GEMM of the demo model's weights cost 1.3x an 8-row one.
-constexpr int64_t ROWS_512_ONE_PASS = 12;
-constexpr Micro512 MICRO_512[ROWS_512_ONE_PASS + 1] = {
+// Rows a pass: 24 accumulators of the 32 registers, two more for the panel lines. A GEMM of up to 12 rows
+// (a speculative verify of up to 11 drafts) is one pass over the weights; more rows take further passes,
+// which read the panel pair from L2. 12 rows a pass were as fast as 8 or faster at every size measured:
+// the demo model's 13-row GEMMs cost 1.3x its 8-row ones in two 8-row passes, and the 72M llama's
+// prefill-sized ones (32-80 rows, one core) took 3-6 % less time than in 8-row passes (2026-11-25).
+constexpr int64_t ROWS_512 = 12;
+constexpr Micro512 MICRO_512[ROWS_512 + 1] = {
     nullptr,                gemm_micro_512x2<1>,  gemm_micro_512x2<2>,  gemm_micro_512x2<3>, gemm_micro_512x2<4>,
     gemm_micro_512x2<5>,    gemm_micro_512x2<6>,  gemm_micro_512x2<7>,  gemm_micro_512x2<8>, gemm_micro_512x2<9>,
     gemm_micro_512x2<10>,   gemm_micro_512x2<11>, gemm_micro_512x2<12>};
 
 void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
-  const int64_t pass = g.M <= 2 * ROWS_512_ONE_PASS ? ROWS_512_ONE_PASS : ROWS_512;
-  for (int64_t i = 0; i < g.M; i += pass) {
-    MICRO_512[std::min(pass, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
-                                       b.c + i * b.ldc, b.ldc, g.K);
+  for (int64_t i = 0; i < g.M; i += ROWS_512) {
+    MICRO_512[std::min(ROWS_512, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
+                                           b.c + i * b.ldc, b.ldc, g.K);
   }
 }
 #endif
