@@ -3,10 +3,11 @@
 Layout: `<cache_dir>/<model_fingerprint>/<layout>-<kv dtype>-b<block size>/rank_<r>/<key hex>.safetensors`.
 Writes go through a background thread (off the request path), each as a temp
 file renamed into place, so a crash leaves either the old state or a whole
-file. Every file carries its key, salt and a checksum of its tensor bytes in
-the safetensors metadata; at start-up the index is rebuilt from headers and
-anything torn, truncated, garbled or foreign is deleted and counted, never
-loaded. The checksum is verified again on every load.
+file. Every file carries its format, key, salt and a CRC-32 of its tensor
+bytes in the safetensors metadata; at start-up the index is rebuilt from
+headers and anything torn, truncated, garbled, foreign or of an older format
+is deleted and counted, never loaded. The checksum is verified again on every
+load.
 
 Several processes (servers, restarts overlapping) may share one directory:
 - Temp files live in `tmp/` as `<host>-<pid>-<nonce>-<n>.safetensors`, unique
@@ -46,15 +47,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-
-from meshlm.kv.blockfile import checksum, read_block, read_header
+from meshlm.kv.blockfile import read_block, read_header, write_block
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block
 
 log = logging.getLogger(__name__)
 
-FORMAT = "meshlm-kv-1"
+FORMAT = "meshlm-kv-2"  # 2: CRC-32 checksums (1: blake2b)
 SUFFIX = ".safetensors"
 TMP_DIR = "tmp"  # in-flight writes; never scanned as blocks
 LOCK_FILE = ".lock"
@@ -302,7 +301,7 @@ class SSDTier:
             try:
                 if self.enabled:
                     self._write(key, block)
-            except Exception as exc:  # mx.save_safetensors raises RuntimeError on ENOSPC/EROFS
+            except Exception as exc:  # OSError on ENOSPC/EROFS; the tier turns itself off, the server goes on
                 self._disable(f"writing {self.dir} failed: {exc}")
             finally:
                 self._queue.task_done()
@@ -310,13 +309,12 @@ class SSDTier:
     def _write(self, key: bytes, block: Block) -> None:
         arrays = {f"k.{i}": a for i, a in enumerate(block.keys)}
         arrays.update({f"v.{i}": a for i, a in enumerate(block.values)})
-        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "rank": str(self.rank),
-                "checksum": checksum(arrays)}
+        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "rank": str(self.rank)}
         path = self._path(key)
         tmp = self._temp_path()
         tmp.parent.mkdir(exist_ok=True)
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)  # insists on the .safetensors suffix
+            write_block(tmp, arrays, meta)
             os.replace(tmp, path)
             size = path.stat().st_size
         except FileNotFoundError as exc:

@@ -639,7 +639,8 @@ def test_full_cache_dir_keeps_serving_from_ram(full_disk, reference):
 
 
 def test_full_cache_dir_turns_ssd_off_with_a_warning(full_disk):
-    """Regression: ENOSPC is a RuntimeError from mx.save_safetensors; it used to kill the writer thread."""
+    """Regression: ENOSPC (then a RuntimeError from mx.save_safetensors, now an OSError from the block writer)
+    used to kill the writer thread."""
     log = full_disk.log.read_text()
     assert log.count("SSD KV cache off") == 1
     assert "Exception in thread" not in log

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from meshlm.kv.blockfile import checksum, read_block
+from meshlm.kv.blockfile import checksum, read_block, write_block
 
 
 def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
@@ -45,6 +45,29 @@ def test_round_trip(tmp_path, dtype):
         assert block.keys[i].dtype == dtype and block.keys[i].shape == (2, 4, 8)
         assert mx.array_equal(block.keys[i], arrays[f"k.{i}"])
         assert mx.array_equal(block.values[i], arrays[f"v.{i}"])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_written_blocks_are_safetensors_that_mlx_and_the_reader_read_back(tmp_path, dtype):
+    arrays = {f"{kind}.{i}": mx.random.normal((3, 4, 8)).astype(dtype) for kind in "kv" for i in range(3)}
+    arrays["k.1"] = mx.random.normal((4, 3, 8)).astype(dtype).transpose(1, 0, 2)  # a strided view is written whole
+    path = tmp_path / "block.safetensors"
+    write_block(path, arrays, {"format": "x", "rank": "0"})
+    assert (8 + struct.unpack_from("<Q", path.read_bytes())[0]) % 8 == 0  # tensor data 8-byte aligned
+    loaded, meta = mx.load(str(path), return_metadata=True)
+    assert meta == {"format": "x", "rank": "0", "checksum": checksum(arrays)}
+    block, meta2 = read_block(path)
+    assert meta2 == meta
+    for name, a in arrays.items():
+        got = (block.keys if name[0] == "k" else block.values)[int(name[2:])]
+        assert loaded[name].dtype == got.dtype == dtype
+        assert mx.array_equal(loaded[name], a).item() and mx.array_equal(got, a).item()
+
+
+def test_the_writer_refuses_dtypes_block_files_do_not_hold(tmp_path):
+    with pytest.raises(ValueError, match="int32"):
+        write_block(tmp_path / "b.safetensors", {"k.0": mx.zeros((1, 1, 1), dtype=mx.int32)}, {})
+    assert not (tmp_path / "b.safetensors").exists()
 
 
 def test_checksum_mismatch(tmp_path):
