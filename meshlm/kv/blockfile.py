@@ -6,8 +6,9 @@ rank, checksum). Both directions are done here rather than with MLX's
 safetensors functions (the files stay ones they read): one `read` of the
 whole file and a memcpy per array takes ~1 ms for a block of the demo model
 against ~6 ms for `mx.load`'s 60 lazy loads (a 2,000-token SSD hit reads 126
-of them), and one buffered write of the views' bytes took ~1/4 of
-`mx.save_safetensors`'s 0.4 ms for a 256 KiB block. The checksum is a CRC-32
+of them); writing costs what `mx.save_safetensors` does (~0.4 ms for a 256
+KiB block, the page cache's work), and the checksum is taken from the same
+buffers the file is written from. The checksum is a CRC-32
 (as the disaggregated KV packets'): it guards against torn and corrupted
 files, not tampering, and blake2b cost 0.36 ms a 256 KiB block on the SSD
 writer's thread, which under tensor parallelism delays whichever rank it runs
@@ -38,9 +39,7 @@ _DTYPES = {
     "F16": (np.float16, mx.float16),
     "BF16": (np.uint16, mx.bfloat16),
 }
-
-
-_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+_NAMES = {mx_dtype: name for name, (_, mx_dtype) in _DTYPES.items()}  # what the writer records
 
 
 def _digest(named_bytes: Iterable[tuple[str, memoryview]]) -> str:
