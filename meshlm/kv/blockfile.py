@@ -53,20 +53,16 @@ def _raw_bytes(arrays: dict[str, mx.array]) -> dict[str, memoryview]:
     """Each array's bytes, row-major, in name order. A block's float32 or float16 arrays are contiguous and
     exported as they are; others (bfloat16 has no buffer format, a strided view) go through MLX ops first,
     which cost ~6 us an array."""
-    out: dict[str, memoryview] = {}
-    pending: dict[str, mx.array] = {}
-    for name in sorted(arrays):
+    names = sorted(arrays)
+    direct = {}
+    for name in names:
         a = arrays[name]
         view = memoryview(a) if a.dtype != mx.bfloat16 else None
         if view is not None and view.c_contiguous:
-            out[name] = view.cast("B")
-        else:
-            out[name] = memoryview(b"")  # keeps the name order; filled in below
-            pending[name] = mx.contiguous(a).view(mx.uint8)
+            direct[name] = view.cast("B")
+    pending = {name: mx.contiguous(arrays[name]).view(mx.uint8) for name in names if name not in direct}
     mx.eval(list(pending.values()))
-    for name, v in pending.items():
-        out[name] = memoryview(v).cast("B")
-    return out
+    return {name: direct[name] if name in direct else memoryview(pending[name]).cast("B") for name in names}
 
 
 def checksum(arrays: dict[str, mx.array]) -> str:

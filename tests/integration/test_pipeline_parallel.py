@@ -7,8 +7,9 @@ only moves where the hidden state is handed over, but micro-batches change how a
 a chunk of up to batch.SPLIT_MAX_TOKENS tokens after cached ones runs as decode rows (another kernel,
 another summation order). The tiny random qwen3 is sensitive to that: measured 2026-11-25, its fp32
 logprobs on PROMPTS differ from float64 by up to 2.4e-4 with stock mlx-lm and 2.7e-4 with meshlm in one
-process, and one process gives a prompt's first logprob 5e-4 apart when it is prefilled whole or with a
-short last chunk. 1e-4 (the tolerance until then) failed about one CI run in four."""
+process; one process gives a prompt's first chosen-token logprob 2.4e-4 apart (and its logprobs across
+the vocabulary up to 5e-4 apart) when it is prefilled whole or with a short last chunk. 1e-4 (the
+tolerance until then) failed about one CI run in four."""
 
 from __future__ import annotations
 
