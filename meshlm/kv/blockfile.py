@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from meshlm.kv.store import BlockData
+from meshlm.kv.store import Array, BlockData
 
 MAX_HEADER_BYTES = 16 * 2**20
 # safetensors dtype -> (numpy dtype of the raw bytes, MLX dtype they are viewed as)
@@ -40,6 +40,8 @@ _DTYPES = {
     "BF16": (np.uint16, mx.bfloat16),
 }
 _NAMES = {mx_dtype: name for name, (_, mx_dtype) in _DTYPES.items()}  # what the writer records
+# The writer also takes numpy host copies (KVStore.extract(host=True)); numpy's uint16 is not bfloat16.
+_NAMES.update({np.dtype(np_dtype): name for name, (np_dtype, _) in _DTYPES.items() if name != "BF16"})
 
 
 def _digest(named_bytes: Iterable[tuple[str, memoryview]]) -> str:
@@ -49,10 +51,10 @@ def _digest(named_bytes: Iterable[tuple[str, memoryview]]) -> str:
     return f"crc32:{crc:08x}"
 
 
-def _raw_bytes(arrays: dict[str, mx.array]) -> dict[str, memoryview]:
-    """Each array's bytes, row-major, in name order. A block's float32 or float16 arrays are contiguous and
-    exported as they are; others (bfloat16 has no buffer format, a strided view) go through MLX ops first,
-    which cost ~6 us an array."""
+def _raw_bytes(arrays: dict[str, Array]) -> dict[str, memoryview]:
+    """Each array's bytes, row-major, in name order. A block's float32 or float16 arrays (MLX or numpy)
+    are contiguous and exported as they are; other MLX arrays (bfloat16 has no buffer format, a strided
+    view) go through MLX ops first, which cost ~6 us an array."""
     names = sorted(arrays)
     direct = {}
     for name in names:
@@ -65,12 +67,12 @@ def _raw_bytes(arrays: dict[str, mx.array]) -> dict[str, memoryview]:
     return {name: direct[name] if name in direct else memoryview(pending[name]).cast("B") for name in names}
 
 
-def checksum(arrays: dict[str, mx.array]) -> str:
+def checksum(arrays: dict[str, Array]) -> str:
     """Digest of every tensor's name and bytes, in name order (stored in the file's metadata)."""
     return _digest(_raw_bytes(arrays).items())
 
 
-def write_block(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
+def write_block(path: Path, arrays: dict[str, Array], metadata: dict[str, str]) -> None:
     """Write `arrays` as a safetensors file (tensors in name order), `metadata` plus their checksum in its
     header. Raises ValueError for a dtype block files do not hold, OSError from writing."""
     if bad := {str(a.dtype) for a in arrays.values() if a.dtype not in _NAMES}:

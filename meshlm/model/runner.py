@@ -194,7 +194,7 @@ class Runner:
         very plan, so the copies are taken (and evaluated) before anything here writes the pools."""
         if self.ssd is None or not plan.saves:
             return
-        for s, block in zip(plan.saves, self._copies([s.block for s in plan.saves])):
+        for s, block in zip(plan.saves, self._copies([s.block for s in plan.saves], host=True)):
             self.ssd.save(s.key, block)
 
     def _export(self, plan: StepPlan) -> None:
@@ -205,10 +205,11 @@ class Runner:
         for x, data in zip(plan.exports, self._copies([x.block for x in plan.exports])):
             self.exporter.deliver(x.uid, x.index, data)
 
-    def _copies(self, blocks: list[int]) -> list[BlockData]:
-        """Evaluated copies of these blocks, as they are now."""
-        copies = self.store.extract(blocks)
-        mx.eval([a for c in copies for a in (*c.keys, *c.values)])
+    def _copies(self, blocks: list[int], host: bool = False) -> list[BlockData]:
+        """Evaluated copies of these blocks, as they are now (`host`: numpy where the dtype allows, which
+        the SSD writer takes)."""
+        copies = self.store.extract(blocks, host=host)
+        mx.eval([a for c in copies for a in (*c.keys, *c.values) if isinstance(a, mx.array)])
         return copies
 
     # -- applying a plan ----------------------------------------------------

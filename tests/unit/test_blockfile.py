@@ -149,3 +149,15 @@ def test_copies_do_not_alias_the_file_buffer(tmp_path):
     block, _ = read_block(path)
     path.write_bytes(b"")
     assert np.array_equal(np.array(block.keys[0]), np.array(arrays["k.0"]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_numpy_host_copies_are_written_as_their_mlx_twins_are(tmp_path, dtype):
+    """The SSD writer takes numpy copies (KVStore.extract(host=True)): the same file, byte for byte."""
+    rng = np.random.default_rng(0)
+    host = {f"{kind}.{i}": rng.standard_normal((2, 4, 8)).astype(dtype) for kind in "kv" for i in range(2)}
+    write_block(tmp_path / "np.safetensors", host, {"format": "x"})
+    write_block(tmp_path / "mx.safetensors", {n: mx.array(a) for n, a in host.items()}, {"format": "x"})
+    assert (tmp_path / "np.safetensors").read_bytes() == (tmp_path / "mx.safetensors").read_bytes()
+    block, _ = read_block(tmp_path / "np.safetensors")
+    assert np.array_equal(np.array(block.values[1]), host["v.1"])

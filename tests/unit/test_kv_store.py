@@ -161,3 +161,38 @@ def test_copy_extract_and_load_agree_on_every_kind_of_store():
             assert np.array_equal(np.array(store.values[layer])[store.block_slots(4)], -rows)
         seen.append(np.array(store.keys[1][: 6 * SHAPE.block_size]))
     assert all(np.array_equal(seen[0], other) for other in seen[1:])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_host_copies_hold_what_mlx_copies_hold_and_never_pin_the_pools(dtype):
+    """`extract(host=True)` (the SSD writer's copies) gathers numpy arrays straight from the pools where
+    numpy can view the dtype, and MLX arrays otherwise (bfloat16); either way the same values, copies
+    that later writes do not change, and a pool the native write still updates in place."""
+    rng = np.random.default_rng(3)
+    shape = KVShape(num_layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    kinds = [KVStore(shape, max_blocks=40, initial_blocks=8)]
+    if NATIVE is not None and dtype == mx.float32:
+        kinds.append(KVStore(shape, max_blocks=40, initial_blocks=8, reserve=NATIVE.untouched_zeros,
+                             write_rows=NATIVE.kv_write))
+    for store in kinds:
+        for b in (1, 2, 6):
+            for layer in range(shape.num_layers):
+                rows = rng.standard_normal((shape.block_size, 2, 8)).astype(np.float32)
+                store.write(layer, store.block_slots(b), head_major(rows).astype(dtype), head_major(-rows).astype(dtype))
+        want = store.extract([6, 1])
+        mx.eval([a for d in want for a in (*d.keys, *d.values)])
+        got = store.extract([6, 1], host=True)
+        on_host = dtype != mx.bfloat16
+        for w, g in zip(want, got):
+            for a, b in zip((*w.keys, *w.values), (*g.keys, *g.values)):
+                assert isinstance(b, np.ndarray) == on_host and b.shape == (2, 4, 8)
+                assert np.array_equal(np.array(a.astype(mx.float32)), np.array(mx.array(b).astype(mx.float32)))
+        before = np.array(got[0].keys[0]).copy() if on_host else None
+        address = np.asarray(store.keys[0]).ctypes.data if on_host else None
+        store.write(0, store.block_slots(6), head_major(np.ones((4, 2, 8), np.float32)).astype(dtype),
+                    head_major(np.ones((4, 2, 8), np.float32)).astype(dtype))
+        mx.eval(store.keys, store.values)
+        if on_host:
+            assert np.array_equal(got[0].keys[0], before)  # a copy, not a view of the pool
+            if store.reserved:  # the native write updated the pool in place: nothing held on to it
+                assert np.asarray(store.keys[0]).ctypes.data == address
