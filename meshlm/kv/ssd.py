@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshlm.kv.blockfile import read_block, read_header, write_block
+from meshlm.kv.blockfile import DirectWriter, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block
 
@@ -131,6 +131,7 @@ class SSDTier:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=1024)
         self._writer: threading.Thread | None = None
+        self._files = DirectWriter()  # used by the writer thread alone (it owns an aligned buffer)
         self._temp_names = itertools.count()
         self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
         self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
@@ -314,7 +315,7 @@ class SSDTier:
         tmp = self._temp_path()
         tmp.parent.mkdir(exist_ok=True)
         try:
-            write_block(tmp, arrays, meta)
+            self._files.write(tmp, arrays, meta)
             os.replace(tmp, path)
             size = path.stat().st_size
         except FileNotFoundError as exc:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from meshlm.kv.blockfile import checksum, read_block, write_block
+from meshlm.kv.blockfile import ALIGN, DirectWriter, checksum, read_block, write_block
 
 
 def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
@@ -161,3 +161,49 @@ def test_numpy_host_copies_are_written_as_their_mlx_twins_are(tmp_path, dtype):
     assert (tmp_path / "np.safetensors").read_bytes() == (tmp_path / "mx.safetensors").read_bytes()
     block, _ = read_block(tmp_path / "np.safetensors")
     assert np.array_equal(np.array(block.values[1]), host["v.1"])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_direct_writer_writes_what_write_block_does_with_aligned_data(tmp_path, direct):
+    """The SSD tier's writer: around the page cache (O_DIRECT, where the file system has it) or, as on
+    macOS, through it; either way a safetensors file MLX and the reader read back, whose tensor data
+    starts 4 KiB-aligned, with the same tensors and checksum as `write_block`'s, and its buffer reused."""
+    rng = np.random.default_rng(1)
+    writer = DirectWriter()
+    writer.direct = writer.direct and direct
+    for i, shape in enumerate([(3, 5, 8), (2, 4, 8), (4, 32, 64)]):  # sizes that are and are not 4 KiB multiples
+        host = {f"{kind}.{j}": rng.standard_normal(shape).astype(np.float32) for kind in "kv" for j in range(2)}
+        path = tmp_path / f"{i}.safetensors"
+        writer.write(path, host, {"format": "x"})
+        write_block(tmp_path / "plain.safetensors", host, {"format": "x"})
+        (n,) = struct.unpack_from("<Q", path.read_bytes())
+        assert (8 + n) % ALIGN == 0
+        assert path.stat().st_size == 8 + n + sum(a.nbytes for a in host.values())  # no padding at the end
+        loaded, meta = mx.load(str(path), return_metadata=True)
+        block, meta2 = read_block(path)
+        assert meta == meta2 == read_block(tmp_path / "plain.safetensors")[1]
+        for name, a in host.items():
+            got = (block.keys if name[0] == "k" else block.values)[int(name[2:])]
+            assert np.array_equal(np.array(loaded[name]), a) and np.array_equal(np.array(got), a)
+
+
+def test_the_direct_writer_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    """A file system without O_DIRECT answers EINVAL at open: the writer goes through the page cache
+    from then on, and the file is still written."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    writer = DirectWriter()
+    host = {"k.0": np.ones((2, 4, 8), np.float32), "v.0": np.zeros((2, 4, 8), np.float32)}
+    writer.write(tmp_path / "b.safetensors", host, {"format": "x"})
+    assert not writer.direct
+    block, _ = read_block(tmp_path / "b.safetensors")
+    assert np.array_equal(np.array(block.keys[0]), host["k.0"])

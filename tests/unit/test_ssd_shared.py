@@ -111,14 +111,14 @@ def test_a_startup_while_another_tier_writes_leaves_its_temp_file_alone(tmp_path
     writer's rename then failed."""
     writer = tier(tmp_path)
     written, resume = threading.Event(), threading.Event()
-    save = ssd.write_block
+    save = ssd.DirectWriter.write
 
-    def paused_save(path, arrays, metadata):
-        save(path, arrays, metadata)
+    def paused_save(self, path, arrays, metadata):
+        save(self, path, arrays, metadata)
         written.set()
         resume.wait(10)  # the temp file exists, not yet renamed
 
-    monkeypatch.setattr(ssd, "write_block", paused_save)
+    monkeypatch.setattr(ssd.DirectWriter, "write", paused_save)
     k = keys(1, seed=2)[0]
     writer.save(k, fake_block(2))
     assert written.wait(10)
@@ -135,15 +135,15 @@ def test_two_tiers_writing_the_same_key_both_succeed(tmp_path, monkeypatch):
     a, b = tier(tmp_path), tier(tmp_path)
     k = keys(1, seed=3)[0]
     written, resume = threading.Event(), threading.Event()
-    save = ssd.write_block
+    save = ssd.DirectWriter.write
 
-    def paused_save(path, arrays, metadata):  # only a's writer thread pauses
-        save(path, arrays, metadata)
+    def paused_save(self, path, arrays, metadata):  # only a's writer thread pauses
+        save(self, path, arrays, metadata)
         if threading.current_thread() is a._writer:
             written.set()
             resume.wait(10)
 
-    monkeypatch.setattr(ssd, "write_block", paused_save)
+    monkeypatch.setattr(ssd.DirectWriter, "write", paused_save)
     a.save(k, fake_block(3))
     assert written.wait(10)
     b.save(k, fake_block(4))  # a's temp file is on disk under another name
