@@ -8,8 +8,8 @@ whole file and a memcpy per array takes ~1 ms for a block of the demo model
 against ~6 ms for `mx.load`'s 60 lazy loads (a 2,000-token SSD hit reads 126
 of them); `write_block` costs what `mx.save_safetensors` does (~0.4 ms for a
 256 KiB block, the page cache's work), and the SSD tier's `DirectWriter`
-writes the same files around the page cache. The checksum is taken from the
-same buffers the file is written from. The checksum is a CRC-32
+writes the same files around the page cache. The checksum, taken from the
+same buffers the file is written from, is a CRC-32
 (as the disaggregated KV packets'): it guards against torn and corrupted
 files, not tampering, and blake2b cost 0.36 ms a 256 KiB block on the SSD
 writer's thread, which under tensor parallelism delays whichever rank it runs

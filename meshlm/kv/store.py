@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_BLOCKS = 16
 # Pool dtypes numpy can view, so a block can be copied to host memory without MLX ops (bfloat16 cannot).
-HOST_DTYPES = {mx.float32: np.float32, mx.float16: np.float16}
+HOST_DTYPES = frozenset({mx.float32, mx.float16})
 # A block's per-layer array: MLX, or numpy for a host copy (`KVStore.extract(..., host=True)`).
 Array = Union[mx.array, np.ndarray]
 
