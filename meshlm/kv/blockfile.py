@@ -96,11 +96,14 @@ def _encode(arrays: dict[str, Array], metadata: dict[str, str], align: int) -> t
     return struct.pack("<Q", len(encoded)) + encoded, raw
 
 
-def write_block(path: Path, arrays: dict[str, Array], metadata: dict[str, str], align: int = 8) -> None:
+def write_block(path: Path, arrays: dict[str, Array], metadata: dict[str, str]) -> None:
     """Write `arrays` as a safetensors file (tensors in name order), `metadata` plus their checksum in its
-    header, through the page cache; the tensor data starts `align`-aligned (8 as safetensors writers do).
+    header, through the page cache; the tensor data starts 8-byte aligned, as safetensors writers do.
     Raises ValueError for a dtype block files do not hold, OSError from writing."""
-    head, raw = _encode(arrays, metadata, align)
+    _write_buffered(path, *_encode(arrays, metadata, 8))
+
+
+def _write_buffered(path: Path, head: bytes, raw: dict[str, memoryview]) -> None:
     with path.open("wb") as f:
         f.write(head)
         for data in raw.values():
@@ -122,10 +125,18 @@ class DirectWriter:
 
     def write(self, path: Path, arrays: dict[str, Array], metadata: dict[str, str]) -> None:
         """As `write_block`. Raises ValueError for a dtype block files do not hold, OSError from writing."""
-        if not self.direct:
-            write_block(path, arrays, metadata, ALIGN)
-            return
         head, raw = _encode(arrays, metadata, ALIGN)
+        if self.direct:
+            try:
+                self._write_direct(path, head, raw)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False  # this file system has no O_DIRECT (tmpfs before Linux 6.6, some FUSE ones)
+        _write_buffered(path, head, raw)
+
+    def _write_direct(self, path: Path, head: bytes, raw: dict[str, memoryview]) -> None:
         size = len(head) + sum(len(d) for d in raw.values())
         padded = -(-size // ALIGN) * ALIGN
         if self._buffer is None or len(self._buffer) < padded:
@@ -138,25 +149,14 @@ class DirectWriter:
             for data in raw.values():
                 buffer[pos : pos + len(data)] = data
                 pos += len(data)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
             try:
-                self._write_direct(path, buffer[:padded], size)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        self.direct = False  # this file system has no O_DIRECT (tmpfs before Linux 6.6, some FUSE ones)
-        write_block(path, arrays, metadata, ALIGN)
-
-    @staticmethod
-    def _write_direct(path: Path, data: memoryview, size: int) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {path}")
-            if len(data) != size:
-                os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+                if os.write(fd, buffer[:padded]) != padded:
+                    raise OSError(f"short write to {path}")
+                if padded != size:
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
 
 
 def _header_length(prefix: bytes) -> int:
