@@ -7,6 +7,7 @@ OpenAI-specific (choices, usage, logprob layouts) lives here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -76,6 +77,7 @@ class Serving:
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
         self._outbox: Outbox | None = None  # for the running event loop, made on first use
+        engine.output_batch = self._holding_outputs
 
     # -- request -> prompts ------------------------------------------------
     def check_model(self, req: _Request) -> None:
@@ -149,6 +151,11 @@ class Serving:
             self.abort(uids)
             raise APIError(503, str(exc), type_="server_error", code="unavailable", headers={"Retry-After": "5"})
         return uids, choices, queue
+
+    def _holding_outputs(self) -> contextlib.AbstractContextManager:
+        """What the engine's thread holds while it emits a step: the outbox, so the loop wakes once."""
+        outbox = self._outbox
+        return outbox.holding() if outbox is not None else contextlib.nullcontext()
 
     def abort(self, uids: list[int]) -> None:
         for uid in uids:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import mlx.core as mx
 
@@ -167,6 +167,8 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
+        # Wraps each batch of outputs the loop emits (the HTTP layer's Outbox.holding: one wake-up per step).
+        self.output_batch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.metrics = metrics or Metrics()
         # A restart after a failure starts from fresh block accounting (every rank's sequences are gone too).
         self._new_scheduler = lambda: Scheduler(config, new_blocks(), max_model_len, eos_token_ids)
@@ -319,7 +321,7 @@ class Engine:
         pending = carry
         if self._depth == 1:
             plan, ended = self._next_plan(block=pending is None)
-            with self.times.timing("emit"):
+            with self._emitting():
                 self._finish_all(ended)
         else:
             plan = self._fill(block=pending is None)
@@ -330,7 +332,7 @@ class Engine:
                 with self._lock:
                     self._update_gauges()
         if pending is not None:
-            with self.times.timing("emit"):
+            with self._emitting():
                 self._emit(pending)
         if plan is None or result is None:
             return None
@@ -353,7 +355,7 @@ class Engine:
             result = self._execute(ahead, launched.tokens_for(ahead))
             self.metrics.steps_ahead.inc()
         pending = self._collect_within_deadline(launched.plan, launched.result, launched)
-        with self.times.timing("emit"):
+        with self._emitting():
             self._emit(pending)
         if ahead is None:
             return None
@@ -382,7 +384,7 @@ class Engine:
         while len(self._in_flight) < self._depth:
             busy = frozenset(c.uid for p in self._in_flight for c in p.chunks)
             plan, ended = self._next_plan(block=block and not self._in_flight, busy=busy)
-            with self.times.timing("emit"):
+            with self._emitting():
                 self._finish_all(ended)
             if plan is None or (plan.empty and self._in_flight):
                 break
@@ -481,6 +483,11 @@ class Engine:
             self._last_collect = now
         self.times.add("sample", time.perf_counter() - t0 - waited)
         return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
+
+    @contextlib.contextmanager
+    def _emitting(self) -> Iterator[None]:
+        with self.times.timing("emit"), self.output_batch():
+            yield
 
     def _emit(self, pending: "_Pending") -> None:
         for uid, tokens in pending.sampled.items():
