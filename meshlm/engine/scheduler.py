@@ -105,8 +105,12 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or len(draft.chunks) >= rows:
                 break
-            if seq in self.running and seq.uid not in busy:
-                budget -= self._continue(seq, budget, draft, drafts.get(seq.uid, ()))
+            if seq not in self.running:  # preempted by an older sequence's allocation this step
+                continue
+            if seq.uid not in busy:
+                budget -= self._continue(seq, seq.num_computed_tokens, budget, draft, drafts.get(seq.uid, ()))
+            elif (start := self._prompt_read_ahead(seq)) is not None:
+                budget -= self._continue(seq, start, budget, draft)
         self._admit(draft, budget, rows)
         plan = StepPlan(
             step_id=next(self._step_ids),
@@ -184,29 +188,41 @@ class Scheduler:
             seq.exported = max(seq.exported, final)
         return tuple(out)
 
-    def _continue(self, seq: Sequence, budget: int, draft: _Draft, drafts: tuple[int, ...] = ()) -> int:
-        """Plan the next chunk of a running sequence; returns the tokens it takes."""
-        drafts = drafts[: budget - 1] if seq.remaining == 1 else ()
+    def _prompt_read_ahead(self, seq: Sequence) -> int | None:
+        """Where the next prompt chunk of `seq`, a sequence in a plan still in flight (a pipeline's other
+        micro-batch), may start now: the end of what is in flight, when that ends before its prompt does.
+        No chunk in flight samples then, and every stage runs plans in order, so the next chunk can follow
+        at once instead of waiting for the pipeline to drain: a long prompt's chunks fill every
+        micro-batch, not one (pipelined chunked prefill). None otherwise."""
+        flights = self._in_flight.get(seq.uid)
+        if not flights or seq.aborted or seq.finished:
+            return None
+        end = flights[-1][1]
+        return end if end < seq.num_tokens else None
+
+    def _continue(self, seq: Sequence, start: int, budget: int, draft: _Draft, drafts: tuple[int, ...] = ()) -> int:
+        """Plan the chunk of a running sequence from position `start`; returns the tokens it takes."""
+        left = seq.num_tokens - start
+        drafts = drafts[: budget - 1] if left == 1 else ()
         if drafts:
-            new = self.blocks.allocate(seq.uid, seq.num_computed_tokens + 1 + len(drafts))
+            new = self.blocks.allocate(seq.uid, start + 1 + len(drafts))
             if new is not None:  # else: no room for the drafts, decode plainly
                 draft.tables.setdefault(seq.uid, []).extend(new)
-                start = seq.num_computed_tokens
                 draft.chunks.append(Chunk(seq.uid, start, (*seq.token_slice(start, start + 1), *drafts), LOGITS_ALL))
                 return 1 + len(drafts)
-        want = min(seq.remaining, budget)
-        while (new := self.blocks.allocate(seq.uid, seq.num_computed_tokens + want)) is None:
+        want = min(left, budget)
+        while (new := self.blocks.allocate(seq.uid, start + want)) is None:
             if not self._preempt_newer_than(seq):
                 break
         if new is None:  # as much as its blocks and the free ones cover
-            want = min(want, self.blocks.cover(seq.uid) - seq.num_computed_tokens)
-            new = self.blocks.allocate(seq.uid, seq.num_computed_tokens + want) if want > 0 else None
+            want = min(want, self.blocks.cover(seq.uid) - start)
+            new = self.blocks.allocate(seq.uid, start + want) if want > 0 else None
         if new is None:
-            if seq.remaining == 1 and len(self.running) > 1:
+            if left == 1 and len(self.running) > 1:
                 self._preempt(seq)  # every decoding row must advance each step; out of KV it yields
             return 0
         draft.tables.setdefault(seq.uid, []).extend(new)
-        draft.chunks.append(_chunk(seq, want))
+        draft.chunks.append(_chunk(seq, start, want))
         return want
 
     def _admit(self, draft: _Draft, budget: int, rows: int) -> None:
@@ -236,7 +252,7 @@ class Scheduler:
             if m.copy is not None:
                 draft.copies.append(BlockCopy(*m.copy))
             draft.tables[seq.uid] = list(self.blocks.table(seq.uid))
-            draft.chunks.append(_chunk(seq, want))
+            draft.chunks.append(_chunk(seq, seq.num_computed_tokens, want))
             budget -= want
 
     def _reap(self) -> list[Finished]:
@@ -371,7 +387,6 @@ class Scheduler:
         return seqs
 
 
-def _chunk(seq: Sequence, n: int) -> Chunk:
-    start = seq.num_computed_tokens
+def _chunk(seq: Sequence, start: int, n: int) -> Chunk:
     ids = seq.token_slice(start, start + n)  # decode: just the last token, not a copy of all
     return Chunk(seq.uid, start, tuple(ids), LOGITS_LAST if start + n == seq.num_tokens else LOGITS_NONE)
