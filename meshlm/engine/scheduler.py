@@ -100,6 +100,7 @@ class Scheduler:
         if max_tokens is not None:
             budget = min(budget, max_tokens)
         rows = max_rows if max_rows is not None else self.config.max_batch_size
+        plan_budget = budget
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.
         for seq in list(self.running):
@@ -109,7 +110,7 @@ class Scheduler:
                 continue
             if seq.uid not in busy:
                 budget -= self._continue(seq, seq.num_computed_tokens, budget, draft, drafts.get(seq.uid, ()))
-            elif (start := self._prompt_read_ahead(seq)) is not None:
+            elif (start := self._prompt_read_ahead(seq, whole=plan_budget)) is not None:
                 budget -= self._continue(seq, start, budget, draft)
         self._admit(draft, budget, rows)
         plan = StepPlan(
@@ -188,17 +189,19 @@ class Scheduler:
             seq.exported = max(seq.exported, final)
         return tuple(out)
 
-    def _prompt_read_ahead(self, seq: Sequence) -> int | None:
+    def _prompt_read_ahead(self, seq: Sequence, whole: int) -> int | None:
         """Where the next prompt chunk of `seq`, a sequence in a plan still in flight (a pipeline's other
-        micro-batch), may start now: the end of what is in flight, when that ends before its prompt does.
-        No chunk in flight samples then, and every stage runs plans in order, so the next chunk can follow
-        at once instead of waiting for the pipeline to drain: a long prompt's chunks fill every
-        micro-batch, not one (pipelined chunked prefill). None otherwise."""
+        micro-batch), may start now: the end of what is in flight, when at least `whole` prompt tokens (a
+        plan's budget) follow it. No chunk in flight samples then, and every stage runs plans in order, so
+        the next chunk can follow at once instead of waiting for the pipeline to drain: a long prompt's
+        chunks fill every micro-batch, not one (pipelined chunked prefill). A shorter tail waits, as any
+        sequence in flight does: read ahead too, tails cost the 16-stream load of `scaling.py` ~7 %
+        (docs/BENCHMARKS.md). None when the sequence waits."""
         flights = self._in_flight.get(seq.uid)
         if not flights or seq.aborted or seq.finished:
             return None
         end = flights[-1][1]
-        return end if end < seq.num_tokens else None
+        return end if seq.num_tokens - end >= whole else None
 
     def _continue(self, seq: Sequence, start: int, budget: int, draft: _Draft, drafts: tuple[int, ...] = ()) -> int:
         """Plan the chunk of a running sequence from position `start`; returns the tokens it takes."""

@@ -559,26 +559,26 @@ def test_planning_ahead_declines_what_needs_a_full_plan(case):
 
 def test_a_pipeline_micro_batch_takes_its_share_of_the_token_budget():
     """`max_tokens` (a pipeline's share of --max-tokens-per-step) caps a plan's prefill below the step
-    budget; the next micro-batch, with the first still in flight, takes the rest of the prompts: the
-    in-flight prompt's next chunk first, then the next prompt."""
+    budget; the next micro-batch, with the first still in flight, takes the rest of the prompts (a tail
+    shorter than a plan's budget waits for its chunk in flight)."""
     sched = make_scheduler(max_tokens_per_step=64)
     for uid in (1, 2):
         sched.add(make_seq(uid, prompt_len=40))
     first, _ = sched.schedule(max_tokens=32)
     assert sum(chunk_sizes(first).values()) == 32 and chunk_sizes(first) == {1: 32}
     second, _ = sched.schedule(busy=frozenset({1}), max_tokens=32)
-    assert chunk_sizes(second) == {1: 8, 2: 24}
+    assert chunk_sizes(second) == {2: 32}
     sched.update(first, {})
-    sched.update(second, {1: [TOKEN]})
+    sched.update(second, {})
     sched.add(make_seq(3, prompt_len=100))
     third, _ = sched.schedule(max_tokens=1000)  # never above the step budget
-    assert chunk_sizes(third) == {1: 1, 2: 16, 3: 47}
+    assert chunk_sizes(third) == {1: 8, 2: 8, 3: 48}
 
 
-def test_a_prompt_in_flight_continues_in_the_next_micro_batch_and_samples_once():
-    """A pipeline's micro-batches: the chunks of one prompt follow each other through plans in flight (each
-    from where the last one in flight ends, none sampling but the last); a sequence whose chunk in flight
-    samples (a decode, the prompt's last chunk) waits for its token."""
+def test_a_prompt_in_flight_continues_in_the_next_micro_batch_by_whole_chunks():
+    """A pipeline's micro-batches: the chunks of one prompt follow each other through plans in flight, each
+    from where the last one in flight ends, while a whole plan's budget of prompt is left; the tail, and a
+    sequence whose chunk in flight samples (a decode, the prompt's last chunk), wait for that plan."""
     sched = make_scheduler(max_tokens_per_step=64)
     sched.add(make_seq(1, prompt_len=50))
     sched.add(make_seq(2, prompt_len=2))
@@ -587,16 +587,16 @@ def test_a_prompt_in_flight_continues_in_the_next_micro_batch_and_samples_once()
         busy = frozenset(c.uid for p in plans for c in p.chunks)
         plans.append(sched.schedule(busy=busy, max_tokens=20)[0])
     assert [[(c.uid, c.start, len(c.token_ids), c.sample) for c in p.chunks] for p in plans] == [
-        [(1, 0, 20, False)], [(1, 20, 20, False)], [(1, 40, 10, True), (2, 0, 2, True)]]
+        [(1, 0, 20, False)], [(1, 20, 20, False)], [(2, 0, 2, True)]]
     # Each plan's fingerprint counts the plans before it, as every rank applies them in order.
-    assert plans[2].fingerprint == batch_fingerprint({1: 50, 2: 2})
-    assert sched.schedule(busy=frozenset({1, 2}), max_tokens=20)[0].chunks == ()  # both wait for a token
+    assert plans[2].fingerprint == batch_fingerprint({1: 40, 2: 2})
+    assert sched.schedule(busy=frozenset({1, 2}), max_tokens=20)[0].chunks == ()  # the tail, a token: wait
     for plan in plans:
         sched.update(plan, {c.uid: [TOKEN] for c in plan.chunks if c.sample})
     seq1 = next(s for s in sched.running if s.uid == 1)
-    assert seq1.num_computed_tokens == 50 and seq1.output_ids == [TOKEN]
+    assert seq1.num_computed_tokens == 40 and seq1.output_ids == []
     nxt, _ = sched.schedule()
-    assert [(c.uid, c.start, len(c.token_ids)) for c in nxt.chunks] == [(1, 50, 1), (2, 2, 1)]
+    assert [(c.uid, c.start, len(c.token_ids), c.sample) for c in nxt.chunks] == [(1, 40, 10, True), (2, 2, 1, True)]
 
 
 def test_an_aborted_prompt_in_flight_is_not_read_further():
