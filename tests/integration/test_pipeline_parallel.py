@@ -56,9 +56,14 @@ SPEC = ("--speculative", "ngram", "--no-adaptive-speculation", "--ngram-min", "1
         "--speculative-max-batch-size", "16")
 
 
+# 32 tokens a step: micro-batches of 8, so the prompts (23-65 tokens) are read in chunks, the next chunk
+# riding in the other micro-batch while the one before is in flight (Scheduler._prompt_read_ahead).
+READ_AHEAD = ("--pipeline-parallel", "2", "--max-tokens-per-step", "32")
+
+
 @pytest.mark.parametrize("flags", [("--pipeline-parallel", "2"), ("--pipeline-parallel", "3", "--pp-split", "1,2,1"),
-                                   ("--pipeline-parallel", "2", *SPEC)],
-                         ids=["pp2-even", "pp3-uneven", "pp2-speculative"])
+                                   ("--pipeline-parallel", "2", *SPEC), READ_AHEAD],
+                         ids=["pp2-even", "pp3-uneven", "pp2-speculative", "pp2-prompt-read-ahead"])
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     srv = ServerProcess(model, "--max-model-len", "512", *flags, log_dir=tmp_path)
     try:
