@@ -195,7 +195,7 @@ class Scheduler:
         plan's budget) follow it. No chunk in flight samples then, and every stage runs plans in order, so
         the next chunk can follow at once instead of waiting for the pipeline to drain: a long prompt's
         chunks fill every micro-batch, not one (pipelined chunked prefill). A shorter tail waits, as any
-        sequence in flight does: read ahead too, tails cost the 16-stream load of `scaling.py` ~7 %
+        sequence in flight does: read ahead too, tails cost the 16-stream load of `scaling.py` ~8 %
         (docs/BENCHMARKS.md). None when the sequence waits."""
         flights = self._in_flight.get(seq.uid)
         if not flights or seq.aborted or seq.finished:
