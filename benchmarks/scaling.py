@@ -328,17 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if others := tp.other_servers():
         report["warning_other_servers_running"] = others
-    pairs: list[dict[str, dict[str, Any]]] = []
-    report["servers"] = {}
+    pairs: list[dict[str, dict[str, Any]]] = [{} for _ in range(args.repeat)]
+    report["servers"] = pairs[0]  # the first pair in detail (and what a failure leaves recorded)
     with _peer.recording(report):
         model, report["model"] = _peer.prepare_model(
             args.model, workdir / "tiny",
             ["--model-type", "llama", "--layers", str(args.layers), "--hidden", str(args.hidden),
              "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)])
         for run in range(args.repeat):
-            pairs.append({})
-            if run == 0:
-                report["servers"] = pairs[0]  # what a failure leaves recorded is the first pair
             for name, start in (("one_core", start_one_core), ("ranks", start_ranks)):
                 print(f"[{name}] starting (pair {run + 1} of {args.repeat})", file=sys.stderr, flush=True)
                 pairs[run][name] = {}
@@ -348,11 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             report["all_reduce"] = all_reduce_probe(args, int(report["model"]["hidden"]), report["model"]["layers"],
                                                     workdir)
     report["runs"] = [pair_summary(pair) for pair in pairs]
-    for pair in pairs[1:]:  # only the first pair's details are kept
+    for pair in pairs:  # the texts were only for comparing
         for info in pair.values():
             info.pop("_texts", None)
-    for info in report["servers"].values():
-        info.pop("_texts", None)
     ratios = [r["ratio"] for r in report["runs"] if r["ratio"] is not None]
     report["ratio"] = round(statistics.median(ratios), 3) if len(ratios) == len(pairs) and ratios else None
     fracs = [r["same_output_frac"] for r in report["runs"]]
