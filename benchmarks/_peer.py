@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
+import _http
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"
 READY_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
@@ -735,9 +737,7 @@ def describe_error(e: BaseException) -> str:
     return " <- ".join(parts)
 
 
-async def stream_chat(
-    client: httpx.AsyncClient, url: str, payload: dict[str, Any], retries: int = 2
-) -> StreamResult:
+async def stream_chat(client: _http.Client, url: str, payload: dict[str, Any], retries: int = 2) -> StreamResult:
     """POST a streaming chat completion and time its SSE chunks until `data: [DONE]`.
 
     A transport error before any response arrives (e.g. a connection dropped
@@ -756,29 +756,28 @@ async def stream_chat(
 
 
 async def _stream_once(
-    client: httpx.AsyncClient, url: str, payload: dict[str, Any] | None, res: StreamResult, t0: float,
+    client: _http.Client, url: str, payload: dict[str, Any] | None, res: StreamResult, t0: float,
     path: str = "/v1/chat/completions", body: bytes | None = None,
 ) -> None:
     """One streamed request to `path` (chat deltas or completion texts), timed from `t0`; `body`: the
     request already encoded (a long prompt's JSON encoding kept out of TTFT), else `payload`."""
     last: float | None = None
     done = False
+    if body is None:
+        body = json.dumps(payload).encode()
     try:
-        sent = {"content": body, "headers": {"content-type": "application/json"}} if body is not None \
-            else {"json": payload}
-        async with client.stream("POST", url + path, **sent) as r:
-            res.status = r.status_code
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:500]}"
+        async with client.request("POST", url + path, body) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:500]}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
+            async for line in r.lines():
+                if done or not line.startswith("data:"):
+                    continue  # after [DONE]: only the stream's end, read so the connection is kept
                 data = line[5:].strip()
                 if data == "[DONE]":
                     done = True
-                    break
+                    continue
                 now = time.perf_counter()
                 try:
                     chunk = json.loads(data)
@@ -808,11 +807,12 @@ async def _stream_once(
                         res.text += content
                     if choice.get("finish_reason"):
                         res.finish_reason = choice["finish_reason"]
-    except (httpx.HTTPError, OSError) as e:
+            if done:
+                res.latency = time.perf_counter() - t0
+    except OSError as e:
         phase = "before the response" if res.status is None else f"after {res.content_chunks} content chunks"
         res.error = f"{describe_error(e)} ({phase})"
         return
-    res.latency = time.perf_counter() - t0
     if not done:
         res.error = "stream ended without data: [DONE]"
         return
@@ -820,9 +820,10 @@ async def _stream_once(
     res.ok = True
 
 
-def async_client(concurrency: int, timeout: float = 600.0) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
+def async_client(timeout: float | None = 600.0) -> _http.Client:
+    """The benchmarks' streaming client (benchmarks/_http.py: lean, so it takes little CPU from the
+    servers it measures); connections are opened as needed and kept."""
+    return _http.Client(timeout=timeout, connect_timeout=10.0)
 
 
 async def run_load(
@@ -843,7 +844,7 @@ async def run_load(
         queue.put_nowait(i)
     results: list[StreamResult | None] = [None] * len(prompts)
 
-    async with async_client(streams) as client:
+    async with async_client() as client:
 
         async def worker() -> None:
             while True:

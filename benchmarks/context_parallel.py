@@ -68,8 +68,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _peer  # noqa: E402
@@ -264,7 +262,7 @@ async def stream_completion(url: str, body: bytes) -> _peer.StreamResult:
     """POST a streaming text completion (`body` encoded beforehand) and time its SSE chunks until
     `data: [DONE]`; no read timeout: the caller's guard ends a hung request."""
     res = _peer.StreamResult(ok=False)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+    async with _peer.async_client(timeout=None) as client:
         await _peer._stream_once(client, url, None, res, time.perf_counter(), path="/v1/completions", body=body)
     return res
 

@@ -97,7 +97,7 @@ def weight_bytes(model: str) -> dict[str, Any]:
 
 async def decode(url: str, model: str | None, requests: int, max_tokens: int) -> list[_peer.StreamResult]:
     results = []
-    async with _peer.async_client(1) as client:
+    async with _peer.async_client() as client:
         for i in range(requests):
             payload = _peer.chat_payload(model, _peer.make_prompt(i, 8), max_tokens, ignore_eos=True)
             results.append(await _peer.stream_chat(client, url, payload, retries=1))

@@ -64,7 +64,7 @@ async def _measure(url: str, args, short: list[str], long: list[str]) -> dict[st
     decode: list[tuple[float, float]] = []  # (time of a chunk, gap to the previous chunk) of decoding streams
     streaming = [0] * args.streams
 
-    async with _peer.async_client(args.streams + 2) as client:
+    async with _peer.async_client() as client:
 
         async def stream_forever(i: int) -> None:
             n = 0
@@ -73,8 +73,8 @@ async def _measure(url: str, args, short: list[str], long: list[str]) -> dict[st
                                              ignore_eos=True)
                 n += 1
                 last = None
-                async with client.stream("POST", url + "/v1/chat/completions", json=payload) as r:
-                    async for line in r.aiter_lines():
+                async with client.request("POST", url + "/v1/chat/completions", json.dumps(payload).encode()) as r:
+                    async for line in r.lines():
                         if not line.startswith("data:") or line.strip() == "data: [DONE]":
                             continue
                         now = time.perf_counter()
