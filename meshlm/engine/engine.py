@@ -202,6 +202,8 @@ class Engine:
         wanted = config.async_scheduling == "on" or (config.async_scheduling == "auto" and
                                                      mx.default_device() == mx.gpu)
         self._ahead = wanted and getattr(executor, "plans_ahead", False) and self.speculator is None and self._depth == 1
+        # Greedy rows' argmax read on the host where the device is the CPU (engine/sampler.py, host_argmax).
+        self._argmax_on_host = mx.default_device() == mx.cpu
 
     # -- public, thread-safe ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback,
@@ -529,7 +531,7 @@ class Engine:
         if plain:
             index = mx.array([rows[u][0] for u in plain]) if len(plain) < len(result.uids) else None
             tokens, lps = sample(result.logits if index is None else result.logits[index],
-                                 [tracked[u].sampling for u in plain])
+                                 [tracked[u].sampling for u in plain], on_host=self._argmax_on_host)
             for u, tok, lp in zip(plain, tokens, lps):
                 sampled[u] = [tok]
                 if lp is not None:
@@ -538,7 +540,7 @@ class Engine:
         if drafts:
             q = self.speculator.draft_probs if self.speculator is not None else (lambda uid, k: None)
             outcomes = verify([Proposal(result.logits[rows[u][0]:rows[u][-1] + 1], d, tracked[u].sampling,
-                                        q(u, len(d))) for u, d in drafts.items()])
+                                        q(u, len(d))) for u, d in drafts.items()], on_host=self._argmax_on_host)
             for (u, d), v in zip(drafts.items(), outcomes):
                 sampled[u] = v.tokens
                 verified[u] = (len(d), v.accepted)

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from meshlm.engine.grammar import Constraint
 from meshlm.engine.request import SamplingParams, TokenLogprob
@@ -148,9 +149,33 @@ def take(d: Draw) -> tuple[list[int], list[TokenLogprob | None]]:
     return ids, logprobs
 
 
-def sample(logits: mx.array, states: list[SeqSampling]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row."""
+def sample(logits: mx.array, states: list[SeqSampling],
+           on_host: bool = False) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row. `on_host`:
+    when every row is `plain_greedy`, take the argmax on the host (`host_argmax`, the CPU device's seam)."""
+    if on_host and logits.dtype == mx.float32 and all(plain_greedy(s) for s in states):
+        ids = host_argmax(logits)
+        for tok, s in zip(ids, states):
+            s.record([tok])
+        return ids, [None] * len(states)
     return take(draw(logits, states))
+
+
+def plain_greedy(state: SeqSampling) -> bool:
+    """Greedy with nothing to apply to the logits and no logprobs to report: the token is the raw
+    logits' argmax."""
+    p = state.params
+    return (p.greedy and state.constraint is None and not p.logit_bias and not state.banned
+            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and p.logprobs is None)
+
+
+def host_argmax(logits: mx.array) -> list[int]:
+    """Each row's argmax (ties to the lowest id, as `mx.argmax`), read with numpy from the evaluated
+    float32 array. MLX's CPU argmax is a scalar loop: 0.33 ms for 8 x 49,152 logits on one core here,
+    numpy's 0.017 ms, and on a pipeline's leader that time delays every stage's next step."""
+    mx.eval(logits)
+    return np.asarray(logits).argmax(axis=-1).tolist()
 
 
 def top_alternatives(ids: list[int], values: list[float]) -> tuple[tuple[int, float], ...]:

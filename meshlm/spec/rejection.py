@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from meshlm.engine.request import TokenLogprob
-from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits, top_alternatives
+from meshlm.engine.sampler import (SeqSampling, filter_logits, host_argmax, plain_greedy, process_logits,
+                                   top_alternatives)
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,14 @@ class Verified:
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the request asked for them
 
 
-def verify(proposals: list[Proposal]) -> list[Verified]:
-    """Accept or reject every row's drafts; updates each row's sampling state (counts, PRNG key)."""
-    graphs = [_graph(p) for p in proposals]
+def verify(proposals: list[Proposal], on_host: bool = False) -> list[Verified]:
+    """Accept or reject every row's drafts; updates each row's sampling state (counts, PRNG key).
+    `on_host`: a `plain_greedy` row's argmaxes are read on the host (engine/sampler.py's `host_argmax`)."""
+    for p in proposals:
+        if p.logits.shape[0] != len(p.drafts) + 1:
+            raise ValueError(f"{p.logits.shape[0]} rows of logits for {len(p.drafts)} drafts")
+    graphs = [_HostGreedy(p.logits) if on_host and p.logits.dtype == mx.float32 and plain_greedy(p.state)
+              else _graph(p) for p in proposals]
     mx.eval([a for g in graphs for a in g.arrays])
     out = []
     for p, g in zip(proposals, graphs):
@@ -72,11 +78,29 @@ class _Greedy:
         return [self.targets]
 
     def decide(self, drafts: tuple[int, ...]) -> tuple[list[int], int]:
-        targets = self.targets.tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == targets[a]:
-            a += 1
-        return list(drafts[:a]) + [targets[a]], a
+        return _accept_greedy(drafts, self.targets.tolist())
+
+
+@dataclass
+class _HostGreedy:
+    """A `plain_greedy` row (no logprobs, so no processed rows to keep): the argmax of its raw logits,
+    taken on the host."""
+
+    logits: mx.array  # (K + 1, vocab)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.logits]
+
+    def decide(self, drafts: tuple[int, ...]) -> tuple[list[int], int]:
+        return _accept_greedy(drafts, host_argmax(self.logits))
+
+
+def _accept_greedy(drafts: tuple[int, ...], targets: list[int]) -> tuple[list[int], int]:
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return list(drafts[:a]) + [targets[a]], a
 
 
 @dataclass
@@ -101,8 +125,6 @@ class _Stochastic:
 
 def _graph(p: Proposal) -> _Greedy | _Stochastic:
     k = len(p.drafts)
-    if p.logits.shape[0] != k + 1:
-        raise ValueError(f"{p.logits.shape[0]} rows of logits for {k} drafts")
     c = p.state.constraint
     rows = [process_logits(p.logits[j], p.state, p.drafts[:j], c.allowed(j, p.drafts) if c else None)
             for j in range(k + 1)]

@@ -15,6 +15,7 @@ from meshlm.engine.sampler import SeqSampling, filter_logits, process_logits, sa
 from meshlm.spec.rejection import Proposal, verify
 
 V = 8
+ON_HOST = pytest.mark.parametrize("on_host", [False, True], ids=["mlx-argmax", "host-argmax"])
 
 
 def rows_with_argmax(targets: list[int], vocab: int = 16) -> mx.array:
@@ -29,31 +30,36 @@ def greedy_state(**kw) -> SeqSampling:
     return SeqSampling.create(SamplingParams(temperature=0, **kw))
 
 
-def test_greedy_all_accepted_gives_the_bonus_token():
-    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 4, 5), greedy_state())])
+@ON_HOST
+def test_greedy_all_accepted_gives_the_bonus_token(on_host):
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 4, 5), greedy_state())], on_host=on_host)
     assert v.tokens == [3, 4, 5, 6] and v.accepted == 3
 
 
-def test_greedy_none_accepted_gives_the_targets_token():
-    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (9, 4, 5), greedy_state())])
+@ON_HOST
+def test_greedy_none_accepted_gives_the_targets_token(on_host):
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (9, 4, 5), greedy_state())], on_host=on_host)
     assert v.tokens == [3] and v.accepted == 0
 
 
-def test_greedy_stops_at_the_first_mismatch():
-    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 9, 5), greedy_state())])
+@ON_HOST
+def test_greedy_stops_at_the_first_mismatch(on_host):
+    [v] = verify([Proposal(rows_with_argmax([3, 4, 5, 6]), (3, 9, 5), greedy_state())], on_host=on_host)
     assert v.tokens == [3, 4] and v.accepted == 1
 
 
+@ON_HOST
 @pytest.mark.parametrize("k", [0, 1])
-def test_small_k(k):
+def test_small_k(k, on_host):
     targets = [7, 8]
-    [v] = verify([Proposal(rows_with_argmax(targets[: k + 1]), tuple(targets[:k]), greedy_state())])
+    [v] = verify([Proposal(rows_with_argmax(targets[: k + 1]), tuple(targets[:k]), greedy_state())], on_host=on_host)
     assert v.tokens == targets[: k + 1] and v.accepted == k
 
 
-def test_rows_and_drafts_must_agree():
+@ON_HOST
+def test_rows_and_drafts_must_agree(on_host):
     with pytest.raises(ValueError):
-        verify([Proposal(rows_with_argmax([1, 2]), (1, 2), greedy_state())])
+        verify([Proposal(rows_with_argmax([1, 2]), (1, 2), greedy_state())], on_host=on_host)
 
 
 def test_counts_and_logprobs_of_emitted_tokens():
@@ -160,3 +166,28 @@ def test_speculative_sampling_matches_the_target_distribution(ngram, params):
         chi2 += (rest_o - rest_e) ** 2 / rest_e
         df += 1
     assert chi2 < chi2_critical(df), (chi2, df)
+
+
+def test_host_argmax_verifies_like_mlx_on_a_batch_of_random_rows():
+    """The CPU seam: plain greedy rows verified with the host's argmax give what the MLX path gives, on
+    slices of one step's logits (as the engine passes them) with ties and with drafts that match."""
+    logits = mx.round(2.0 * mx.random.normal((12, 50), key=mx.random.key(3)))  # rounded: ties are common
+    targets = mx.argmax(logits, axis=-1).tolist()
+    spans, start = [], 0
+    for k in (0, 3, 1, 4):
+        drafts = tuple(targets[start : start + k - 1]) + ((targets[start + k - 1] + 1) % 50,) if k else ()
+        spans.append((logits[start : start + k + 1], drafts))
+        start += k + 1
+    outs = [verify([Proposal(rows, d, greedy_state()) for rows, d in spans], on_host=h) for h in (False, True)]
+    assert [(v.tokens, v.accepted) for v in outs[0]] == [(v.tokens, v.accepted) for v in outs[1]]
+    assert [v.accepted for v in outs[0]] == [0, 2, 0, 3]
+
+
+def test_processed_or_sampled_rows_keep_the_mlx_path():
+    """A penalty, a logit bias or logprobs change what greedy picks or reports: on_host leaves them to MLX."""
+    rows = rows_with_argmax([3, 3])
+    bias = greedy_state(logit_bias=((3, -100.0),))
+    [v] = verify([Proposal(rows, (4,), bias)], on_host=True)
+    assert v.tokens[0] != 3
+    [v] = verify([Proposal(rows, (3,), greedy_state(logprobs=1))], on_host=True)
+    assert v.tokens == [3, 3] and v.logprobs is not None and len(v.logprobs) == 2

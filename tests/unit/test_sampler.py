@@ -39,12 +39,32 @@ def chi2(counts: Counter, probs: list[float]) -> float:
     return sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs))
 
 
-def test_greedy_is_argmax_per_row():
+@pytest.mark.parametrize("on_host", [False, True], ids=["mlx-argmax", "host-argmax"])
+def test_greedy_is_argmax_per_row(on_host):
     logits = random_logits(8)
     states = [state(temperature=0.0) for _ in range(8)]
-    ids, lps = sample(logits, states)
+    ids, lps = sample(logits, states, on_host=on_host)
     assert ids == mx.argmax(logits, axis=-1).tolist()
     assert lps == [None] * 8
+    assert all(s.counts == Counter([i]) for s, i in zip(states, ids))
+
+
+def test_host_argmax_breaks_ties_as_mlx_does_on_gathered_rows():
+    # Rounded logits tie often; the engine passes a gather of a step's rows (its sampled rows).
+    logits = mx.round(random_logits(16, vocab=40))[mx.array([1, 4, 5, 9, 15])]
+    states = [state(temperature=0.0) for _ in range(5)]
+    assert sample(logits, states, on_host=True)[0] == mx.argmax(logits, axis=-1).tolist()
+
+
+def test_host_argmax_leaves_what_changes_greedy_to_the_mlx_path():
+    logits = mx.array([LOGITS, LOGITS])
+    biased = state(temperature=0.0, logit_bias=((0, -10.0),))
+    with_logprobs = state(temperature=0.0, logprobs=1)
+    ids, lps = sample(logits, [biased, with_logprobs], on_host=True)
+    assert ids == [1, 0] and lps[0] is None and lps[1] is not None
+    # a sampled row beside greedy ones: all take the MLX path, the greedy row still its argmax
+    ids, _ = sample(logits, [state(temperature=0.0), state(temperature=1.0, seed=1)], on_host=True)
+    assert ids[0] == 0
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens():
