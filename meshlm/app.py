@@ -178,13 +178,13 @@ class _DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        if self._draining:  # a second signal: stop now
-            return super().handle_exit(sig, frame)
-        self._draining = True
-        threading.Thread(target=self._drain, args=(sig, frame), name="meshlm-drain", daemon=True).start()
+        # A second signal skips the rest of the grace period, but still stops in order: the streams get
+        # their error event, and the engine stops and flushes its SSD writes once `run` returns.
+        grace, self._draining = (0.0 if self._draining else SHUTDOWN_GRACE_SECONDS), True
+        threading.Thread(target=self._drain, args=(grace,), name="meshlm-drain", daemon=True).start()
 
-    def _drain(self, sig, frame) -> None:
-        self.engine.drain(SHUTDOWN_GRACE_SECONDS)
+    def _drain(self, grace: float) -> None:
+        self.engine.drain(grace)
         time.sleep(0.2)  # let the error events reach the clients before connections close
         # Not super().handle_exit: uvicorn would re-raise the signal once serving ends, and its default
         # action would kill the process before the engine stops (the SSD tier's pending writes lost).

@@ -166,3 +166,29 @@ def test_sigterm_drains_then_stops_the_engine_and_exits_0(tiny_model, tmp_path):
     finally:
         srv.stop()
     assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
+
+
+def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path):
+    """A second SIGTERM during the drain's grace period ends serving at once, but in order: the open stream
+    gets its error event and ends, the engine stops, the SSD writes are flushed and the process exits 0
+    (uvicorn's own handler took the second signal and re-raised it, killing the process before any of
+    that)."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a b c d " * 40, "max_tokens": 4000, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # draining: the stream runs on for up to the grace period
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+            assert time.monotonic() - t0 < 5
+            rest = list(lines)
+        assert any("server shutting down" in line for line in rest), rest[-3:]
+        assert not any('"finish_reason":"length"' in line.replace(" ", "") for line in rest)
+    finally:
+        srv.stop()
+    assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
