@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -36,7 +36,6 @@ class Response:
     _chunked: bool
     _length: int | None  # None with _chunked False: the body ends when the connection closes
     _done: bool = False
-    _pending: bytes = field(default=b"", repr=False)
 
     @property
     def reusable(self) -> bool:

@@ -333,8 +333,7 @@ class Engine:
                 # the last micro-batch's tokens fills that wait. After the forward, as below, that host
                 # work shared the leader's core with it and delayed every stage's next plan: PP=2 served
                 # 1.49-1.51x one core that way, 1.55-1.58x this way (docs/BENCHMARKS.md).
-                with self._emitting():
-                    self._emit(pending)
+                self._emit(pending)
                 pending = None
         result = self._execute(plan) if plan is not None else None
         if plan is not None:
@@ -343,8 +342,7 @@ class Engine:
                 with self._lock:
                     self._update_gauges()
         if pending is not None:
-            with self._emitting():
-                self._emit(pending)
+            self._emit(pending)
         if plan is None or result is None:
             return None
         launched = self._launch_draw(plan, result) if self._ahead else None
@@ -366,8 +364,7 @@ class Engine:
             result = self._execute(ahead, launched.tokens_for(ahead))
             self.metrics.steps_ahead.inc()
         pending = self._collect_within_deadline(launched.plan, launched.result, launched)
-        with self._emitting():
-            self._emit(pending)
+        self._emit(pending)
         if ahead is None:
             return None
         ahead = dataclasses.replace(ahead, chunks=tuple(
@@ -501,9 +498,10 @@ class Engine:
             yield
 
     def _emit(self, pending: "_Pending") -> None:
-        for uid, tokens in pending.sampled.items():
-            self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
-        self._finish_all(pending.finished)
+        with self._emitting():
+            for uid, tokens in pending.sampled.items():
+                self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
+            self._finish_all(pending.finished)
 
     def _read(self, launched: _Launched) -> tuple[dict[int, list[int]], dict[int, list], dict]:
         """`_sample`'s results from a draw launched with its step (`_launch_draw`); a sequence that ended
