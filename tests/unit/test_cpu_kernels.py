@@ -170,6 +170,26 @@ def test_adapting_a_model_keeps_stock_mlx_lm_calls_working():
     assert mx.abs(stock(tokens) - want).max().item() < 1e-5
 
 
+def test_the_parts_a_forward_walks_hold_the_swapped_head():
+    """An untied LM head is swapped like every linear layer, and the forward's parts call the new module,
+    not the nn.Linear it replaced (they once kept it: MLX's slower GEMM on every step's logits)."""
+    from mlx_lm.models import llama
+
+    from meshlm.model.adapt import adapt
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=112,
+                           tie_word_embeddings=False)
+    model = llama.Model(args)
+    h = mx.random.normal((1, 3, 64))
+    want = model.lm_head(model.model.norm(h))
+    parts = adapt(model, cpu_kernels_on=True, native=NATIVE)
+    linear_type = cpu_kernels.PackedLinear if NATIVE is not None and NATIVE.packed_gemm else cpu_kernels.TransposedLinear
+    assert isinstance(model.lm_head, linear_type) and parts.lm_head is model.lm_head
+    assert parts.norm is model.model.norm and parts.layers[1] is model.model.layers[1]
+    assert mx.abs(parts.head(h) - want).max().item() < 1e-5
+
+
 def test_transposed_linears_keep_outputs_and_skip_what_they_cannot_hold():
     class Block(nn.Module):
         def __init__(self):
