@@ -23,6 +23,9 @@ device, schedule, sample, emit, control, wait, link); rank 0's /metrics reports 
 the load. `device` is the forward with its collectives: to split the two, a probe measures the
 all-reduce alone: two processes pinned like the ranks run `mx.distributed.all_sum` on the shapes a
 tensor-parallel layer reduces (decode: streams x hidden; prefill: a chunk x hidden), two per layer.
+A pipeline's report adds `decode_probe` (benchmarks/stage_probe.py): each stage's decode micro-batch
+timed alone and with every stage at once, against the one core's decode step, and the decode ceiling
+those leave (a micro-batch holds streams/N rows, so per token the stages read N times the weights).
 
 Servers run one after the other, never at the same time; a server that fails or hangs is recorded
 with its log tails instead of ending the run; every process is stopped at the end.
@@ -55,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _peer  # noqa: E402
 import pipeline_parallel as pp  # noqa: E402  (pinned, one_core_env, port_run, Cluster, one_level, warm_up)
+import stage_probe  # noqa: E402
 import tensor_parallel as tp  # noqa: E402  (scrape, finish, end_report, other_servers)
 
 TARGETS = {"tensor": 1.7, "pipeline": 1.7, "context": None}  # N=2 ranks / one core at 16 streams (issues 13, 17)
@@ -62,6 +66,7 @@ LAYOUT_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--pipeline-parallel"
 _RANK_SECONDS = re.compile(r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\}\s+(\S+)$')
 _ALL_REDUCE_SECONDS = re.compile(r'^meshlm_all_reduce_seconds_total\{part="(\w+)"\}\s+(\S+)$')
 PROBE_ITERS = 300
+DECODE_PROBE_CONTEXT = 256  # tokens per row before decoding: about the load's prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -344,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             print("[all_reduce] probing", file=sys.stderr, flush=True)
             report["all_reduce"] = all_reduce_probe(args, int(report["model"]["hidden"]), report["model"]["layers"],
                                                     workdir)
+        if args.layout == "pipeline":
+            print("[decode_probe] probing", file=sys.stderr, flush=True)
+            try:
+                report["decode_probe"] = stage_probe.probe(model, args.ranks, args.streams, DECODE_PROBE_CONTEXT,
+                                                           workdir)
+            except RuntimeError as exc:
+                report["decode_probe"] = {"error": str(exc)}
     report["runs"] = [pair_summary(pair) for pair in pairs]
     for pair in pairs:  # the texts were only for comparing
         for info in pair.values():

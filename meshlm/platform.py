@@ -53,17 +53,27 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
                      os.environ.get("LD_PRELOAD"), os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
                      " ".join(f"{k}={os.environ.get(k)}" for k in GLIBC_MALLOC_TUNING))
         return
-    lib = find_openblas()
-    if lib is None:
+    env = openblas_env(os.environ)
+    if env is None:
         log.info("OpenBLAS not found; CPU matmuls use MLX's reference BLAS (apt-get install libopenblas0-pthread)")
         return
-    env = dict(os.environ)
+    os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
+
+
+def openblas_env(base: dict[str, str]) -> dict[str, str] | None:
+    """`base` with Debian's OpenBLAS preloaded and glibc's malloc tuned, as meshlm re-executes itself (also
+    for other programs that must run MLX as a meshlm rank does, e.g. benchmarks' probes); None when
+    OpenBLAS is not installed."""
+    lib = find_openblas()
+    if lib is None:
+        return None
+    env = dict(base)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     env[_PRELOADED_MARK] = "1"
     env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     for name, value in GLIBC_MALLOC_TUNING.items():
         env.setdefault(name, value)
-    os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
+    return env
 
 
 def cores_for_this_process() -> int:
