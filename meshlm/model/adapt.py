@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import TokenPositions, install_seam
+from meshlm.model.vocab_parallel import VocabShardedHead
 from meshlm.kv.store import KVShape
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None) -
             if not isinstance(layer.mlp, GatedMLP):
                 layer.mlp = GatedMLP(layer.mlp, act)
         swapped = cpu_kernels.transpose_linears(model, native, sum_group)
+        if sum_group is not None and isinstance(model.get("lm_head"), VocabShardedHead):
+            model.lm_head.sum_over(sum_group)
         if swapped:
             log.info("CPU kernels: %d linear layers hold their weights %s", swapped,
                      "in 16-column panels" if native is not None and native.packed_gemm else "transposed")

@@ -18,6 +18,7 @@ from mlx_lm.utils import sharded_load
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
+from meshlm.model.vocab_parallel import shard_vocab_head
 from meshlm.platform import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,8 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     check_supported(json.loads((path / "config.json").read_text()))
     if tensor_group is not None:
         model, tokenizer = sharded_load(str(path), tensor_group=tensor_group)
+        if shard_vocab_head(model, tensor_group):
+            log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
     else:
         model, tokenizer = mlx_lm_load(str(path), lazy=stage is not None)
     if stage is not None:

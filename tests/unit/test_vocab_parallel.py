@@ -1,0 +1,72 @@
+"""The vocabulary-split LM head of tensor parallelism (model/vocab_parallel.py): the ranks' zero-padded
+slices sum to exactly the whole head's logits, and only a head that splits evenly is split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from meshlm.model import cpu_kernels
+from meshlm.model.vocab_parallel import VocabShardedHead, shard_vocab_head
+
+
+@dataclass
+class Group:  # what shard_vocab_head reads of an MLX group
+    _rank: int
+    _size: int
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_slices_sum_to_the_whole_heads_logits(bias, size):
+    head = nn.Linear(64, 160, bias=bias)
+    x = mx.random.normal((1, 5, 64))
+    parts = [VocabShardedHead(head, r, size, Group(r, size)) for r in range(size)]
+    assert all(p.local.weight.shape == (160 // size, 64) for p in parts)
+    total = sum(p.padded(x) for p in parts)
+    assert total.shape == (1, 5, 160)
+    assert mx.abs(total - head(x)).max().item() < 1e-5
+
+
+def test_a_packed_slice_keeps_its_logits():
+    native, _ = cpu_kernels.native_ops()
+    head = nn.Linear(64, 64)
+    part = VocabShardedHead(head, 1, 2, Group(1, 2))
+    x = mx.random.normal((3, 64))
+    want = part.padded(x)
+    assert cpu_kernels.transpose_linears(part, native) == 1  # its slice, like any linear layer
+    assert mx.abs(part.padded(x) - want).max().item() < 1e-5
+    assert mx.abs(part.padded(x)[:, :32]).max().item() == 0.0  # rank 0's columns are left to rank 0
+
+
+def test_only_an_untied_float_head_the_ranks_divide_is_split():
+    from mlx_lm.models import llama
+
+    def model(vocab: int, tied: bool = False) -> nn.Module:
+        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+                               tie_word_embeddings=tied)
+        return llama.Model(args)
+
+    m = model(96)
+    whole = m.lm_head.weight
+    assert shard_vocab_head(m, Group(1, 2))
+    assert isinstance(m.lm_head, VocabShardedHead)
+    assert mx.array_equal(m.lm_head.local.weight, whole[48:])
+    assert not shard_vocab_head(model(96, tied=True), Group(0, 2))  # the head is the embedding table
+    assert not shard_vocab_head(model(97), Group(0, 2))  # an uneven split
+    assert not shard_vocab_head(model(96), Group(0, 1))  # one rank
+    quantized = model(96)
+    quantized.lm_head = quantized.lm_head.to_quantized(group_size=32, bits=4)
+    assert not shard_vocab_head(quantized, Group(0, 2))
+    with pytest.raises(ValueError, match="does not split"):
+        VocabShardedHead(nn.Linear(8, 10), 0, 4, Group(0, 4))
