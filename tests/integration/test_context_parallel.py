@@ -120,7 +120,12 @@ def test_a_rank_killed_during_a_ring_prefill_ends_the_request_with_an_error(mode
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
                 task = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 4}))
-                await asyncio.sleep(1.0)  # 16 ring prefill steps take seconds
+                # Killed as soon as the sequence runs: its prefill takes 16 ring steps (a fixed sleep
+                # sometimes outlasted the whole request once the model got faster).
+                deadline = time.monotonic() + 20
+                while await asyncio.to_thread(srv.metric, "meshlm_batch_size") < 1:
+                    assert time.monotonic() < deadline and not task.done(), "the request never ran"
+                    await asyncio.sleep(0.02)
                 os.kill(worker, signal.SIGKILL)
                 t0 = time.monotonic()
                 r = await task
