@@ -51,7 +51,7 @@ def shard_vocab_head(model: nn.Module, group) -> bool:
     """Replace `model`'s untied float head by this rank's VocabShardedHead over `group` (an MLX group of
     the tensor-parallel ranks); False when it keeps the whole head (tied to the embedding, quantized, or a
     vocabulary the ranks do not divide)."""
-    head = model["lm_head"] if "lm_head" in model else None
+    head = model.get("lm_head")
     size = group.size()
     if (type(head) is not nn.Linear or size < 2 or getattr(model.args, "tie_word_embeddings", False)
             or head.weight.shape[0] % size):
