@@ -153,7 +153,7 @@ def sample(logits: mx.array, states: list[SeqSampling],
            on_host: bool = False) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row. `logits` is (rows, vocab) float32; `states` one per row. `on_host`:
     when every row is `plain_greedy`, take the argmax on the host (`host_argmax`, the CPU device's seam)."""
-    if on_host and logits.dtype == mx.float32 and all(plain_greedy(s) for s in states):
+    if reads_on_host(logits, states, on_host):
         ids = host_argmax(logits)
         for tok, s in zip(ids, states):
             s.record([tok])
@@ -168,6 +168,11 @@ def plain_greedy(state: SeqSampling) -> bool:
     return (p.greedy and state.constraint is None and not p.logit_bias and not state.banned
             and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
             and p.logprobs is None)
+
+
+def reads_on_host(logits: mx.array, states: list[SeqSampling], on_host: bool) -> bool:
+    """Whether the tokens of these rows (all `plain_greedy`, float32) are taken by `host_argmax`."""
+    return on_host and logits.dtype == mx.float32 and all(plain_greedy(s) for s in states)
 
 
 def host_argmax(logits: mx.array) -> list[int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from meshlm.engine.request import TokenLogprob
-from meshlm.engine.sampler import (SeqSampling, filter_logits, host_argmax, plain_greedy, process_logits,
+from meshlm.engine.sampler import (SeqSampling, filter_logits, host_argmax, process_logits, reads_on_host,
                                    top_alternatives)
 
 
@@ -56,8 +56,8 @@ def verify(proposals: list[Proposal], on_host: bool = False) -> list[Verified]:
     for p in proposals:
         if p.logits.shape[0] != len(p.drafts) + 1:
             raise ValueError(f"{p.logits.shape[0]} rows of logits for {len(p.drafts)} drafts")
-    graphs = [_HostGreedy(p.logits) if on_host and p.logits.dtype == mx.float32 and plain_greedy(p.state)
-              else _graph(p) for p in proposals]
+    graphs = [_HostGreedy(p.logits) if reads_on_host(p.logits, [p.state], on_host) else _graph(p)
+              for p in proposals]
     mx.eval([a for g in graphs for a in g.arrays])
     out = []
     for p, g in zip(proposals, graphs):
