@@ -731,9 +731,13 @@ mx::array float32_input(const mx::array& a, mx::Stream s) {
   return a.is_available() && !a.flags().row_contiguous ? mx::contiguous(a, false, s) : a;
 }
 
-// A weight a kernel reads in place (no scratch copy: the packed GEMM's panels): row-major for certain.
-mx::array float32_weight(const mx::array& a, mx::Stream s) {
-  require_float32(a);
+
+// A weight a kernel reads in place (no scratch copy: the packed GEMM's panels): row-major for certain,
+// float32 or bfloat16 (widened to float32 in the kernel).
+mx::array panel_weight(const mx::array& a, mx::Stream s) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("meshlm packed weights are float32 or bfloat16");
+  }
   return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s);
 }
 
@@ -801,11 +805,25 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, co
 // more than either.
 
 constexpr int PANEL = 16;
-constexpr int64_t PREFETCH_LINES = 32;  // panel lines (k steps) ahead; prefetches never fault past the end
+constexpr int64_t PREFETCH_BYTES = 2048;  // of panel ahead; prefetches never fault past the end
+
+// Panels hold float32, or bfloat16 where every weight of the layer is exactly a bfloat16 (a checkpoint
+// stored in bf16 and widened at load): half the bytes to stream per decode step, and the same products,
+// since the kernel widens each weight in a register (a shift) before the float32 FMA.
+using bf16_t = uint16_t;
 
 #if MESHLM_AVX2
-template <int MR>
-inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __restrict w, const float* bias,
+template <typename W>
+constexpr int64_t PREFETCH_LINES = PREFETCH_BYTES / (PANEL * sizeof(W));
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int MR, typename W>
+inline void gemm_micro(const float* __restrict x, int64_t ldx, const W* __restrict w, const float* bias,
                        float* __restrict c, int64_t ldc, int64_t K) {
   // Named accumulators: GCC spills an array of __m256 to the stack on every iteration.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
@@ -815,8 +833,8 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
     // in flight for the hardware prefetcher: prefetching 2 KiB ahead took a 4-row pass over 64 MiB of
     // weights from 5.1 to 3.0 ms, a 16-row one from 10.1 to 7.7 (one core, 2026-11-24); one row
     // streams at full bandwidth without it, and the extra instruction slowed it by ~10 %.
-    if constexpr (MR > 1) _mm_prefetch(reinterpret_cast<const char*>(w + PANEL * (k + PREFETCH_LINES)), _MM_HINT_T0);
-    __m256 b0 = _mm256_loadu_ps(w + PANEL * k), b1 = _mm256_loadu_ps(w + PANEL * k + 8);
+    if constexpr (MR > 1) _mm_prefetch(reinterpret_cast<const char*>(w + PANEL * (k + PREFETCH_LINES<W>)), _MM_HINT_T0);
+    __m256 b0 = load8(w + PANEL * k), b1 = load8(w + PANEL * k + 8);
     auto row = [&](int r, __m256& lo, __m256& hi) {
       __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
       lo = _mm256_fmadd_ps(a, b0, lo);
@@ -848,19 +866,25 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
 // core with two 512-bit FMA units does twice the multiply-adds per cycle of the 256-bit kernel above
 // (measured on a Xeon: 246 against 133 GFLOP/s of peak FMA throughput), and two panel lines per k
 // against MR broadcasts keep the loads behind the FMAs.
-template <int MR>
-inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const float* __restrict w0,
-                             const float* __restrict w1, const float* bias0, const float* bias1,
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int MR, typename W>
+inline void gemm_micro_512x2(const float* __restrict x, int64_t ldx, const W* __restrict w0,
+                             const W* __restrict w1, const float* bias0, const float* bias1,
                              float* __restrict c0, int64_t ldc0, float* __restrict c1, int64_t ldc1, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
          b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0, a8 = a0, b8 = a0, a9 = a0, b9 = a0,
          a10 = a0, b10 = a0, a11 = a0, b11 = a0;
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (MR > 1) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + PANEL * (k + PREFETCH_LINES)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + PANEL * (k + PREFETCH_LINES)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + PANEL * (k + PREFETCH_LINES<W>)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + PANEL * (k + PREFETCH_LINES<W>)), _MM_HINT_T0);
     }
-    __m512 p0 = _mm512_loadu_ps(w0 + PANEL * k), p1 = _mm512_loadu_ps(w1 + PANEL * k);
+    __m512 p0 = load16(w0 + PANEL * k), p1 = load16(w1 + PANEL * k);
     auto row = [&](int r, __m512& lo, __m512& hi) {
       __m512 v = _mm512_set1_ps(x[r * ldx + k]);
       lo = _mm512_fmadd_ps(v, p0, lo);
@@ -906,40 +930,46 @@ constexpr int MAX_SPLITS = 4;
 // output j's columns (a fused q/k/v projection, or gate and up). One output: ends[0] = N / 16.
 struct GemmArgs {
   const float* x;     // (M, K)
-  const float* w;     // (N/16, K, 16)
+  const void* w;      // (N/16, K, 16), float32 or (bf16) bfloat16
   const float* bias;  // (N) or null
   float* out[MAX_SPLITS];  // (M, N_j) each
   int64_t ends[MAX_SPLITS];  // cumulative panels per output
   int splits;
   int64_t M, K;
   bool wide = false;  // the 512-bit micro-kernel (wide_kernels)
+  bool bf16 = false;  // w holds bfloat16
 };
 
 // Panel p's place: its weights, bias, and first output column with that output's row stride.
+template <typename W>
 struct PanelOut {
-  const float* w;
+  const W* w;
   const float* bias;
   float* c;
   int64_t ldc;
 };
 
-PanelOut panel_out(const GemmArgs& g, int64_t p) {
+template <typename W>
+PanelOut<W> panel_out(const GemmArgs& g, int64_t p) {
   int j = 0;
   while (p >= g.ends[j]) ++j;
   int64_t first = j ? g.ends[j - 1] : 0;
-  return {g.w + p * g.K * PANEL, g.bias ? g.bias + p * PANEL : nullptr, g.out[j] + (p - first) * PANEL,
-          (g.ends[j] - first) * PANEL};
+  return {static_cast<const W*>(g.w) + p * g.K * PANEL, g.bias ? g.bias + p * PANEL : nullptr,
+          g.out[j] + (p - first) * PANEL, (g.ends[j] - first) * PANEL};
 }
 
 // Each micro-kernel instantiated for every row count up to its pass, indexed by rows: a GEMM runs full
 // passes and then its remaining rows through the same table.
-using Micro256 = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+template <typename W>
+using Micro256 = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t);
 constexpr int64_t ROWS_256 = 6;
-constexpr Micro256 MICRO_256[ROWS_256 + 1] = {nullptr, gemm_micro<1>, gemm_micro<2>, gemm_micro<3>,
-                                              gemm_micro<4>, gemm_micro<5>, gemm_micro<6>};
+template <typename W>
+constexpr Micro256<W> MICRO_256[ROWS_256 + 1] = {nullptr, gemm_micro<1, W>, gemm_micro<2, W>, gemm_micro<3, W>,
+                                                 gemm_micro<4, W>, gemm_micro<5, W>, gemm_micro<6, W>};
 
 #if MESHLM_AVX512
-using Micro512 = void (*)(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
+template <typename W>
+using Micro512 = void (*)(const float*, int64_t, const W*, const W*, const float*, const float*, float*,
                           int64_t, float*, int64_t, int64_t);
 // Rows a pass: 24 accumulators of the 32 registers, two more for the panel lines. A GEMM of up to 12 rows
 // (a speculative verify of up to 11 drafts) is one pass over the weights; more rows take further passes,
@@ -947,32 +977,44 @@ using Micro512 = void (*)(const float*, int64_t, const float*, const float*, con
 // the demo model's 13-row GEMMs cost 1.3x its 8-row ones in two 8-row passes, and the 72M llama's
 // prefill-sized ones (32-80 rows, one core) took 3-6 % less time than in 8-row passes (2026-11-25).
 constexpr int64_t ROWS_512 = 12;
-constexpr Micro512 MICRO_512[ROWS_512 + 1] = {
-    nullptr,                gemm_micro_512x2<1>,  gemm_micro_512x2<2>,  gemm_micro_512x2<3>, gemm_micro_512x2<4>,
-    gemm_micro_512x2<5>,    gemm_micro_512x2<6>,  gemm_micro_512x2<7>,  gemm_micro_512x2<8>, gemm_micro_512x2<9>,
-    gemm_micro_512x2<10>,   gemm_micro_512x2<11>, gemm_micro_512x2<12>};
+template <typename W>
+constexpr Micro512<W> MICRO_512[ROWS_512 + 1] = {
+    nullptr,                 gemm_micro_512x2<1, W>,  gemm_micro_512x2<2, W>,  gemm_micro_512x2<3, W>,
+    gemm_micro_512x2<4, W>,  gemm_micro_512x2<5, W>,  gemm_micro_512x2<6, W>,  gemm_micro_512x2<7, W>,
+    gemm_micro_512x2<8, W>,  gemm_micro_512x2<9, W>,  gemm_micro_512x2<10, W>, gemm_micro_512x2<11, W>,
+    gemm_micro_512x2<12, W>};
 
-void packed_gemm_pair(const GemmArgs& g, const PanelOut& a, const PanelOut& b) {
+template <typename W>
+void packed_gemm_pair(const GemmArgs& g, const PanelOut<W>& a, const PanelOut<W>& b) {
   for (int64_t i = 0; i < g.M; i += ROWS_512) {
-    MICRO_512[std::min(ROWS_512, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc, a.ldc,
-                                           b.c + i * b.ldc, b.ldc, g.K);
+    MICRO_512<W>[std::min(ROWS_512, g.M - i)](g.x + i * g.K, g.K, a.w, b.w, a.bias, b.bias, a.c + i * a.ldc,
+                                              a.ldc, b.c + i * b.ldc, b.ldc, g.K);
   }
 }
 #endif
 
-void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
+template <typename W>
+void packed_gemm_panels_of(const GemmArgs& g, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
 #if MESHLM_AVX512
     if (g.wide && p + 1 < p1) {
-      packed_gemm_pair(g, panel_out(g, p), panel_out(g, p + 1));
+      packed_gemm_pair<W>(g, panel_out<W>(g, p), panel_out<W>(g, p + 1));
       ++p;
       continue;
     }
 #endif
-    auto [w, bias, c, ldc] = panel_out(g, p);
+    auto [w, bias, c, ldc] = panel_out<W>(g, p);
     for (int64_t i = 0; i < g.M; i += ROWS_256) {
-      MICRO_256[std::min(ROWS_256, g.M - i)](g.x + i * g.K, g.K, w, bias, c + i * ldc, ldc, g.K);
+      MICRO_256<W>[std::min(ROWS_256, g.M - i)](g.x + i * g.K, g.K, w, bias, c + i * ldc, ldc, g.K);
     }
+  }
+}
+
+void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
+  if (g.bf16) {
+    packed_gemm_panels_of<bf16_t>(g, p0, p1);
+  } else {
+    packed_gemm_panels_of<float>(g, p0, p1);
   }
 }
 
@@ -1109,7 +1151,8 @@ class PackedLinear : public CpuOnly {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &x = in[0], &w = in[1];
     int64_t K = w.shape(1);
-    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {w.shape(0)}, 1, static_cast<int64_t>(x.size() / K), K};
+    GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {w.shape(0)}, 1, static_cast<int64_t>(x.size() / K), K};
+    g.bf16 = w.dtype() == mx::bfloat16;
     out.set_data(mx::allocator::malloc(out.nbytes()));
     g.out[0] = out.data<float>();
     dispatch_gemm(stream(), g, x, has_bias_ ? &in[2] : nullptr, w.shape(0));
@@ -1136,8 +1179,9 @@ class PackedLinearSplit : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     const auto &x = in[0], &w = in[1];
     int64_t K = w.shape(1);
-    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {}, static_cast<int>(outs.size()),
+    GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {}, static_cast<int>(outs.size()),
                static_cast<int64_t>(x.size() / K), K};
+    g.bf16 = w.dtype() == mx::bfloat16;
     int64_t end = 0;
     for (size_t j = 0; j < outs.size(); ++j) {
       outs[j].set_data(mx::allocator::malloc(outs[j].nbytes()));
@@ -1164,7 +1208,8 @@ class PackedSwiGLU : public CpuOnly {
     const auto &x = in[0], &w = in[1];
     int64_t K = w.shape(1), half = w.shape(0) / 2, M = static_cast<int64_t>(x.size() / K);
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    GemmArgs g{nullptr, In<float>(w).p, nullptr, {}, {half, 2 * half}, 2, M, K};
+    GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {half, 2 * half}, 2, M, K};
+    g.bf16 = w.dtype() == mx::bfloat16;
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([g, xi = In<float>(x), o = out.data<float>(), n = static_cast<size_t>(M * half * PANEL),
                   panels = w.shape(0)]() mutable {
@@ -1192,7 +1237,7 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx
   if (x.dtype() == mx::float32) {
     auto shape = x.shape();
     shape.back() = N;
-    std::vector<mx::array> inputs{float32_input(x, s), float32_weight(w, s)};
+    std::vector<mx::array> inputs{float32_input(x, s), panel_weight(w, s)};
     if (bias) inputs.push_back(float32_input(*bias, s));
     return mx::array(shape, mx::float32, std::make_shared<PackedLinear>(s, bias.has_value()), inputs);
   }
@@ -1265,7 +1310,7 @@ std::vector<mx::array> packed_linear_split(const mx::array& x, const mx::array& 
       shape.back() = n;
       shapes.push_back(shape);
     }
-    std::vector<mx::array> inputs{float32_input(x, s), float32_weight(w, s)};
+    std::vector<mx::array> inputs{float32_input(x, s), panel_weight(w, s)};
     if (bias) inputs.push_back(float32_input(*bias, s));
     return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(sizes.size(), mx::float32),
                                   std::make_shared<PackedLinearSplit>(s, sizes, bias.has_value()), inputs);
@@ -1294,7 +1339,7 @@ mx::array packed_swiglu(const mx::array& x, const mx::array& w) {
   if (x.dtype() == mx::float32) {
     auto shape = x.shape();
     shape.back() = I;
-    return mx::array(shape, mx::float32, std::make_shared<PackedSwiGLU>(s), {float32_input(x, s), float32_weight(w, s)});
+    return mx::array(shape, mx::float32, std::make_shared<PackedSwiGLU>(s), {float32_input(x, s), panel_weight(w, s)});
   }
 #endif
   auto parts = packed_linear_split(x, w, {I, I}, std::nullopt);

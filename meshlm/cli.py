@@ -38,6 +38,9 @@ def _serve_parser(sub) -> None:
                    help="on CPU, keep mlx's own attention and SwiGLU instead of meshlm's faster base-2 ones")
     p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="on CPU, run meshlm's kernels as MLX ops even where the compiled csrc/cpu_ops.cpp loads")
+    p.add_argument("--no-bf16-weights", dest="bf16_weights", action="store_false",
+                   help="on CPU, hold every linear layer in float32, even where all its weights are exact "
+                        "bfloat16 values (by default those stay bfloat16: half the memory and weight reads)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
@@ -131,7 +134,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position", type=int, default=4096, help="tiny model's context window (tokens)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="how the weights are stored (the demo model's, or the tiny model's)")
 
 
 def _launch_parser(sub) -> None:
@@ -177,7 +181,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
-                          args.native_kernels),
+                          args.native_kernels, args.bf16_weights),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
                                   args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
@@ -214,7 +218,7 @@ def _demo_model(args: argparse.Namespace) -> None:
 
     if args.tiny:
         out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, seed=args.seed,
-                        max_position=args.max_position)
+                        max_position=args.max_position, dtype=args.dtype)
     else:
         out = export_demo(args.out, args.dtype)
     print(out)

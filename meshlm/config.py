@@ -19,6 +19,9 @@ class ModelConfig:
     served_name: str | None = None  # name reported by /v1/models; None: derived from path
     cpu_kernels: bool = True  # on CPU, base-2 attention and SwiGLU (model/cpu_kernels.py)
     native_kernels: bool = True  # ... as compiled C++ (csrc/cpu_ops.cpp) where `make install` built it
+    # ... whose packed GEMM keeps a layer bfloat16 when every weight of it is one (a bf16 checkpoint
+    # widened to float32 at load): half the memory and half the bytes a decode step streams, same products
+    bf16_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

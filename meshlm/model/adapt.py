@@ -148,9 +148,10 @@ def kv_shape(model: nn.Module, parts: ModelParts, block_size: int, dtype: mx.Dty
     return KVShape(len(parts.layers), kv_heads, head_dim, block_size, dtype)
 
 
-def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None) -> ModelParts:
+def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, bf16_weights: bool = True) -> ModelParts:
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
-    what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py)."""
+    what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py);
+    `bf16_weights`: packed layers whose weights are all exact bfloat16 values keep them so."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
@@ -168,12 +169,14 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None) -
         for layer in layers:
             if not isinstance(layer.mlp, GatedMLP):
                 layer.mlp = GatedMLP(layer.mlp, act)
-        swapped = cpu_kernels.transpose_linears(model, native, sum_group)
+        swapped = cpu_kernels.transpose_linears(model, native, sum_group, bf16_weights)
         if sum_group is not None and isinstance(model.get("lm_head"), VocabShardedHead):
             model.lm_head.sum_over(sum_group)
         if swapped:
-            log.info("CPU kernels: %d linear layers hold their weights %s", swapped,
-                     "in 16-column panels" if native is not None and native.packed_gemm else "transposed")
+            bf16 = cpu_kernels.bf16_layers(model)
+            log.info("CPU kernels: %d linear layers hold their weights %s%s", swapped,
+                     "in 16-column panels" if native is not None and native.packed_gemm else "transposed",
+                     f" ({bf16} of them bfloat16: every weight exactly one)" if bf16 else "")
         saved = sum(cpu_kernels.fuse_layer_projections(layer, native) for layer in layers)
         if saved:
             log.info("CPU kernels: q/k/v and gate/up fused, %d GEMMs fewer per forward", saved)

@@ -195,14 +195,17 @@ class TransposedLinear(nn.Module):
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight packed as (out/16, in, 16) column panels for `_cpu_ops.packed_linear`:
-    decode-sized batches stream each panel once (OpenBLAS re-packs the whole weight on every call)."""
+    decode-sized batches stream each panel once (OpenBLAS re-packs the whole weight on every call).
+    `bf16`: the panels are held as bfloat16, which the kernel widens back to the same float32 values
+    (only for a weight that `exact_in_bf16`)."""
 
-    def __init__(self, linear: nn.Linear, native) -> None:
+    def __init__(self, linear: nn.Linear, native, bf16: bool = False) -> None:
         super().__init__()
         self._native = native
         out_dims, in_dims = linear.weight.shape
         panel = native.panel
-        self.weight_p = mx.contiguous(linear.weight.T.reshape(in_dims, out_dims // panel, panel).transpose(1, 0, 2))
+        packed = linear.weight.T.reshape(in_dims, out_dims // panel, panel).transpose(1, 0, 2)
+        self.weight_p = mx.contiguous(packed.astype(mx.bfloat16) if bf16 else packed)
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -219,29 +222,41 @@ class PackedLinear(nn.Module):
 _SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)
 
 
-def _local_linear(layer: nn.Module, native, packed: bool) -> nn.Module:
+def exact_in_bf16(w: mx.array) -> bool:
+    """Every value of `w` is a bfloat16 (as when a bf16 checkpoint was widened to float32 at load), so
+    holding it as bfloat16 loses nothing."""
+    return bool(mx.array_equal(w.astype(mx.bfloat16).astype(w.dtype), w).item())
+
+
+def _local_linear(layer: nn.Module, native, packed: bool, bf16: bool) -> nn.Module:
     """A PackedLinear or TransposedLinear computing what `layer` (an nn.Linear or a tensor-parallel shard
-    of one) computes on this rank, before any collective."""
+    of one) computes on this rank, before any collective; packed as bfloat16 if `bf16` and exact."""
     if packed and layer.weight.shape[0] % native.panel == 0:
-        return PackedLinear(layer, native)
+        return PackedLinear(layer, native, bf16 and exact_in_bf16(layer.weight))
     return TransposedLinear(layer)
 
 
-def transpose_linears(model: nn.Module, native=None, sum_group=None) -> int:
+def bf16_layers(model: nn.Module) -> int:
+    """How many of `model`'s packed weights are held as bfloat16."""
+    return sum(1 for _, m in model.named_modules() if "weight_p" in m and m["weight_p"].dtype == mx.bfloat16)
+
+
+def transpose_linears(model: nn.Module, native=None, sum_group=None, bf16: bool = True) -> int:
     """Swap every float32 `nn.Linear` for a TransposedLinear, or with `native` (`_cpu_ops` with its packed
     GEMM) a PackedLinear where its output size is a multiple of the panel width; quantized layers stay.
     Tensor-parallel shards are swapped too (`ShardedLinear`), keeping their collective: without that, a
     rank's matmuls ran MLX's slower `x @ W.T` and TP=2 lost a third of its speed-up to the 1-rank model
     (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
     returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`. `sum_group`:
-    what the shards sum over instead of their own MLX group (a SharedMemoryGroup)."""
+    what the shards sum over instead of their own MLX group (a SharedMemoryGroup). `bf16`: a layer whose
+    every weight is exactly a bfloat16 is packed as bfloat16 (half the bytes a decode step streams)."""
     packed = native is not None and native.packed_gemm
 
     def replace(child) -> nn.Module | None:
         kind = type(child)
         if kind not in _SWAPPABLE or child.weight.dtype != mx.float32:
             return None
-        local = _local_linear(child, native, packed)
+        local = _local_linear(child, native, packed, bf16)
         if kind is nn.Linear:
             return local
         return ShardedLinear(local, sum_group or child.group, kind is nn.ShardedToAllLinear)

@@ -167,7 +167,11 @@ def _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed) -
         raise ValueError(f"seed must be an int, got {seed!r}")
 
 
-def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id, max_position: int = 4096) -> dict:
+TINY_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id, max_position: int = 4096,
+                dtype: str = "float32") -> dict:
     return {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM"}[model_type]],
@@ -185,7 +189,7 @@ def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id,
         # FINDINGS.md: tied random embeddings make greedy decoding echo the input.
         "tie_word_embeddings": False,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
 
 
@@ -199,19 +203,23 @@ def make_tiny(
     vocab: int | None = None,
     seed: int = 0,
     max_position: int = 4096,
+    dtype: str = "float32",
 ) -> Path:
-    """Write a tiny random-weight model (HF layout, float32) into `out`; `max_position`: its context
-    window (long-context tests and benchmarks)."""
+    """Write a tiny random-weight model (HF layout) into `out`; `max_position`: its context window
+    (long-context tests and benchmarks); `dtype`: how its weights are stored (`bfloat16` as most
+    published checkpoints are)."""
     _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed)
     if not isinstance(max_position, int) or isinstance(max_position, bool) or not 16 <= max_position <= 1 << 22:
         raise ValueError(f"max_position must be an int in 16..{1 << 22}, got {max_position!r}")
+    if dtype not in TINY_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TINY_DTYPES)}, got {dtype!r}")
     tok = tiny_tokenizer(vocab or 512)
     vocab_size = max(vocab or 0, tok.get_vocab_size())
     config = tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size,
-                         tok.token_to_id(IM_END), max_position)
+                         tok.token_to_id(IM_END), max_position, dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = _tiny_weights(config, seed, _readable_rows(tok, vocab_size))
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in _tiny_weights(config, seed, _readable_rows(tok, vocab_size)).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(out / "config.json", config)
     write_hf_tokenizer(out, tok, chat_template=CHATML_TEMPLATE, bos=None, eos=IM_END,

@@ -277,6 +277,82 @@ def test_packed_linear_matches_nn_linear(rows, bias, out, kernel_width):
     assert packed(xh).dtype == linear(xh).dtype and mx.abs(packed(xh) - linear(xh)).max().item() < 1e-5
 
 
+def bf16_valued(linear: nn.Linear) -> nn.Linear:
+    """`linear` with float32 weights that are all bfloat16 values, as a bf16 checkpoint loads on the CPU."""
+    linear.weight = linear.weight.astype(mx.bfloat16).astype(mx.float32)
+    return linear
+
+
+@NEEDS_PACKED_GEMM
+def test_a_bf16_checkpoint_keeps_bf16_layers_and_the_same_logits(tmp_path):
+    """A checkpoint stored in bfloat16 loads as float32 on the CPU; its packed layers go back to bfloat16
+    (half the bytes) and every logit stays what --no-bf16-weights computes."""
+    from meshlm.config import CacheConfig, ModelConfig
+    from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
+    from meshlm.executor.rank import build_rank
+    from meshlm.model import demo
+    from meshlm.model.loader import load_model
+    from mlx.utils import tree_flatten
+
+    path = demo.make_tiny(tmp_path, hidden=128, heads=4, kv_heads=2, seed=5, dtype="bfloat16")
+    logits, held = {}, {}
+    for flag in (True, False):
+        cfg = ModelConfig(str(path), bf16_weights=flag)
+        loaded = load_model(cfg)
+        rank = build_rank(loaded, cfg, CacheConfig(enabled=False, block_size=4), 2**22)
+        held[flag] = {dtype: sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()) if a.dtype == dtype)
+                      for dtype in (mx.float32, mx.bfloat16)}
+        plan = StepPlan(0, new=(NewSequence(0, 0),), chunks=(Chunk(0, 0, (5, 17, 42, 9, 100), LOGITS_LAST),),
+                        tables=(TableUpdate(0, (0, 1)),), num_blocks=2)
+        logits[flag] = rank.step(plan).logits
+    # Every linear layer and the head: all but the embedding table and the norms.
+    assert held[False][mx.bfloat16] == 0 and held[True][mx.float32] < held[True][mx.bfloat16]
+    assert sum(held[True].values()) < 0.65 * sum(held[False].values())
+    assert mx.array_equal(logits[True], logits[False]).item()
+
+
+@NEEDS_PACKED_GEMM
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 65])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out", [160, 176])
+def test_bf16_panels_compute_what_float32_panels_do_bit_for_bit(rows, bias, out, kernel_width):
+    """Widening a bfloat16 is exact and the multiply-adds run in the same order: held in half the bytes,
+    a bf16-valued layer gives identical outputs (the parity suites' single process holds them the same way)."""
+    linear = bf16_valued(nn.Linear(96, out, bias=bias))
+    x = mx.random.normal((rows, 96))
+    f32, b16 = cpu_kernels.PackedLinear(linear, NATIVE), cpu_kernels.PackedLinear(linear, NATIVE, bf16=True)
+    assert b16["weight_p"].dtype == mx.bfloat16 and b16["weight_p"].nbytes * 2 == f32["weight_p"].nbytes
+    assert mx.array_equal(b16(x), f32(x)).item()
+    assert mx.abs(b16(x) - linear(x)).max().item() < 1e-5
+    xh = x.astype(mx.bfloat16)  # another input dtype: MLX's matmul on the unpacked weight
+    assert mx.abs(b16(xh).astype(mx.float32) - linear(xh).astype(mx.float32)).max().item() < 1e-2
+    sizes = [out - 64, 32, 32]  # the split GEMM and the fused SwiGLU read bf16 panels too
+    split_f32 = NATIVE.packed_linear_split(x, f32["weight_p"], sizes)
+    split_b16 = NATIVE.packed_linear_split(x, b16["weight_p"], sizes)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(split_f32, split_b16))
+    gate_up = mx.concatenate([f32["weight_p"], f32["weight_p"]])
+    assert mx.array_equal(NATIVE.packed_swiglu(x, gate_up), NATIVE.packed_swiglu(x, gate_up.astype(mx.bfloat16))).item()
+
+
+@NEEDS_PACKED_GEMM
+def test_only_exact_bf16_weights_are_held_as_bf16():
+    block = nn.Sequential(bf16_valued(nn.Linear(64, 48)), nn.Linear(48, 32, bias=False))  # the second: any float32
+    x = mx.random.normal((3, 64))
+    want = block(x)
+    assert cpu_kernels.exact_in_bf16(block.layers[0].weight) and not cpu_kernels.exact_in_bf16(block.layers[1].weight)
+    assert cpu_kernels.transpose_linears(block, NATIVE) == 2
+    assert [layer["weight_p"].dtype for layer in block.layers] == [mx.bfloat16, mx.float32]
+    assert cpu_kernels.bf16_layers(block) == 1
+    assert mx.abs(block(x) - want).max().item() < 1e-5
+    kept = nn.Sequential(bf16_valued(nn.Linear(64, 48)))
+    cpu_kernels.transpose_linears(kept, NATIVE, bf16=False)  # --no-bf16-weights
+    assert kept.layers[0]["weight_p"].dtype == mx.float32 and cpu_kernels.bf16_layers(kept) == 0
+    mixed = cpu_kernels.fuse_linears(list(block.layers[:1]) + [cpu_kernels.PackedLinear(nn.Linear(64, 32), NATIVE)],
+                                     NATIVE)  # a bf16 and a float32 layer fuse as float32
+    assert mixed[0]["weight_p"].dtype == mx.float32
+    assert mx.abs(mixed[0](x) - block.layers[0](x)).max().item() < 1e-5
+
+
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_a_split_gemm_pairs_panels_across_its_outputs(rows, kernel_width):

@@ -56,6 +56,17 @@ def test_tiny_model_is_deterministic_given_seed(tmp_path):
     ).read_text()
 
 
+def test_tiny_model_stored_in_bf16_rounds_the_float32_weights(tmp_path):
+    """`--dtype bfloat16`: the same seed's weights, stored as most published checkpoints are."""
+    f32 = mx.load(str(demo.make_tiny(tmp_path / "f", layers=1, hidden=32, heads=2, kv_heads=1) / "model.safetensors"))
+    out = demo.make_tiny(tmp_path / "b", layers=1, hidden=32, heads=2, kv_heads=1, dtype="bfloat16")
+    b16 = mx.load(str(out / "model.safetensors"))
+    assert all(b16[k].dtype == mx.bfloat16 and mx.array_equal(b16[k], f32[k].astype(mx.bfloat16)) for k in f32)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        demo.make_tiny(tmp_path / "x", dtype="int8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", [300, 2048])
 def test_tiny_vocab_size(tmp_path, vocab):
