@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="tiny model hidden size")
     p.add_argument("--heads", type=int, default=16, help="tiny model attention heads")
     p.add_argument("--kv-heads", type=int, default=8, help="tiny model KV heads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="how the tiny model's weights are stored (bfloat16: as most published checkpoints; "
+                        "meshlm's packed layers then stream half the bytes)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
     p.add_argument("--requests", type=int, default=48, help="requests in the load")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -339,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         model, report["model"] = _peer.prepare_model(
             args.model, workdir / "tiny",
             ["--model-type", "llama", "--layers", str(args.layers), "--hidden", str(args.hidden),
-             "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)])
+             "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed),
+             "--dtype", args.dtype])
         for run in range(args.repeat):
             for name, start in (("one_core", start_one_core), ("ranks", start_ranks)):
                 print(f"[{name}] starting (pair {run + 1} of {args.repeat})", file=sys.stderr, flush=True)
