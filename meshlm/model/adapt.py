@@ -155,7 +155,7 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, b
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
-    if on_cpu and cpu_kernels.pack_tied_embedding(model, native):
+    if on_cpu and cpu_kernels.pack_tied_embedding(model, native, bf16_weights):
         log.info("CPU kernels: the tied embedding table is packed for the LM head")
     if on_cpu and cpu_kernels.swap_norms(model, native):
         log.info("CPU kernels: RMSNorm and RoPE run as single primitives")

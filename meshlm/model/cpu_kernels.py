@@ -314,14 +314,15 @@ class PackedEmbedding(nn.Module):
     """A tied embedding table held once, packed like PackedLinear's weight: the LM head (`as_linear`) runs
     the packed GEMM, which streams the table on every core (the demo model's 113 MB table at one row:
     3.0 ms against 8.3 ms for MLX's `x @ W.T`, a seventh of a decode step), and lookups gather their rows
-    out of the panels, so the table is not held twice."""
+    out of the panels, so the table is not held twice. `bf16`: held as bfloat16, as PackedLinear's can be."""
 
-    def __init__(self, embedding: nn.Embedding, native) -> None:
+    def __init__(self, embedding: nn.Embedding, native, bf16: bool = False) -> None:
         super().__init__()
         self._native = native
         vocab, dims = embedding.weight.shape
         self._panel = panel = native.panel
-        self.weight_p = mx.contiguous(embedding.weight.reshape(vocab // panel, panel, dims).transpose(0, 2, 1))
+        packed = embedding.weight.reshape(vocab // panel, panel, dims).transpose(0, 2, 1)
+        self.weight_p = mx.contiguous(packed.astype(mx.bfloat16) if bf16 else packed)
 
     @property
     def weight(self) -> mx.array:
@@ -334,22 +335,23 @@ class PackedEmbedding(nn.Module):
         panel, dims = self._panel, w.shape[1]
         # Element (p, i, j) is row p * panel + j, column i: a row is `dims` values `panel` apart.
         start = (ids // panel) * (dims * panel) + ids % panel
-        return mx.take(w.reshape(-1), start[..., None] + mx.arange(dims) * panel)
+        rows = mx.take(w.reshape(-1), start[..., None] + mx.arange(dims) * panel)
+        return rows.astype(mx.float32) if rows.dtype == mx.bfloat16 else rows
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._native.packed_linear(x, self["weight_p"], None)
 
 
-def pack_tied_embedding(model: nn.Module, native) -> bool:
+def pack_tied_embedding(model: nn.Module, native, bf16: bool = True) -> bool:
     """Swap a tied float32 embedding table for a PackedEmbedding where `native` has the packed GEMM and the
-    vocabulary fills whole panels; True if it did."""
+    vocabulary fills whole panels (as bfloat16 if `bf16` and every value is one); True if it did."""
     inner = getattr(model, "model", None)
     embed = inner.get("embed_tokens") if isinstance(inner, nn.Module) else None
     tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     if (native is None or not native.packed_gemm or not tied or type(embed) is not nn.Embedding
             or embed.weight.dtype != mx.float32 or embed.weight.shape[0] % native.panel):
         return False
-    packed = PackedEmbedding(embed, native)
+    packed = PackedEmbedding(embed, native, bf16 and exact_in_bf16(embed.weight))
     mx.eval(packed.parameters())
     inner["embed_tokens"] = packed
     return True

@@ -476,6 +476,10 @@ def test_packed_embedding_looks_up_exactly_and_projects_like_the_table():
     assert mx.array_equal(packed.weight, table.weight).item()
     x = mx.random.normal((1, 3, 24))
     assert mx.abs(packed.as_linear(x) - table.as_linear(x)).max().item() < 1e-5
+    table.weight = table.weight.astype(mx.bfloat16).astype(mx.float32)  # a bf16 checkpoint's table
+    f32, b16 = cpu_kernels.PackedEmbedding(table, NATIVE), cpu_kernels.PackedEmbedding(table, NATIVE, bf16=True)
+    assert b16["weight_p"].dtype == mx.bfloat16 and b16(ids).dtype == mx.float32
+    assert mx.array_equal(b16(ids), table(ids)).item() and mx.array_equal(b16.as_linear(x), f32.as_linear(x)).item()
 
 
 @NEEDS_PACKED_GEMM
