@@ -1,0 +1,52 @@
+"""A checkpoint stored in bfloat16, served with its packed layers held as bfloat16 (the default on the
+CPU), by one process and by real tensor- and pipeline-parallel ranks: each gives the text and logprobs
+of one process holding every layer in float32 (`--no-bf16-weights`). The kernels widen the same values
+back, so a forward matches bit for bit (unit tests); here, logprobs within each suite's tolerance (how
+concurrent prompts are batched and chunked, and a shard's or a stage's summation order, differ between
+runs: test_parity.py, test_pipeline_parallel.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from conftest import ServerProcess, assert_parity, complete_all
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"prompt {i}: " + "the river runs past the old mill " * (i % 3 + 1) for i in range(8)]
+HELD = "of them bfloat16"  # adapt()'s log line, once per rank that holds bf16 layers
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("bf16") / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2,
+                     dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def float32_reference(model, tmp_path_factory):
+    srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", "--no-bf16-weights",
+                        log_dir=tmp_path_factory.mktemp("f32"))
+    try:
+        yield asyncio.run(complete_all(srv.url, PROMPTS, 12))
+    finally:
+        srv.stop()
+    assert HELD not in srv.log.read_text()
+
+
+@pytest.mark.parametrize("flags,ranks,tol", [((), 1, 1e-4), (("--tensor-parallel", "2"), 2, 1e-4),
+                                             (("--pipeline-parallel", "2"), 2, 1e-3)],
+                         ids=["one-process", "tp2", "pp2"])
+def test_bf16_layers_serve_what_float32_layers_do(model, float32_reference, tmp_path, flags, ranks, tol):
+    srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", *flags, log_dir=tmp_path)
+    try:
+        got = asyncio.run(complete_all(srv.url, PROMPTS, 12))
+    finally:
+        srv.stop()
+    assert srv.log.read_text().count(HELD) == ranks
+    assert_parity(got, float32_reference, tol=tol)
