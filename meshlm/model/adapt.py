@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import TokenPositions, install_seam
-from meshlm.model.vocab_parallel import VocabShardedHead
+from meshlm.model.vocab_parallel import TiedVocabSplit, VocabShardedHead
 from meshlm.kv.store import KVShape
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,10 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, b
             if not isinstance(layer.mlp, GatedMLP):
                 layer.mlp = GatedMLP(layer.mlp, act)
         swapped = cpu_kernels.transpose_linears(model, native, sum_group, bf16_weights)
-        if sum_group is not None and isinstance(model.get("lm_head"), VocabShardedHead):
-            model.lm_head.sum_over(sum_group)
+        if sum_group is not None:
+            for split in (model.get("lm_head"), model.model.get("embed_tokens")):
+                if isinstance(split, (VocabShardedHead, TiedVocabSplit)):
+                    split.sum_over(sum_group)
         if swapped:
             bf16 = cpu_kernels.bf16_layers(model)
             log.info("CPU kernels: %d linear layers hold their weights %s%s", swapped,

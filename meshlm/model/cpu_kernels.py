@@ -48,6 +48,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from meshlm.model.vocab_parallel import TiedVocabSplit
 from meshlm.transport.collectives import all_sum
 
 log = logging.getLogger(__name__)
@@ -323,6 +324,7 @@ class PackedEmbedding(nn.Module):
         self._panel = panel = native.panel
         packed = embedding.weight.reshape(vocab // panel, panel, dims).transpose(0, 2, 1)
         self.weight_p = mx.contiguous(packed.astype(mx.bfloat16) if bf16 else packed)
+        object.__setattr__(self, "_rows", {})  # rows_linear's views of weight_p (a dict attribute would be a child)
 
     @property
     def weight(self) -> mx.array:
@@ -341,19 +343,33 @@ class PackedEmbedding(nn.Module):
     def as_linear(self, x: mx.array) -> mx.array:
         return self._native.packed_linear(x, self["weight_p"], None)
 
+    def rows_linear(self, x: mx.array, first: int, end: int) -> mx.array:
+        """`as_linear`'s logits for vocabulary rows [first, end) alone (multiples of the panel width), read
+        from those rows' panels in place (a tensor-parallel rank's share of a tied head)."""
+        cached = self._rows.get((first, end))
+        if cached is None:  # an evaluated slice is a view of the panels; a lazy one would copy every call
+            cached = self["weight_p"][first // self._panel : end // self._panel]
+            mx.eval(cached)
+            self._rows[(first, end)] = cached
+        return self._native.packed_linear(x, cached, None)
+
 
 def pack_tied_embedding(model: nn.Module, native, bf16: bool = True) -> bool:
-    """Swap a tied float32 embedding table for a PackedEmbedding where `native` has the packed GEMM and the
-    vocabulary fills whole panels (as bfloat16 if `bf16` and every value is one); True if it did."""
+    """Swap a tied float32 embedding table (or the table inside a tensor-parallel TiedVocabSplit) for a
+    PackedEmbedding where `native` has the packed GEMM and the vocabulary fills whole panels (as bfloat16
+    if `bf16` and every value is one); True if it did."""
     inner = getattr(model, "model", None)
-    embed = inner.get("embed_tokens") if isinstance(inner, nn.Module) else None
+    holder = inner.get("embed_tokens") if isinstance(inner, nn.Module) else None
+    key = "table" if isinstance(holder, TiedVocabSplit) else "embed_tokens"
+    holder = holder if key == "table" else inner
+    embed = holder.get(key) if isinstance(holder, nn.Module) else None
     tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     if (native is None or not native.packed_gemm or not tied or type(embed) is not nn.Embedding
             or embed.weight.dtype != mx.float32 or embed.weight.shape[0] % native.panel):
         return False
     packed = PackedEmbedding(embed, native, bf16 and exact_in_bf16(embed.weight))
     mx.eval(packed.parameters())
-    inner["embed_tokens"] = packed
+    holder[key] = packed
     return True
 
 

@@ -171,7 +171,7 @@ TINY_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id, max_position: int = 4096,
-                dtype: str = "float32") -> dict:
+                dtype: str = "float32", tied: bool = False) -> dict:
     return {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM"}[model_type]],
@@ -186,8 +186,9 @@ def tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size, eos_id,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "vocab_size": vocab_size,
-        # FINDINGS.md: tied random embeddings make greedy decoding echo the input.
-        "tie_word_embeddings": False,
+        # FINDINGS.md: tied random embeddings make greedy decoding echo the input (tests of a tied head
+        # ask for one).
+        "tie_word_embeddings": tied,
         "eos_token_id": eos_id,
         "torch_dtype": dtype,
     }
@@ -204,10 +205,11 @@ def make_tiny(
     seed: int = 0,
     max_position: int = 4096,
     dtype: str = "float32",
+    tied: bool = False,
 ) -> Path:
     """Write a tiny random-weight model (HF layout) into `out`; `max_position`: its context window
     (long-context tests and benchmarks); `dtype`: how its weights are stored (`bfloat16` as most
-    published checkpoints are)."""
+    published checkpoints are); `tied`: the embedding table is the LM head (its greedy text echoes)."""
     _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed)
     if not isinstance(max_position, int) or isinstance(max_position, bool) or not 16 <= max_position <= 1 << 22:
         raise ValueError(f"max_position must be an int in 16..{1 << 22}, got {max_position!r}")
@@ -216,7 +218,7 @@ def make_tiny(
     tok = tiny_tokenizer(vocab or 512)
     vocab_size = max(vocab or 0, tok.get_vocab_size())
     config = tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size,
-                         tok.token_to_id(IM_END), max_position, dtype)
+                         tok.token_to_id(IM_END), max_position, dtype, tied)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in _tiny_weights(config, seed, _readable_rows(tok, vocab_size)).items()}
@@ -245,6 +247,8 @@ def _tiny_weights(config: dict, seed: int, readable: mx.array) -> dict[str, mx.a
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
+    if config["tie_word_embeddings"]:
+        return _scaled_qk(dict(tree_flatten(model.parameters())))
     # Untied head, logits ~N(0, LOGIT_STD): peaked enough for sampling tests.
     # Zeroed rows get logit 0, which greedy never picks against the others'
     # spread (sampling does, ~0.1% of tokens): the model emits readable text
@@ -253,7 +257,10 @@ def _tiny_weights(config: dict, seed: int, readable: mx.array) -> dict[str, mx.a
     std = LOGIT_STD / config["hidden_size"] ** 0.5  # final RMSNorm: |h| ~ sqrt(hidden)
     head = std * mx.random.normal(shape, key=mx.random.key(seed + 1))
     model.lm_head.weight = head * readable[:, None]
-    weights = dict(tree_flatten(model.parameters()))
+    return _scaled_qk(dict(tree_flatten(model.parameters())))
+
+
+def _scaled_qk(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     # With default init attention is near-uniform, each step depends on the
     # last token only and greedy text soon cycles; sharper (RoPE-position-
     # dependent) attention makes it vary (>= 14 distinct of 20 greedy tokens).

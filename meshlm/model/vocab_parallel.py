@@ -6,6 +6,10 @@ mlx-lm's `shard()` leaves an untied head whole on every rank, so each rank read 
 the leader's critical path (a 128K-token vocabulary's head is ~0.5-1B parameters). Split, each rank reads
 1/N of it; the gather is a sum of zero-padded slices (`transport/collectives.all_sum`, the shared-memory
 sums between local ranks), so each logit is exactly what the whole head computes: x + 0 is x.
+
+A tied head is the embedding table, so `TiedVocabSplit` keeps the table whole for lookups (a few rows a
+step) and multiplies by this rank's rows only for the logits: the table is read 1/N per rank per step,
+held as before.
 """
 
 from __future__ import annotations
@@ -47,14 +51,64 @@ class VocabShardedHead(nn.Module):
         return all_sum(self.padded(x), self._group)
 
 
+class TiedVocabSplit(nn.Module):
+    """A tied embedding `table` (an nn.Embedding, or cpu_kernels' PackedEmbedding once adapt packs it):
+    lookups read the whole table; `as_linear` computes this rank's rows [rank * V/N, (rank + 1) * V/N) of
+    the logits and sums the zero-padded slices over the ranks."""
+
+    def __init__(self, table: nn.Module, rank: int, size: int, group) -> None:
+        super().__init__()
+        vocab = table.weight.shape[0]
+        if vocab % size:
+            raise ValueError(f"a vocabulary of {vocab} does not split over {size} ranks")
+        self.table = table
+        self._rank, self._size, self._per = rank, size, vocab // size
+        self._group = group
+
+    @property
+    def weight(self) -> mx.array:
+        return self.table.weight
+
+    def sum_over(self, group) -> None:
+        """Gather over `group` instead (a SharedMemoryGroup between local ranks)."""
+        self._group = group
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.table(ids)
+
+    def padded(self, x: mx.array) -> mx.array:
+        """This rank's logits of `x` in place among zeros."""
+        first, end = self._rank * self._per, (self._rank + 1) * self._per
+        rows_linear = getattr(self.table, "rows_linear", None)  # PackedEmbedding: its panels for those rows
+        part = rows_linear(x, first, end) if rows_linear is not None else x @ self.table.weight[first:end].T
+        before, after = first, (self._size - 1 - self._rank) * self._per
+        return mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(before, after)])
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return all_sum(self.padded(x), self._group)
+
+
+# Rows per rank of a split tied table: whole 16-row panels of the packed GEMM (cpu_kernels.PackedEmbedding).
+TIED_ROWS_MULTIPLE = 16
+
+
 def shard_vocab_head(model: nn.Module, group) -> bool:
-    """Replace `model`'s untied float head by this rank's VocabShardedHead over `group` (an MLX group of
-    the tensor-parallel ranks); False when it keeps the whole head (tied to the embedding, quantized, or a
-    vocabulary the ranks do not divide)."""
-    head = model.get("lm_head")
+    """Split `model`'s float LM head by vocabulary over `group` (an MLX group of the tensor-parallel ranks):
+    an untied head becomes this rank's VocabShardedHead, a tied one's table a TiedVocabSplit. False when
+    the whole head stays (quantized, or a vocabulary the ranks do not divide, tied: into whole panels)."""
     size = group.size()
-    if (type(head) is not nn.Linear or size < 2 or getattr(model.args, "tie_word_embeddings", False)
-            or head.weight.shape[0] % size):
+    if size < 2:
+        return False
+    if getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model:
+        inner = model.model
+        table = inner.get("embed_tokens")
+        if (type(table) is not nn.Embedding or not mx.issubdtype(table.weight.dtype, mx.floating)
+                or table.weight.shape[0] % (size * TIED_ROWS_MULTIPLE)):
+            return False
+        inner.embed_tokens = TiedVocabSplit(table, group.rank(), size, group)
+        return True
+    head = model.get("lm_head")
+    if type(head) is not nn.Linear or head.weight.shape[0] % size:
         return False
     model.lm_head = VocabShardedHead(head, group.rank(), size, group)
     return True

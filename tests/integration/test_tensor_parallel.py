@@ -88,6 +88,37 @@ def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_pa
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A tiny model whose LM head is its embedding table, and one process's answers."""
+    from meshlm.model.demo import make_tiny
+
+    model = make_tiny(tmp_path_factory.mktemp("tp") / "tiny-tied", "llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                      tied=True)
+    srv = start(model, tmp_path_factory.mktemp("tied1"), "--no-prefix-cache")
+    try:
+        return model, asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("sums", ["auto", "off"], ids=["shared-memory", "ring"])
+def test_a_tied_head_split_by_vocabulary_matches_one_process(tied, tmp_path, sums):
+    """Each rank multiplies by half the tied table's rows and the slices are summed: the text of one process,
+    logprobs within 1e-4."""
+    model, reference = tied
+    srv = start(model, tmp_path, "--tensor-parallel", "2", "--local-all-reduce", sums)
+    try:
+        got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+    finally:
+        srv.stop()
+    assert srv.log.read_text().count("the LM head is split by vocabulary over 2 ranks") == 2
+    assert [g["choices"][0]["text"] for g in got] == [r["choices"][0]["text"] for r in reference]
+    for g, r in zip(got, reference):
+        a, b = g["choices"][0]["logprobs"]["token_logprobs"], r["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
 @pytest.fixture()
 def tp2(tp_model, tmp_path):
     srv = start(tp_model, tmp_path, "--tensor-parallel", "2", "--worker-timeout", "3")
