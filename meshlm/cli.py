@@ -134,6 +134,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position", type=int, default=4096, help="tiny model's context window (tokens)")
+    p.add_argument("--vocab", type=int, default=None, help="tiny model's vocabulary (default: its tokenizer's, 512)")
+    p.add_argument("--tied", action="store_true", help="tiny model's LM head is its embedding table")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="how the weights are stored (the demo model's, or the tiny model's)")
 
@@ -217,8 +219,8 @@ def _demo_model(args: argparse.Namespace) -> None:
     from meshlm.model.demo import export_demo, make_tiny
 
     if args.tiny:
-        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, seed=args.seed,
-                        max_position=args.max_position, dtype=args.dtype)
+        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, vocab=args.vocab,
+                        seed=args.seed, max_position=args.max_position, dtype=args.dtype, tied=args.tied)
     else:
         out = export_demo(args.out, args.dtype)
     print(out)

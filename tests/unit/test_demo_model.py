@@ -67,6 +67,22 @@ def test_tiny_model_stored_in_bf16_rounds_the_float32_weights(tmp_path):
         demo.make_tiny(tmp_path / "x", dtype="int8")
 
 
+def test_the_cli_writes_a_tiny_model_with_a_tied_head_vocab_and_dtype(tmp_path):
+    """`meshlm demo-model --tiny` passes every option through (the benchmarks' models are made by it)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "meshlm", "demo-model", "--tiny", str(out), "--layers", "1", "--hidden",
+                        "32", "--heads", "2", "--kv-heads", "1", "--vocab", "1024", "--tied", "--dtype", "bfloat16"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["tie_word_embeddings"], config["torch_dtype"]) == (1024, True, "bfloat16")
+    weights = mx.load(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in weights and weights["model.embed_tokens.weight"].shape == (1024, 32)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", [300, 2048])
 def test_tiny_vocab_size(tmp_path, vocab):
