@@ -33,7 +33,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: float32 on the CPU, the checkpoint's own on a GPU; on the CPU bfloat16 rounds the "
+                        "weights to bfloat16 (half the memory and weight reads) and computes in float32")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="on CPU, keep mlx's own attention and SwiGLU instead of meshlm's faster base-2 ones")
     p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",

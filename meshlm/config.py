@@ -14,7 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "demo"  # a HF-layout directory, or "demo" for SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA
+    dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA; on CPU bfloat16 = weights only
     max_model_len: int | None = None  # None: the model's own context length
     served_name: str | None = None  # name reported by /v1/models; None: derived from path
     cpu_kernels: bool = True  # on CPU, base-2 attention and SwiGLU (model/cpu_kernels.py)

@@ -156,7 +156,8 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, b
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
     if on_cpu and cpu_kernels.pack_tied_embedding(model, native, bf16_weights):
-        log.info("CPU kernels: the tied embedding table is packed for the LM head")
+        log.info("CPU kernels: the tied embedding table is packed for the LM head%s",
+                 " (bfloat16: every value exactly one)" if cpu_kernels.bf16_table(model) else "")
     if on_cpu and cpu_kernels.swap_norms(model, native):
         log.info("CPU kernels: RMSNorm and RoPE run as single primitives")
     layers = model_parts(model).layers

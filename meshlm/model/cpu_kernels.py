@@ -238,8 +238,15 @@ def _local_linear(layer: nn.Module, native, packed: bool, bf16: bool) -> nn.Modu
 
 
 def bf16_layers(model: nn.Module) -> int:
-    """How many of `model`'s packed weights are held as bfloat16."""
-    return sum(1 for _, m in model.named_modules() if "weight_p" in m and m["weight_p"].dtype == mx.bfloat16)
+    """How many of `model`'s packed linear layers hold bfloat16 panels."""
+    return sum(1 for _, m in model.named_modules() if type(m) is PackedLinear and m["weight_p"].dtype == mx.bfloat16)
+
+
+def bf16_table(model: nn.Module) -> bool:
+    """`model`'s tied embedding table is packed as bfloat16 (inside a TiedVocabSplit or not)."""
+    embed = model.model.get("embed_tokens")
+    table = embed.table if isinstance(embed, TiedVocabSplit) else embed
+    return type(table) is PackedEmbedding and table["weight_p"].dtype == mx.bfloat16
 
 
 def transpose_linears(model: nn.Module, native=None, sum_group=None, bf16: bool = True) -> int:

@@ -19,7 +19,7 @@ from mlx_lm.utils import sharded_load
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
 from meshlm.model.vocab_parallel import shard_vocab_head
-from meshlm.platform import resolve_dtype
+from meshlm.platform import default_device_is_gpu, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +206,21 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     config = json.loads((path / "config.json").read_text())
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
+    fingerprint, what = model_fingerprint(path), f"dtype {dtype}"
+    if dtype == "bfloat16" and not default_device_is_gpu():
+        # MLX's bfloat16 GEMMs are slow on the CPU: the weights are rounded to bfloat16 once and the model
+        # computes in float32 (KV too). The packed kernels then hold the rounded layers as bfloat16.
+        model.set_dtype(mx.bfloat16)
+        dtype, what = "float32", "bfloat16 weights, float32 compute"
+        if native != "bfloat16":  # rounding changed the weights: their KV is not the float32 model's
+            fingerprint += "+bf16-weights"
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)
-    log.info("loaded %s (%s, dtype %s, context %d)", path, name, dtype, context)
-    return LoadedModel(model, tokenizer, path, name, dtype, context, eos, model_fingerprint(path),
+    log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
+    return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,
                        int(config["vocab_size"]), generation_defaults(path))
 
 

@@ -50,3 +50,23 @@ def test_bf16_layers_serve_what_float32_layers_do(model, float32_reference, tmp_
         srv.stop()
     assert srv.log.read_text().count(HELD) == ranks
     assert_parity(got, float32_reference, tol=tol)
+
+
+def test_dtype_bfloat16_rounds_a_float32_checkpoint_alike_in_one_process_and_a_pipeline(tmp_path):
+    """`--dtype bfloat16` on the CPU rounds the weights once and computes in float32: a pipeline's stages
+    round theirs alike, so two stages serve one process's text (within the pipeline suite's tolerance)."""
+    from meshlm.model.demo import make_tiny
+
+    model = make_tiny(tmp_path / "f32", "llama", layers=4, hidden=64, heads=4, kv_heads=2)
+    outs, logs = [], []
+    for flags in ((), ("--pipeline-parallel", "2")):
+        srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", "--dtype", "bfloat16", *flags,
+                            log_dir=tmp_path)
+        try:
+            outs.append(asyncio.run(complete_all(srv.url, PROMPTS, 12)))
+        finally:
+            srv.stop()
+        logs.append(srv.log.read_text())
+    assert [log.count("bfloat16 weights, float32 compute") for log in logs] == [1, 2]
+    assert [log.count(HELD) for log in logs] == [1, 2]
+    assert_parity(outs[1], outs[0], tol=1e-3)

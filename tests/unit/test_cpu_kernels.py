@@ -312,6 +312,34 @@ def test_a_bf16_checkpoint_keeps_bf16_layers_and_the_same_logits(tmp_path):
 
 
 @NEEDS_PACKED_GEMM
+def test_dtype_bfloat16_on_the_cpu_rounds_the_weights_and_computes_in_float32(tmp_path):
+    """`--dtype bfloat16` on the CPU: the float32 checkpoint's weights rounded to bfloat16 once, held as bf16
+    panels, activations and KV in float32 (MLX's bf16 GEMMs are slow there); its prefix cache is keyed
+    apart from the float32 model's, whose KV differs."""
+    from meshlm.config import CacheConfig, ModelConfig
+    from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
+    from meshlm.executor.rank import build_rank
+    from meshlm.model import demo
+    from meshlm.model.loader import load_model
+
+    path = demo.make_tiny(tmp_path, hidden=128, heads=4, kv_heads=2, seed=5)
+    plan = StepPlan(0, new=(NewSequence(0, 0),), chunks=(Chunk(0, 0, (5, 17, 42, 9, 100), LOGITS_LAST),),
+                    tables=(TableUpdate(0, (0, 1)),), num_blocks=2)
+    loaded, logits = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = ModelConfig(str(path), dtype=dtype)
+        loaded[dtype] = load_model(cfg)
+        rank = build_rank(loaded[dtype], cfg, CacheConfig(enabled=False, block_size=4), 2**22)
+        logits[dtype] = rank.step(plan).logits
+        assert rank.store.shape.dtype == mx.float32 and logits[dtype].dtype == mx.float32
+    assert loaded["bfloat16"].dtype == "float32" and cpu_kernels.bf16_layers(loaded["bfloat16"].model) > 0
+    assert cpu_kernels.bf16_layers(loaded["float32"].model) == 0
+    assert loaded["bfloat16"].fingerprint != loaded["float32"].fingerprint
+    close = mx.abs(logits["bfloat16"] - logits["float32"]).max().item()
+    assert 0 < close < 0.05 * mx.abs(logits["float32"]).max().item()  # rounded, not another model
+
+
+@NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 65])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [160, 176])
