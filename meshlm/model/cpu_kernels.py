@@ -242,10 +242,20 @@ def bf16_layers(model: nn.Module) -> int:
     return sum(1 for _, m in model.named_modules() if type(m) is PackedLinear and m["weight_p"].dtype == mx.bfloat16)
 
 
+def _table_slot(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """Where `model`'s embedding table sits (the module holding it, its key): in the model, or inside a
+    tensor-parallel TiedVocabSplit."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, nn.Module):
+        return None, "embed_tokens"
+    outer = inner.get("embed_tokens")
+    return (outer, "table") if isinstance(outer, TiedVocabSplit) else (inner, "embed_tokens")
+
+
 def bf16_table(model: nn.Module) -> bool:
     """`model`'s tied embedding table is packed as bfloat16 (inside a TiedVocabSplit or not)."""
-    embed = model.model.get("embed_tokens")
-    table = embed.table if isinstance(embed, TiedVocabSplit) else embed
+    holder, key = _table_slot(model)
+    table = holder.get(key) if holder is not None else None
     return type(table) is PackedEmbedding and table["weight_p"].dtype == mx.bfloat16
 
 
@@ -365,11 +375,8 @@ def pack_tied_embedding(model: nn.Module, native, bf16: bool = True) -> bool:
     """Swap a tied float32 embedding table (or the table inside a tensor-parallel TiedVocabSplit) for a
     PackedEmbedding where `native` has the packed GEMM and the vocabulary fills whole panels (as bfloat16
     if `bf16` and every value is one); True if it did."""
-    inner = getattr(model, "model", None)
-    holder = inner.get("embed_tokens") if isinstance(inner, nn.Module) else None
-    key = "table" if isinstance(holder, TiedVocabSplit) else "embed_tokens"
-    holder = holder if key == "table" else inner
-    embed = holder.get(key) if isinstance(holder, nn.Module) else None
+    holder, key = _table_slot(model)
+    embed = holder.get(key) if holder is not None else None
     tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     if (native is None or not native.packed_gemm or not tied or type(embed) is not nn.Embedding
             or embed.weight.dtype != mx.float32 or embed.weight.shape[0] % native.panel):
