@@ -221,7 +221,8 @@ def make_tiny(
                          tok.token_to_id(IM_END), max_position, dtype, tied)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in _tiny_weights(config, seed, _readable_rows(tok, vocab_size)).items()}
+    weights = _tiny_weights(config, seed, _readable_rows(tok, vocab_size))
+    weights = {name: w.astype(getattr(mx, dtype)) for name, w in weights.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(out / "config.json", config)
     write_hf_tokenizer(out, tok, chat_template=CHATML_TEMPLATE, bos=None, eos=IM_END,

@@ -20,69 +20,71 @@ import mlx.nn as nn
 from meshlm.transport.collectives import all_sum
 
 
-class VocabShardedHead(nn.Module):
-    """Rows [rank * V/N, (rank + 1) * V/N) of an `nn.Linear` head; called, the whole (..., V) logits."""
+class _VocabSlice(nn.Module):
+    """This rank's vocabulary rows [first, end) = [rank * V/N, (rank + 1) * V/N) of a head, and the sum
+    that gathers the ranks' zero-padded logits."""
 
-    def __init__(self, head: nn.Linear, rank: int, size: int, group) -> None:
+    def __init__(self, vocab: int, rank: int, size: int, group) -> None:
         super().__init__()
-        vocab, hidden = head.weight.shape
         if vocab % size:
             raise ValueError(f"a vocabulary of {vocab} does not split over {size} ranks")
         per = vocab // size
-        rows = slice(rank * per, (rank + 1) * per)
-        self.local = nn.Linear(hidden, per, bias="bias" in head)
-        self.local.weight = mx.contiguous(head.weight[rows])
-        if "bias" in head:
-            self.local.bias = mx.contiguous(head.bias[rows])
         self._rank, self._size, self._per = rank, size, per
+        self._first, self._end = rank * per, (rank + 1) * per
         self._group = group
 
     def sum_over(self, group) -> None:
         """Gather over `group` instead (a SharedMemoryGroup between local ranks)."""
         self._group = group
 
+    def _in_place(self, part: mx.array) -> mx.array:
+        """This rank's logits `part` among zeros: the ranks' sum is the whole head's."""
+        after = (self._size - 1 - self._rank) * self._per
+        return mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(self._first, after)])
+
+
+class VocabShardedHead(_VocabSlice):
+    """Rows [rank * V/N, (rank + 1) * V/N) of an `nn.Linear` head; called, the whole (..., V) logits."""
+
+    def __init__(self, head: nn.Linear, rank: int, size: int, group) -> None:
+        vocab, hidden = head.weight.shape
+        super().__init__(vocab, rank, size, group)
+        rows = slice(self._first, self._end)
+        self.local = nn.Linear(hidden, self._per, bias="bias" in head)
+        self.local.weight = mx.contiguous(head.weight[rows])
+        if "bias" in head:
+            self.local.bias = mx.contiguous(head.bias[rows])
+
     def padded(self, x: mx.array) -> mx.array:
-        """This rank's logits of `x` in place among zeros: the ranks' sum is the whole head's."""
-        part = self.local(x)
-        before, after = self._rank * self._per, (self._size - 1 - self._rank) * self._per
-        return mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(before, after)])
+        """This rank's logits of `x` in place among zeros."""
+        return self._in_place(self.local(x))
 
     def __call__(self, x: mx.array) -> mx.array:
         return all_sum(self.padded(x), self._group)
 
 
-class TiedVocabSplit(nn.Module):
+class TiedVocabSplit(_VocabSlice):
     """A tied embedding `table` (an nn.Embedding, or cpu_kernels' PackedEmbedding once adapt packs it):
     lookups read the whole table; `as_linear` computes this rank's rows [rank * V/N, (rank + 1) * V/N) of
     the logits and sums the zero-padded slices over the ranks."""
 
     def __init__(self, table: nn.Module, rank: int, size: int, group) -> None:
-        super().__init__()
-        vocab = table.weight.shape[0]
-        if vocab % size:
-            raise ValueError(f"a vocabulary of {vocab} does not split over {size} ranks")
+        super().__init__(table.weight.shape[0], rank, size, group)
         self.table = table
-        self._rank, self._size, self._per = rank, size, vocab // size
-        self._group = group
 
     @property
     def weight(self) -> mx.array:
         return self.table.weight
-
-    def sum_over(self, group) -> None:
-        """Gather over `group` instead (a SharedMemoryGroup between local ranks)."""
-        self._group = group
 
     def __call__(self, ids: mx.array) -> mx.array:
         return self.table(ids)
 
     def padded(self, x: mx.array) -> mx.array:
         """This rank's logits of `x` in place among zeros."""
-        first, end = self._rank * self._per, (self._rank + 1) * self._per
+        first, end = self._first, self._end
         rows_linear = getattr(self.table, "rows_linear", None)  # PackedEmbedding: its panels for those rows
-        part = rows_linear(x, first, end) if rows_linear is not None else x @ self.table.weight[first:end].T
-        before, after = first, (self._size - 1 - self._rank) * self._per
-        return mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(before, after)])
+        return self._in_place(rows_linear(x, first, end) if rows_linear is not None
+                              else x @ self.table.weight[first:end].T)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return all_sum(self.padded(x), self._group)
