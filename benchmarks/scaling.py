@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="tiny model hidden size")
     p.add_argument("--heads", type=int, default=16, help="tiny model attention heads")
     p.add_argument("--kv-heads", type=int, default=8, help="tiny model KV heads")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="how the tiny model's weights are stored (bfloat16: as most published checkpoints; "
-                        "meshlm's packed layers then stream half the bytes)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="how the tiny model's weights are stored (bfloat16 or float16: as most published "
+                        "checkpoints; meshlm's packed layers then stream half the bytes)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
     p.add_argument("--requests", type=int, default=48, help="requests in the load")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -27,7 +27,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MESHLM_AVX2 1
 #else
@@ -733,10 +733,10 @@ mx::array float32_input(const mx::array& a, mx::Stream s) {
 
 
 // A weight a kernel reads in place (no scratch copy: the packed GEMM's panels): row-major for certain,
-// float32 or bfloat16 (widened to float32 in the kernel).
+// float32, bfloat16 or float16 (the 16-bit ones widened to float32 in the kernel).
 mx::array panel_weight(const mx::array& a, mx::Stream s) {
-  if (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16) {
-    throw std::invalid_argument("meshlm packed weights are float32 or bfloat16");
+  if (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16 && a.dtype() != mx::float16) {
+    throw std::invalid_argument("meshlm packed weights are float32, bfloat16 or float16");
   }
   return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s);
 }
@@ -807,10 +807,21 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, co
 constexpr int PANEL = 16;
 constexpr int64_t PREFETCH_BYTES = 2048;  // of panel ahead; prefetches never fault past the end
 
-// Panels hold float32, or bfloat16 where every weight of the layer is exactly a bfloat16 (a checkpoint
-// stored in bf16 and widened at load): half the bytes to stream per decode step, and the same products,
-// since the kernel widens each weight in a register (a shift) before the float32 FMA.
-using bf16_t = uint16_t;
+// Panels hold float32, or a 16-bit type where every weight of the layer is exactly one (a checkpoint
+// stored in bf16 or fp16 and widened at load): half the bytes to stream per decode step, and the same
+// products, since the kernel widens each weight in a register (bfloat16: a shift; float16: F16C's
+// conversion, exact) before the float32 FMA. Distinct types, so each picks its own widening.
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+enum class PanelType { f32, bf16, f16 };
+
+PanelType panel_type(const mx::array& w) {
+  return w.dtype() == mx::bfloat16 ? PanelType::bf16 : w.dtype() == mx::float16 ? PanelType::f16 : PanelType::f32;
+}
 
 #if MESHLM_AVX2
 template <typename W>
@@ -821,6 +832,7 @@ inline __m256 load8(const bf16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 load8(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 template <int MR, typename W>
 inline void gemm_micro(const float* __restrict x, int64_t ldx, const W* __restrict w, const float* bias,
@@ -870,6 +882,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const f16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <int MR, typename W>
@@ -930,14 +945,14 @@ constexpr int MAX_SPLITS = 4;
 // output j's columns (a fused q/k/v projection, or gate and up). One output: ends[0] = N / 16.
 struct GemmArgs {
   const float* x;     // (M, K)
-  const void* w;      // (N/16, K, 16), float32 or (bf16) bfloat16
+  const void* w;      // (N/16, K, 16), of `type`
   const float* bias;  // (N) or null
   float* out[MAX_SPLITS];  // (M, N_j) each
   int64_t ends[MAX_SPLITS];  // cumulative panels per output
   int splits;
   int64_t M, K;
   bool wide = false;  // the 512-bit micro-kernel (wide_kernels)
-  bool bf16 = false;  // w holds bfloat16
+  PanelType type = PanelType::f32;
 };
 
 // Panel p's place: its weights, bias, and first output column with that output's row stride.
@@ -1011,10 +1026,15 @@ void packed_gemm_panels_of(const GemmArgs& g, int64_t p0, int64_t p1) {
 }
 
 void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
-  if (g.bf16) {
-    packed_gemm_panels_of<bf16_t>(g, p0, p1);
-  } else {
-    packed_gemm_panels_of<float>(g, p0, p1);
+  switch (g.type) {
+    case PanelType::bf16:
+      packed_gemm_panels_of<bf16_t>(g, p0, p1);
+      break;
+    case PanelType::f16:
+      packed_gemm_panels_of<f16_t>(g, p0, p1);
+      break;
+    default:
+      packed_gemm_panels_of<float>(g, p0, p1);
   }
 }
 
@@ -1152,7 +1172,7 @@ class PackedLinear : public CpuOnly {
     const auto &x = in[0], &w = in[1];
     int64_t K = w.shape(1);
     GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {w.shape(0)}, 1, static_cast<int64_t>(x.size() / K), K};
-    g.bf16 = w.dtype() == mx::bfloat16;
+    g.type = panel_type(w);
     out.set_data(mx::allocator::malloc(out.nbytes()));
     g.out[0] = out.data<float>();
     dispatch_gemm(stream(), g, x, has_bias_ ? &in[2] : nullptr, w.shape(0));
@@ -1181,7 +1201,7 @@ class PackedLinearSplit : public mx::Primitive {
     int64_t K = w.shape(1);
     GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {}, static_cast<int>(outs.size()),
                static_cast<int64_t>(x.size() / K), K};
-    g.bf16 = w.dtype() == mx::bfloat16;
+    g.type = panel_type(w);
     int64_t end = 0;
     for (size_t j = 0; j < outs.size(); ++j) {
       outs[j].set_data(mx::allocator::malloc(outs[j].nbytes()));
@@ -1209,7 +1229,7 @@ class PackedSwiGLU : public CpuOnly {
     int64_t K = w.shape(1), half = w.shape(0) / 2, M = static_cast<int64_t>(x.size() / K);
     out.set_data(mx::allocator::malloc(out.nbytes()));
     GemmArgs g{nullptr, w.data<void>(), nullptr, {}, {half, 2 * half}, 2, M, K};
-    g.bf16 = w.dtype() == mx::bfloat16;
+    g.type = panel_type(w);
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([g, xi = In<float>(x), o = out.data<float>(), n = static_cast<size_t>(M * half * PANEL),
                   panels = w.shape(0)]() mutable {

@@ -34,15 +34,16 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto: float32 on the CPU, the checkpoint's own on a GPU; on the CPU bfloat16 rounds the "
-                        "weights to bfloat16 (half the memory and weight reads) and computes in float32")
+                   help="auto: float32 on the CPU, the checkpoint's own on a GPU; on the CPU bfloat16 or float16 "
+                        "rounds the weights to it (half the memory and weight reads) and computes in float32")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="on CPU, keep mlx's own attention and SwiGLU instead of meshlm's faster base-2 ones")
     p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="on CPU, run meshlm's kernels as MLX ops even where the compiled csrc/cpu_ops.cpp loads")
-    p.add_argument("--no-bf16-weights", dest="bf16_weights", action="store_false",
+    p.add_argument("--no-half-weights", "--no-bf16-weights", dest="half_weights", action="store_false",
                    help="on CPU, hold every linear layer in float32, even where all its weights are exact "
-                        "bfloat16 values (by default those stay bfloat16: half the memory and weight reads)")
+                        "bfloat16 or float16 values (by default those stay 16-bit: half the memory and weight "
+                        "reads)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
@@ -185,7 +186,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
-                          args.native_kernels, args.bf16_weights),
+                          args.native_kernels, args.half_weights),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
                                   args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,

@@ -14,14 +14,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "demo"  # a HF-layout directory, or "demo" for SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA; on CPU bfloat16 = weights only
+    dtype: str = "auto"  # auto: float32 on CPU, the model's own dtype on Metal/CUDA; on CPU 16-bit = weights only
     max_model_len: int | None = None  # None: the model's own context length
     served_name: str | None = None  # name reported by /v1/models; None: derived from path
     cpu_kernels: bool = True  # on CPU, base-2 attention and SwiGLU (model/cpu_kernels.py)
     native_kernels: bool = True  # ... as compiled C++ (csrc/cpu_ops.cpp) where `make install` built it
-    # ... whose packed GEMM keeps a layer bfloat16 when every weight of it is one (a bf16 checkpoint
-    # widened to float32 at load): half the memory and half the bytes a decode step streams, same products
-    bf16_weights: bool = True
+    # ... whose packed GEMM keeps a layer bfloat16 (or float16) when every weight of it is one (a 16-bit
+    # checkpoint widened to float32 at load): half the memory and the bytes a decode step streams, same products
+    half_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -148,16 +148,17 @@ def kv_shape(model: nn.Module, parts: ModelParts, block_size: int, dtype: mx.Dty
     return KVShape(len(parts.layers), kv_heads, head_dim, block_size, dtype)
 
 
-def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, bf16_weights: bool = True) -> ModelParts:
+def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, half_weights: bool = True) -> ModelParts:
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
     what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py);
-    `bf16_weights`: packed layers whose weights are all exact bfloat16 values keep them so."""
+    `half_weights`: packed layers whose weights are all exact bfloat16 (or float16) values keep them so."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
-    if on_cpu and cpu_kernels.pack_tied_embedding(model, native, bf16_weights):
+    if on_cpu and cpu_kernels.pack_tied_embedding(model, native, half_weights):
+        half = cpu_kernels.half_table(model)
         log.info("CPU kernels: the tied embedding table is packed for the LM head%s",
-                 " (bfloat16: every value exactly one)" if cpu_kernels.bf16_table(model) else "")
+                 f" ({half}: every value exactly one)" if half else "")
     if on_cpu and cpu_kernels.swap_norms(model, native):
         log.info("CPU kernels: RMSNorm and RoPE run as single primitives")
     layers = model_parts(model).layers
@@ -170,16 +171,16 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, b
         for layer in layers:
             if not isinstance(layer.mlp, GatedMLP):
                 layer.mlp = GatedMLP(layer.mlp, act)
-        swapped = cpu_kernels.transpose_linears(model, native, sum_group, bf16_weights)
+        swapped = cpu_kernels.transpose_linears(model, native, sum_group, half_weights)
         if sum_group is not None:
             for split in (model.get("lm_head"), model.model.get("embed_tokens")):
                 if isinstance(split, (VocabShardedHead, TiedVocabSplit)):
                     split.sum_over(sum_group)
         if swapped:
-            bf16 = cpu_kernels.bf16_layers(model)
+            half = ", ".join(f"{n} {name}" for name, n in cpu_kernels.half_layers(model).items())
             log.info("CPU kernels: %d linear layers hold their weights %s%s", swapped,
                      "in 16-column panels" if native is not None and native.packed_gemm else "transposed",
-                     f" ({bf16} of them bfloat16: every weight exactly one)" if bf16 else "")
+                     f" ({half} of them: every weight exactly one)" if half else "")
         saved = sum(cpu_kernels.fuse_layer_projections(layer, native) for layer in layers)
         if saved:
             log.info("CPU kernels: q/k/v and gate/up fused, %d GEMMs fewer per forward", saved)

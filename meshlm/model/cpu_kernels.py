@@ -197,16 +197,16 @@ class TransposedLinear(nn.Module):
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight packed as (out/16, in, 16) column panels for `_cpu_ops.packed_linear`:
     decode-sized batches stream each panel once (OpenBLAS re-packs the whole weight on every call).
-    `bf16`: the panels are held as bfloat16, which the kernel widens back to the same float32 values
-    (only for a weight that `exact_in_bf16`)."""
+    `dtype`: what the panels hold; bfloat16 or float16 (half the bytes) only for a weight whose every value
+    is one (`compact_dtype`), which the kernel widens back to the same float32 values."""
 
-    def __init__(self, linear: nn.Linear, native, bf16: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, native, dtype: mx.Dtype = mx.float32) -> None:
         super().__init__()
         self._native = native
         out_dims, in_dims = linear.weight.shape
         panel = native.panel
         packed = linear.weight.T.reshape(in_dims, out_dims // panel, panel).transpose(1, 0, 2)
-        self.weight_p = mx.contiguous(packed.astype(mx.bfloat16) if bf16 else packed)
+        self.weight_p = mx.contiguous(packed.astype(dtype))
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -223,23 +223,37 @@ class PackedLinear(nn.Module):
 _SWAPPABLE = (nn.Linear, nn.AllToShardedLinear, nn.ShardedToAllLinear)
 
 
-def exact_in_bf16(w: mx.array) -> bool:
-    """Every value of `w` is a bfloat16 (as when a bf16 checkpoint was widened to float32 at load), so
-    holding it as bfloat16 loses nothing."""
-    return bool(mx.array_equal(w.astype(mx.bfloat16).astype(w.dtype), w).item())
+HALF_DTYPES = (mx.bfloat16, mx.float16)  # the 16-bit types packed panels may hold, in order of preference
 
 
-def _local_linear(layer: nn.Module, native, packed: bool, bf16: bool) -> nn.Module:
+def exact_in(w: mx.array, dtype: mx.Dtype) -> bool:
+    """Every value of `w` is a `dtype` (as when a checkpoint stored in it was widened to float32 at load),
+    so holding it as one loses nothing (a value out of float16's range rounds to inf: not exact)."""
+    return bool(mx.array_equal(w.astype(dtype).astype(w.dtype), w).item())
+
+
+def compact_dtype(w: mx.array) -> mx.Dtype:
+    """The 16-bit type that holds every value of float32 `w` exactly (bfloat16 first: its widening is a
+    shift), or float32."""
+    return next((d for d in HALF_DTYPES if exact_in(w, d)), mx.float32)
+
+
+def _local_linear(layer: nn.Module, native, packed: bool, half: bool) -> nn.Module:
     """A PackedLinear or TransposedLinear computing what `layer` (an nn.Linear or a tensor-parallel shard
-    of one) computes on this rank, before any collective; packed as bfloat16 if `bf16` and exact."""
+    of one) computes on this rank, before any collective; packed in 16 bits if `half` and exact."""
     if packed and layer.weight.shape[0] % native.panel == 0:
-        return PackedLinear(layer, native, bf16 and exact_in_bf16(layer.weight))
+        return PackedLinear(layer, native, compact_dtype(layer.weight) if half else mx.float32)
     return TransposedLinear(layer)
 
 
-def bf16_layers(model: nn.Module) -> int:
-    """How many of `model`'s packed linear layers hold bfloat16 panels."""
-    return sum(1 for _, m in model.named_modules() if type(m) is PackedLinear and m["weight_p"].dtype == mx.bfloat16)
+def half_layers(model: nn.Module) -> dict[str, int]:
+    """How many of `model`'s packed linear layers hold 16-bit panels, by type name ("bfloat16": 3)."""
+    held = [m["weight_p"].dtype for _, m in model.named_modules() if type(m) is PackedLinear]
+    return {_name(d): n for d in HALF_DTYPES if (n := held.count(d))}
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def _table_slot(model: nn.Module) -> tuple[nn.Module | None, str]:
@@ -252,29 +266,31 @@ def _table_slot(model: nn.Module) -> tuple[nn.Module | None, str]:
     return (outer, "table") if isinstance(outer, TiedVocabSplit) else (inner, "embed_tokens")
 
 
-def bf16_table(model: nn.Module) -> bool:
-    """`model`'s tied embedding table is packed as bfloat16 (inside a TiedVocabSplit or not)."""
+def half_table(model: nn.Module) -> str | None:
+    """The 16-bit type `model`'s packed tied embedding table is held in (inside a TiedVocabSplit or not),
+    or None."""
     holder, key = _table_slot(model)
     table = holder.get(key) if holder is not None else None
-    return type(table) is PackedEmbedding and table["weight_p"].dtype == mx.bfloat16
+    dtype = table["weight_p"].dtype if type(table) is PackedEmbedding else None
+    return _name(dtype) if dtype in HALF_DTYPES else None
 
 
-def transpose_linears(model: nn.Module, native=None, sum_group=None, bf16: bool = True) -> int:
+def transpose_linears(model: nn.Module, native=None, sum_group=None, half: bool = True) -> int:
     """Swap every float32 `nn.Linear` for a TransposedLinear, or with `native` (`_cpu_ops` with its packed
     GEMM) a PackedLinear where its output size is a multiple of the panel width; quantized layers stay.
     Tensor-parallel shards are swapped too (`ShardedLinear`), keeping their collective: without that, a
     rank's matmuls ran MLX's slower `x @ W.T` and TP=2 lost a third of its speed-up to the 1-rank model
     (docs/BENCHMARKS.md, issue 17). Module by module, so at most one module's weights exist twice at once;
     returns how many. A tied LM head is the embedding table, left to `pack_tied_embedding`. `sum_group`:
-    what the shards sum over instead of their own MLX group (a SharedMemoryGroup). `bf16`: a layer whose
-    every weight is exactly a bfloat16 is packed as bfloat16 (half the bytes a decode step streams)."""
+    what the shards sum over instead of their own MLX group (a SharedMemoryGroup). `half`: a layer whose
+    every weight is exactly a bfloat16 (or float16) is packed as one (half the bytes a decode step streams)."""
     packed = native is not None and native.packed_gemm
 
     def replace(child) -> nn.Module | None:
         kind = type(child)
         if kind not in _SWAPPABLE or child.weight.dtype != mx.float32:
             return None
-        local = _local_linear(child, native, packed, bf16)
+        local = _local_linear(child, native, packed, half)
         if kind is nn.Linear:
             return local
         return ShardedLinear(local, sum_group or child.group, kind is nn.ShardedToAllLinear)
@@ -332,15 +348,15 @@ class PackedEmbedding(nn.Module):
     """A tied embedding table held once, packed like PackedLinear's weight: the LM head (`as_linear`) runs
     the packed GEMM, which streams the table on every core (the demo model's 113 MB table at one row:
     3.0 ms against 8.3 ms for MLX's `x @ W.T`, a seventh of a decode step), and lookups gather their rows
-    out of the panels, so the table is not held twice. `bf16`: held as bfloat16, as PackedLinear's can be."""
+    out of the panels, so the table is not held twice. `dtype`: what the panels hold, as PackedLinear's."""
 
-    def __init__(self, embedding: nn.Embedding, native, bf16: bool = False) -> None:
+    def __init__(self, embedding: nn.Embedding, native, dtype: mx.Dtype = mx.float32) -> None:
         super().__init__()
         self._native = native
         vocab, dims = embedding.weight.shape
         self._panel = panel = native.panel
         packed = embedding.weight.reshape(vocab // panel, panel, dims).transpose(0, 2, 1)
-        self.weight_p = mx.contiguous(packed.astype(mx.bfloat16) if bf16 else packed)
+        self.weight_p = mx.contiguous(packed.astype(dtype))
         object.__setattr__(self, "_rows", {})  # rows_linear's views of weight_p (a dict attribute would be a child)
 
     @property
@@ -355,7 +371,7 @@ class PackedEmbedding(nn.Module):
         # Element (p, i, j) is row p * panel + j, column i: a row is `dims` values `panel` apart.
         start = (ids // panel) * (dims * panel) + ids % panel
         rows = mx.take(w.reshape(-1), start[..., None] + mx.arange(dims) * panel)
-        return rows.astype(mx.float32) if rows.dtype == mx.bfloat16 else rows
+        return rows.astype(mx.float32) if rows.dtype in HALF_DTYPES else rows
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._native.packed_linear(x, self["weight_p"], None)
@@ -371,17 +387,17 @@ class PackedEmbedding(nn.Module):
         return self._native.packed_linear(x, cached, None)
 
 
-def pack_tied_embedding(model: nn.Module, native, bf16: bool = True) -> bool:
+def pack_tied_embedding(model: nn.Module, native, half: bool = True) -> bool:
     """Swap a tied float32 embedding table (or the table inside a tensor-parallel TiedVocabSplit) for a
-    PackedEmbedding where `native` has the packed GEMM and the vocabulary fills whole panels (as bfloat16
-    if `bf16` and every value is one); True if it did."""
+    PackedEmbedding where `native` has the packed GEMM and the vocabulary fills whole panels (in 16 bits
+    if `half` and every value is one); True if it did."""
     holder, key = _table_slot(model)
     embed = holder.get(key) if holder is not None else None
     tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
     if (native is None or not native.packed_gemm or not tied or type(embed) is not nn.Embedding
             or embed.weight.dtype != mx.float32 or embed.weight.shape[0] % native.panel):
         return False
-    packed = PackedEmbedding(embed, native, bf16 and exact_in_bf16(embed.weight))
+    packed = PackedEmbedding(embed, native, compact_dtype(embed.weight) if half else mx.float32)
     mx.eval(packed.parameters())
     holder[key] = packed
     return True

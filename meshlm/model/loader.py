@@ -207,13 +207,13 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
     fingerprint, what = model_fingerprint(path), f"dtype {dtype}"
-    if dtype == "bfloat16" and not default_device_is_gpu():
-        # MLX's bfloat16 GEMMs are slow on the CPU: the weights are rounded to bfloat16 once and the model
-        # computes in float32 (KV too). The packed kernels then hold the rounded layers as bfloat16.
-        model.set_dtype(mx.bfloat16)
-        dtype, what = "float32", "bfloat16 weights, float32 compute"
-        if native != "bfloat16":  # rounding changed the weights: their KV is not the float32 model's
-            fingerprint += "+bf16-weights"
+    if dtype in ("bfloat16", "float16") and not default_device_is_gpu():
+        # MLX's half-precision GEMMs are slow on the CPU: the weights are rounded to `dtype` once and the
+        # model computes in float32 (KV too). The packed kernels then hold the rounded layers in 16 bits.
+        model.set_dtype(getattr(mx, dtype))
+        if native != dtype:  # rounding changed the weights: their KV is not the float32 model's
+            fingerprint += {"bfloat16": "+bf16-weights", "float16": "+fp16-weights"}[dtype]
+        dtype, what = "float32", f"{dtype} weights, float32 compute"
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)

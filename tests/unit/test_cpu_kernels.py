@@ -277,16 +277,20 @@ def test_packed_linear_matches_nn_linear(rows, bias, out, kernel_width):
     assert packed(xh).dtype == linear(xh).dtype and mx.abs(packed(xh) - linear(xh)).max().item() < 1e-5
 
 
-def bf16_valued(linear: nn.Linear) -> nn.Linear:
-    """`linear` with float32 weights that are all bfloat16 values, as a bf16 checkpoint loads on the CPU."""
-    linear.weight = linear.weight.astype(mx.bfloat16).astype(mx.float32)
+def half_valued(linear: nn.Linear, dtype: mx.Dtype = mx.bfloat16) -> nn.Linear:
+    """`linear` with float32 weights that are all `dtype` values, as a 16-bit checkpoint loads on the CPU."""
+    linear.weight = linear.weight.astype(dtype).astype(mx.float32)
     return linear
 
 
+HALF = pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=["bfloat16", "float16"])
+
+
 @NEEDS_PACKED_GEMM
-def test_a_bf16_checkpoint_keeps_bf16_layers_and_the_same_logits(tmp_path):
-    """A checkpoint stored in bfloat16 loads as float32 on the CPU; its packed layers go back to bfloat16
-    (half the bytes) and every logit stays what --no-bf16-weights computes."""
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_a_16_bit_checkpoint_keeps_16_bit_layers_and_the_same_logits(tmp_path, stored):
+    """A checkpoint stored in bfloat16 or float16 loads as float32 on the CPU; its packed layers go back to
+    16 bits (half the bytes) and every logit stays what --no-half-weights computes."""
     from meshlm.config import CacheConfig, ModelConfig
     from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
     from meshlm.executor.rank import build_rank
@@ -294,28 +298,30 @@ def test_a_bf16_checkpoint_keeps_bf16_layers_and_the_same_logits(tmp_path):
     from meshlm.model.loader import load_model
     from mlx.utils import tree_flatten
 
-    path = demo.make_tiny(tmp_path, hidden=128, heads=4, kv_heads=2, seed=5, dtype="bfloat16")
+    path = demo.make_tiny(tmp_path, hidden=128, heads=4, kv_heads=2, seed=5, dtype=stored)
+    half = getattr(mx, stored)
     logits, held = {}, {}
     for flag in (True, False):
-        cfg = ModelConfig(str(path), bf16_weights=flag)
+        cfg = ModelConfig(str(path), half_weights=flag)
         loaded = load_model(cfg)
+        assert loaded.dtype == "float32"
         rank = build_rank(loaded, cfg, CacheConfig(enabled=False, block_size=4), 2**22)
         held[flag] = {dtype: sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()) if a.dtype == dtype)
-                      for dtype in (mx.float32, mx.bfloat16)}
+                      for dtype in (mx.float32, half)}
         plan = StepPlan(0, new=(NewSequence(0, 0),), chunks=(Chunk(0, 0, (5, 17, 42, 9, 100), LOGITS_LAST),),
                         tables=(TableUpdate(0, (0, 1)),), num_blocks=2)
         logits[flag] = rank.step(plan).logits
     # Every linear layer and the head: all but the embedding table and the norms.
-    assert held[False][mx.bfloat16] == 0 and held[True][mx.float32] < held[True][mx.bfloat16]
+    assert held[False][half] == 0 and held[True][mx.float32] < held[True][half]
     assert sum(held[True].values()) < 0.65 * sum(held[False].values())
     assert mx.array_equal(logits[True], logits[False]).item()
 
 
 @NEEDS_PACKED_GEMM
-def test_dtype_bfloat16_on_the_cpu_rounds_the_weights_and_computes_in_float32(tmp_path):
-    """`--dtype bfloat16` on the CPU: the float32 checkpoint's weights rounded to bfloat16 once, held as bf16
-    panels, activations and KV in float32 (MLX's bf16 GEMMs are slow there); its prefix cache is keyed
-    apart from the float32 model's, whose KV differs."""
+def test_a_16_bit_dtype_on_the_cpu_rounds_the_weights_and_computes_in_float32(tmp_path):
+    """`--dtype bfloat16` or `float16` on the CPU: the float32 checkpoint's weights rounded once, held as
+    16-bit panels, activations and KV in float32 (MLX's half-precision GEMMs are slow there); its prefix
+    cache is keyed apart from the float32 model's, whose KV differs."""
     from meshlm.config import CacheConfig, ModelConfig
     from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate
     from meshlm.executor.rank import build_rank
@@ -326,59 +332,72 @@ def test_dtype_bfloat16_on_the_cpu_rounds_the_weights_and_computes_in_float32(tm
     plan = StepPlan(0, new=(NewSequence(0, 0),), chunks=(Chunk(0, 0, (5, 17, 42, 9, 100), LOGITS_LAST),),
                     tables=(TableUpdate(0, (0, 1)),), num_blocks=2)
     loaded, logits = {}, {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float16"):
         cfg = ModelConfig(str(path), dtype=dtype)
         loaded[dtype] = load_model(cfg)
         rank = build_rank(loaded[dtype], cfg, CacheConfig(enabled=False, block_size=4), 2**22)
         logits[dtype] = rank.step(plan).logits
         assert rank.store.shape.dtype == mx.float32 and logits[dtype].dtype == mx.float32
-    assert loaded["bfloat16"].dtype == "float32" and cpu_kernels.bf16_layers(loaded["bfloat16"].model) > 0
-    assert cpu_kernels.bf16_layers(loaded["float32"].model) == 0
-    assert loaded["bfloat16"].fingerprint != loaded["float32"].fingerprint
-    close = mx.abs(logits["bfloat16"] - logits["float32"]).max().item()
-    assert 0 < close < 0.05 * mx.abs(logits["float32"]).max().item()  # rounded, not another model
+        assert loaded[dtype].dtype == "float32"
+    assert cpu_kernels.half_layers(loaded["float32"].model) == {}
+    assert len({loaded[d].fingerprint for d in loaded}) == 3
+    for dtype, within in (("bfloat16", 0.05), ("float16", 0.005)):  # float16 keeps 3 more mantissa bits
+        layers = cpu_kernels.half_layers(loaded[dtype].model)
+        assert list(layers) == [dtype] and layers[dtype] > 0
+        close = mx.abs(logits[dtype] - logits["float32"]).max().item()
+        assert 0 < close < within * mx.abs(logits["float32"]).max().item()  # rounded, not another model
 
 
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 65])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [160, 176])
-def test_bf16_panels_compute_what_float32_panels_do_bit_for_bit(rows, bias, out, kernel_width):
-    """Widening a bfloat16 is exact and the multiply-adds run in the same order: held in half the bytes,
-    a bf16-valued layer gives identical outputs (the parity suites' single process holds them the same way)."""
-    linear = bf16_valued(nn.Linear(96, out, bias=bias))
+@HALF
+def test_16_bit_panels_compute_what_float32_panels_do_bit_for_bit(rows, bias, out, kernel_width, half):
+    """Widening a bfloat16 or a float16 is exact and the multiply-adds run in the same order: held in half
+    the bytes, a layer of such values gives identical outputs (the parity suites' single process holds them
+    the same way)."""
+    linear = half_valued(nn.Linear(96, out, bias=bias), half)
     x = mx.random.normal((rows, 96))
-    f32, b16 = cpu_kernels.PackedLinear(linear, NATIVE), cpu_kernels.PackedLinear(linear, NATIVE, bf16=True)
-    assert b16["weight_p"].dtype == mx.bfloat16 and b16["weight_p"].nbytes * 2 == f32["weight_p"].nbytes
+    f32, b16 = cpu_kernels.PackedLinear(linear, NATIVE), cpu_kernels.PackedLinear(linear, NATIVE, half)
+    assert b16["weight_p"].dtype == half and b16["weight_p"].nbytes * 2 == f32["weight_p"].nbytes
     assert mx.array_equal(b16(x), f32(x)).item()
     assert mx.abs(b16(x) - linear(x)).max().item() < 1e-5
     xh = x.astype(mx.bfloat16)  # another input dtype: MLX's matmul on the unpacked weight
     assert mx.abs(b16(xh).astype(mx.float32) - linear(xh).astype(mx.float32)).max().item() < 1e-2
-    sizes = [out - 64, 32, 32]  # the split GEMM and the fused SwiGLU read bf16 panels too
+    sizes = [out - 64, 32, 32]  # the split GEMM and the fused SwiGLU read 16-bit panels too
     split_f32 = NATIVE.packed_linear_split(x, f32["weight_p"], sizes)
     split_b16 = NATIVE.packed_linear_split(x, b16["weight_p"], sizes)
     assert all(mx.array_equal(a, b).item() for a, b in zip(split_f32, split_b16))
     gate_up = mx.concatenate([f32["weight_p"], f32["weight_p"]])
-    assert mx.array_equal(NATIVE.packed_swiglu(x, gate_up), NATIVE.packed_swiglu(x, gate_up.astype(mx.bfloat16))).item()
+    assert mx.array_equal(NATIVE.packed_swiglu(x, gate_up), NATIVE.packed_swiglu(x, gate_up.astype(half))).item()
 
 
 @NEEDS_PACKED_GEMM
-def test_only_exact_bf16_weights_are_held_as_bf16():
-    block = nn.Sequential(bf16_valued(nn.Linear(64, 48)), nn.Linear(48, 32, bias=False))  # the second: any float32
+def test_only_exact_16_bit_weights_are_held_in_16_bits():
+    # bfloat16 values, float16 values (most are not bfloat16 ones), and any float32
+    block = nn.Sequential(half_valued(nn.Linear(64, 48)), half_valued(nn.Linear(48, 48), mx.float16),
+                          nn.Linear(48, 32, bias=False))
     x = mx.random.normal((3, 64))
     want = block(x)
-    assert cpu_kernels.exact_in_bf16(block.layers[0].weight) and not cpu_kernels.exact_in_bf16(block.layers[1].weight)
-    assert cpu_kernels.transpose_linears(block, NATIVE) == 2
-    assert [layer["weight_p"].dtype for layer in block.layers] == [mx.bfloat16, mx.float32]
-    assert cpu_kernels.bf16_layers(block) == 1
+    weights = [layer.weight for layer in block.layers]
+    assert [cpu_kernels.compact_dtype(w) for w in weights] == [mx.bfloat16, mx.float16, mx.float32]
+    assert not cpu_kernels.exact_in(weights[1], mx.bfloat16) and not cpu_kernels.exact_in(weights[2], mx.float16)
+    assert not cpu_kernels.exact_in(mx.array([70000.0]), mx.float16)  # beyond float16's range: inf, not exact
+    assert cpu_kernels.transpose_linears(block, NATIVE) == 3
+    assert [layer["weight_p"].dtype for layer in block.layers] == [mx.bfloat16, mx.float16, mx.float32]
+    assert cpu_kernels.half_layers(block) == {"bfloat16": 1, "float16": 1}
     assert mx.abs(block(x) - want).max().item() < 1e-5
-    kept = nn.Sequential(bf16_valued(nn.Linear(64, 48)))
-    cpu_kernels.transpose_linears(kept, NATIVE, bf16=False)  # --no-bf16-weights
-    assert kept.layers[0]["weight_p"].dtype == mx.float32 and cpu_kernels.bf16_layers(kept) == 0
-    mixed = cpu_kernels.fuse_linears(list(block.layers[:1]) + [cpu_kernels.PackedLinear(nn.Linear(64, 32), NATIVE)],
-                                     NATIVE)  # a bf16 and a float32 layer fuse as float32
-    assert mixed[0]["weight_p"].dtype == mx.float32
-    assert mx.abs(mixed[0](x) - block.layers[0](x)).max().item() < 1e-5
+    kept = nn.Sequential(half_valued(nn.Linear(64, 48)), half_valued(nn.Linear(48, 48), mx.float16))
+    cpu_kernels.transpose_linears(kept, NATIVE, half=False)  # --no-half-weights
+    assert all(layer["weight_p"].dtype == mx.float32 for layer in kept.layers) and cpu_kernels.half_layers(kept) == {}
+    f16 = cpu_kernels.PackedLinear(half_valued(nn.Linear(64, 32), mx.float16), NATIVE, mx.float16)
+    for other in (cpu_kernels.PackedLinear(nn.Linear(64, 32), NATIVE), f16):
+        # a bf16 layer fused with a float32 or a float16 one: float32 panels, every value kept
+        mixed = cpu_kernels.fuse_linears([block.layers[0], other], NATIVE)
+        assert mixed[0]["weight_p"].dtype == mx.float32
+        assert mx.abs(mixed[0](x) - block.layers[0](x)).max().item() < 1e-5
+        assert mx.abs(mixed[1](x) - other(x)).max().item() < 1e-5
 
 
 @NEEDS_PACKED_GEMM
@@ -504,10 +523,12 @@ def test_packed_embedding_looks_up_exactly_and_projects_like_the_table():
     assert mx.array_equal(packed.weight, table.weight).item()
     x = mx.random.normal((1, 3, 24))
     assert mx.abs(packed.as_linear(x) - table.as_linear(x)).max().item() < 1e-5
-    table.weight = table.weight.astype(mx.bfloat16).astype(mx.float32)  # a bf16 checkpoint's table
-    f32, b16 = cpu_kernels.PackedEmbedding(table, NATIVE), cpu_kernels.PackedEmbedding(table, NATIVE, bf16=True)
-    assert b16["weight_p"].dtype == mx.bfloat16 and b16(ids).dtype == mx.float32
-    assert mx.array_equal(b16(ids), table(ids)).item() and mx.array_equal(b16.as_linear(x), f32.as_linear(x)).item()
+    for half in (mx.bfloat16, mx.float16):
+        table.weight = table.weight.astype(half).astype(mx.float32)  # a 16-bit checkpoint's table
+        f32, b16 = cpu_kernels.PackedEmbedding(table, NATIVE), cpu_kernels.PackedEmbedding(table, NATIVE, half)
+        assert b16["weight_p"].dtype == half and b16(ids).dtype == mx.float32
+        assert mx.array_equal(b16(ids), table(ids)).item()
+        assert mx.array_equal(b16.as_linear(x), f32.as_linear(x)).item()
 
 
 @NEEDS_PACKED_GEMM

@@ -117,10 +117,10 @@ def test_adapt_packs_the_table_inside_a_tied_split():
     assert mx.abs(split.padded(x)[:, :48] - split.table.as_linear(x)[:, :48]).max().item() < 1e-5
     params = [name for name, _ in tree_flatten(m.parameters())]
     assert sum(1 for name in params if "embed_tokens" in name) == 1  # the panels once: no cached view counted
-    assert not cpu_kernels.bf16_table(m)
+    assert cpu_kernels.half_table(m) is None
     rounded = llama.Model(args)  # a bf16 checkpoint's table: packed as bf16 inside the split too
     rounded.model.embed_tokens.weight = rounded.model.embed_tokens.weight.astype(mx.bfloat16).astype(mx.float32)
     assert shard_vocab_head(rounded, Group(1, 2)) and cpu_kernels.pack_tied_embedding(rounded, NATIVE)
-    assert cpu_kernels.bf16_table(rounded)
+    assert cpu_kernels.half_table(rounded) == "bfloat16"
     assert mx.array_equal(rounded.model.embed_tokens.padded(x)[:, 48:],
                           rounded.model.embed_tokens.table.as_linear(x)[:, 48:]).item()
