@@ -9,7 +9,8 @@ at these contexts the KV cache is a rounding error), so it cannot beat
     bound (tokens/s) = read bandwidth / weight bytes.
 
 - weight bytes: the parameters' nbytes as `meshlm serve` holds them (loaded here with meshlm's own
-  loader and dtype, after its CPU-kernel layout changes, which keep the byte count);
+  loader and the model flags of --meshlm-args, after its CPU-kernel layout changes: 16-bit panels
+  where every weight of a layer is exact in 16 bits, as the demo model's are, else float32);
 - read bandwidth: numpy summing a 1 GiB float32 array (far larger than any cache), on one thread and
   on one thread per core at once (numpy releases the GIL), best of a few runs; the bound uses the
   all-cores figure, since the server uses every core;
@@ -74,20 +75,22 @@ def read_bandwidth(threads: int, repeats: int = 12) -> float:
     return best
 
 
-def weight_bytes(model: str) -> dict[str, Any]:
+def weight_bytes(model: str, meshlm_args: list[str]) -> dict[str, Any]:
+    """The bytes the server holds: its model settings parsed from the same flags (`--dtype`,
+    `--no-half-weights`, ...) by meshlm's own CLI."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from meshlm.config import ModelConfig
+    from meshlm import cli
     from meshlm.model import cpu_kernels
     from meshlm.model.adapt import adapt
     from meshlm.model.loader import load_model
     from meshlm.platform import resolve_dtype
 
-    cfg = ModelConfig(path=model)
+    cfg = cli.serve_config(cli.build_parser().parse_args(["serve", "--model", model, *meshlm_args])).model
     loaded = load_model(cfg)
-    native, _ = cpu_kernels.native_ops()
-    adapt(loaded.model, cfg.cpu_kernels, native)
+    native, _ = cpu_kernels.native_ops() if cfg.native_kernels else (None, "")
+    adapt(loaded.model, cfg.cpu_kernels, native, half_weights=cfg.half_weights)
     params = tree_flatten(loaded.model.parameters())
     total = sum(a.nbytes for _, a in params)
     mx.clear_cache()
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         one, every = read_bandwidth(1), read_bandwidth(cores)
         report["read_bandwidth_gb_s"] = {"one_thread": round(one / 1e9, 2), f"{cores}_threads": round(every / 1e9, 2)}
         print("[weights] loading", file=sys.stderr, flush=True)
-        report["weights"] = weights = weight_bytes(args.model)
+        report["weights"] = weights = weight_bytes(args.model, args.meshlm_args.split())
         bound = every / weights["bytes"]
         report["bound_tokens_per_s"] = round(bound, 2)
         server = _peer.start_meshlm(args.model, extra_args=args.meshlm_args.split())
