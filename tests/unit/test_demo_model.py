@@ -205,6 +205,12 @@ def test_demo_export_config(smol_dir):
     weights = mx.load(str(smol_dir / "model.safetensors"))
     assert "lm_head.weight" not in weights and len(weights) == 30 * 9 + 2
     assert weights["model.embed_tokens.weight"].dtype == mx.float32
+    # Dequantised through the GGUF's float16 scales and biases: every projection weight and the table is a
+    # float16 value, so the CPU kernels hold them as float16 panels (half the bytes, the same products).
+    from meshlm.model.cpu_kernels import compact_dtype
+
+    held = {compact_dtype(w) for k, w in weights.items() if k.endswith("proj.weight") or "embed_tokens" in k}
+    assert held == {mx.float16}
     # The model card's sampling defaults, for requests that omit them.
     generation = json.loads((smol_dir / "generation_config.json").read_text())
     assert generation["temperature"] == 0.2 and generation["top_p"] == 0.9
