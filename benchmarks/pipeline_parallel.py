@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="tiny model hidden size")
     p.add_argument("--heads", type=int, default=16, help="tiny model attention heads")
     p.add_argument("--kv-heads", type=int, default=8, help="tiny model KV heads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="how the tiny model's weights are stored (16-bit: meshlm's packed layers stream half the "
+                        "bytes; mlx-lm then computes in 16 bits, very slowly on a CPU: compare meshlm with meshlm)")
     p.add_argument("--levels", default="1,16", help="comma list of concurrency levels (streams)")
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -117,9 +120,11 @@ def parse_split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int,
 
 def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
     return _peer.prepare_model(
-        args.model, workdir / f"tiny-{args.model_type}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}",
+        args.model,
+        workdir / f"tiny-{args.model_type}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-{args.dtype}",
         ["--model-type", args.model_type, "--layers", str(args.layers), "--hidden", str(args.hidden),
-         "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed)])
+         "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seed", str(args.seed),
+         "--dtype", args.dtype])
 
 
 def stage_layout(model_info: dict[str, Any], split: tuple[int, ...] | None):
@@ -563,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "asserted); mlx-lm ignores ignore_eos, so a stop token ends its text early",
         },
     }
+    if args.dtype != "float32" and not args.model:
+        report["notes"]["dtype"] = (f"the tiny model is stored in {args.dtype}: meshlm holds its layers as {args.dtype} "
+                                    f"panels and computes in float32, mlx-lm computes in {args.dtype} (slow on a CPU), "
+                                    "so only meshlm's two servers compare")
     if others := tp.other_servers():
         report["warning_other_servers_running"] = others
     servers: dict[str, dict[str, Any]] = {}
