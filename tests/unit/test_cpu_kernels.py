@@ -727,3 +727,12 @@ def test_a_build_missing_part_of_the_api_is_not_used(monkeypatch):
     monkeypatch.delattr(NATIVE, "kv_write")
     native, status = cpu_kernels.native_ops.__wrapped__()  # uncached: the check as at load
     assert native is None and "no kv_write" in status and "make install" in status
+
+
+def test_no_half_weights_and_its_old_spelling_hold_every_layer_in_float32():
+    from meshlm import cli
+
+    def held_half(*flags: str) -> bool:
+        return cli.serve_config(cli.build_parser().parse_args(["serve", *flags])).model.half_weights
+
+    assert held_half() and not held_half("--no-half-weights") and not held_half("--no-bf16-weights")
