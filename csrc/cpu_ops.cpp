@@ -86,7 +86,12 @@ inline float exp2_fast(float x) {
   return p * scale * keep;
 }
 
-void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* __restrict out, size_t n) {
+// Not inlined (nor rms_norm_kernel, rope_kernel): the fused decode layer calls them too, and its outputs
+// are the unfused ops' bit for bit only if both run the same machine code (a reduction inlined elsewhere
+// may be vectorised another way).
+#define MESHLM_SHARED_KERNEL __attribute__((noinline))
+MESHLM_SHARED_KERNEL void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* __restrict out,
+                                        size_t n) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     out[i] = g[i] * x[i] / (1.0f + exp2_fast(-g[i] * LOG2E));
@@ -95,8 +100,8 @@ void swiglu_kernel(const float* __restrict g, const float* __restrict x, float* 
 
 // RMSNorm over rows of D: x * rsqrt(mean(x^2) + eps) * w, the order mx.fast.rms_norm's CPU fallback
 // uses (which is ~6 MLX ops and nodes per call; a decode step of the demo model has 61 of them).
-void rms_norm_kernel(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t rows,
-                     int64_t D, float eps) {
+MESHLM_SHARED_KERNEL void rms_norm_kernel(const float* __restrict x, const float* __restrict w, float* __restrict out,
+                                          int64_t rows, int64_t D, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     float* o = out + r * D;
@@ -113,9 +118,10 @@ void rms_norm_kernel(const float* __restrict x, const float* __restrict w, float
 // positions (T,); out token-major (T, H, D). The first `dims` of each head rotate by angle
 // position * scale * inv_freq[i] (pairs (i, i + dims/2), or (2i, 2i+1) when `traditional`); the rest
 // pass through. mx.fast.rope's CPU fallback builds ~40 MLX ops per call.
-void rope_kernel(const float* __restrict x, int64_t xs_t, int64_t xs_h, const int32_t* __restrict positions,
-                 const float* __restrict inv_freq, float* __restrict out, int64_t rows, int64_t H, int64_t D,
-                 int64_t dims, bool traditional, float scale) {
+MESHLM_SHARED_KERNEL void rope_kernel(const float* __restrict x, int64_t xs_t, int64_t xs_h,
+                                      const int32_t* __restrict positions, const float* __restrict inv_freq,
+                                      float* __restrict out, int64_t rows, int64_t H, int64_t D, int64_t dims,
+                                      bool traditional, float scale) {
   const int64_t half = dims / 2;
   std::vector<float> c(half), s(half);
   for (int64_t r = 0; r < rows; ++r) {
@@ -1245,6 +1251,182 @@ class PackedSwiGLU : public CpuOnly {
     });
   }
 };
+
+// ---- A decoder layer of a decode step in four nodes ------------------------
+//
+// A decode step of the demo model was ~780 graph nodes, 26 per layer: four GEMMs, nine small ops (norms,
+// RoPE, KV writes, the paged attention, residual adds) and the views between them. At one row the small
+// ops' arithmetic is nothing, but each node costs the thread that builds and launches the step, a task
+// hand-off to the stream thread and a wake-up of the GEMM helper: ~3.5 ms of a ~10 ms step whose GEMMs
+// take ~6.7 ms at the read bandwidth. Here a layer of llama / qwen2 / qwen3 shape (pre-norm attention and
+// SwiGLU MLP with residuals) for rows of one new token each is four nodes calling the same kernels in the
+// same order on the same values, so its outputs are the unfused layer's bit for bit:
+//   qkv:   norm1(h) @ Wqkv (+ bias), qwen3's q/k norms, RoPE of q and k;
+//   two writes of its K and V rows into the pools (unary nodes, so MLX can donate each pool to its write:
+//          a node with several outputs holds its inputs once per output, and no input of it is donatable);
+//   rest:  the paged attention over the written pools, o, the residual, norm2, gate/up, SwiGLU, down, the
+//          residual.
+struct DecodeLayerShape {
+  int64_t E, H, Hk, D, I;  // hidden, query heads, KV heads, head dim, MLP width
+  float eps1, eps2, qk_eps;  // qk_eps: qwen3's per-head q/k norms
+  int rope_dims;
+  bool rope_traditional;
+  float rope_scale;
+  int block_size;
+  float q_scale;  // softmax scale * log2(e), for the paged attention
+  bool qkv_bias, o_bias, qk_norm;
+  int64_t Nq() const { return H * D; }
+  int64_t Nk() const { return Hk * D; }
+};
+
+// out[i] = a[i] + b[i]: the residual add, elementwise as MLX's (exact, whatever the vector width).
+void add_kernel(const float* a, const float* b, float* out, size_t n) {  // out may be a
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// One packed GEMM of R rows filling `parts` (pointer, columns) in order from one weight's panels.
+void gemm_parts(const float* a, int64_t R, int64_t K, const void* w, PanelType t, const float* bias,
+                std::initializer_list<std::pair<float*, int64_t>> parts) {
+  GemmArgs g{a, w, bias, {}, {}, static_cast<int>(parts.size()), R, K};
+  g.type = t;
+  int64_t end = 0;
+  int j = 0;
+  for (auto [dst, n] : parts) {
+    g.out[j] = dst;
+    end += n / PANEL;
+    g.ends[j++] = end;
+  }
+  gemm_pool().run(g, end);
+}
+
+// inputs: h, norm1, q/k/v panels, inv_freq, positions[, q/k/v bias][, q norm, k norm]. The output is planar:
+// q (R, H, D) then k (R, Hk, D) roped, then v (R, Hk, D); only this file's nodes read it.
+class DecodeQKV : public CpuOnly {
+ public:
+  DecodeQKV(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  const char* name() const override { return "MeshlmDecodeQKV"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const auto& w = in[2];
+    const float* bias = sh_.qkv_bias ? in[5].data<float>() : nullptr;
+    const float* q_norm = sh_.qk_norm ? in[5 + sh_.qkv_bias].data<float>() : nullptr;
+    const float* k_norm = sh_.qk_norm ? in[6 + sh_.qkv_bias].data<float>() : nullptr;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh = sh_, hi = In<float>(in[0]), ln1 = in[1].data<float>(), w = w.data<void>(), t = panel_type(w),
+                  inv_freq = in[3].data<float>(), pi = In<int32_t>(in[4]), bias, q_norm, k_norm,
+                  o = out.data<float>(), R = in[4].size()]() {
+      const int64_t E = sh.E, D = sh.D, Nq = sh.Nq(), Nk = sh.Nk(), rows = static_cast<int64_t>(R);
+      std::vector<float> hs;
+      std::vector<int32_t> ps;
+      const float* h = hi.get(hs);
+      const int32_t* pos = pi.get(ps);
+      thread_local std::vector<float> buf;  // per thread: no allocation per layer
+      buf.resize(static_cast<size_t>(rows * (E + 2 * Nq + 2 * Nk)));
+      float *x = buf.data(), *q = x + rows * E, *k = q + rows * Nq, *qn = k + rows * Nk, *kn = qn + rows * Nq;
+      float *q_out = o, *k_out = o + rows * Nq, *v_out = k_out + rows * Nk;
+      rms_norm_kernel(h, ln1, x, rows, E, sh.eps1);
+      gemm_parts(x, rows, E, w, t, bias, {{q, Nq}, {k, Nk}, {v_out, Nk}});
+      const float *qs = q, *ks = k;
+      if (q_norm != nullptr) {
+        rms_norm_kernel(q, q_norm, qn, rows * sh.H, D, sh.qk_eps);
+        rms_norm_kernel(k, k_norm, kn, rows * sh.Hk, D, sh.qk_eps);
+        qs = qn;
+        ks = kn;
+      }
+      rope_kernel(qs, Nq, D, pos, inv_freq, q_out, rows, sh.H, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
+      rope_kernel(ks, Nk, D, pos, inv_freq, k_out, rows, sh.Hk, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
+    });
+  }
+
+ private:
+  DecodeLayerShape sh_;
+};
+
+// pool (S, Hk, D) with rows (R, Hk * D) written at slots (R,), the rows `offset` floats into a planar
+// DecodeQKV output; in place when MLX can donate the pool (kv_write's rule). Slots outside the pool
+// (which the runner refuses first) are skipped, never a stray write.
+class DecodeKVWrite : public CpuOnly {
+ public:
+  DecodeKVWrite(mx::Stream s, int64_t offset) : CpuOnly(s), offset_(offset) {}
+  const char* name() const override { return "MeshlmDecodeKVWrite"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pool
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &pool = in[0], &slots = in[1], &rows = in[2];
+    bool donate = pool.is_donatable() && pool.flags().row_contiguous;
+    if (donate) {
+      out.copy_shared_buffer(pool);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    int64_t S = pool.shape(0), N = pool.shape(1) * pool.shape(2);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([src = donate ? std::optional<In<float>>() : std::optional<In<float>>(In<float>(pool)),
+                  sl = In<int32_t>(slots), r = rows.data<float>() + offset_, o = out.data<float>(), S, N,
+                  R = static_cast<int64_t>(slots.size())]() {
+      if (src) {
+        std::vector<float> scratch;
+        std::memcpy(o, src->get(scratch), static_cast<size_t>(S * N) * sizeof(float));
+      }
+      std::vector<int32_t> ss;
+      const int32_t* sp = sl.get(ss);
+      for (int64_t t = 0; t < R; ++t) {
+        if (sp[t] < 0 || sp[t] >= S) continue;
+        std::memcpy(o + sp[t] * N, r + t * N, static_cast<size_t>(N) * sizeof(float));
+      }
+    });
+  }
+
+ private:
+  int64_t offset_;
+};
+
+// inputs: h, the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels, norm2,
+// gate/up panels, down panels[, o bias]. Output: the layer's h.
+class DecodeRest : public CpuOnly {
+ public:
+  DecodeRest(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  const char* name() const override { return "MeshlmDecodeRest"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const auto &kpool = in[2], &tables = in[4], &o = in[6], &gu = in[8], &down = in[9];
+    const float* o_bias = sh_.o_bias ? in[10].data<float>() : nullptr;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh = sh_, hi = In<float>(in[0]), qp = in[1].data<float>(), kp = kpool.data<float>(),
+                  vp = in[3].data<float>(), S = kpool.shape(0), tp = In<int32_t>(tables),
+                  lp = In<int32_t>(in[5]), max_blocks = tables.shape(1), o_w = o.data<void>(), o_t = panel_type(o),
+                  o_bias, ln2 = in[7].data<float>(), gu_w = gu.data<void>(), gu_t = panel_type(gu),
+                  down_w = down.data<void>(), down_t = panel_type(down), hp = out.data<float>(),
+                  R = tables.shape(0)]() {
+      const int64_t E = sh.E, D = sh.D, Nq = sh.Nq(), I = sh.I, rows = R;
+      std::vector<float> hs;
+      std::vector<int32_t> ts, ls;
+      const float* h = hi.get(hs);
+      const int32_t *table = tp.get(ts), *len = lp.get(ls);
+      thread_local std::vector<float> buf;
+      buf.resize(static_cast<size_t>(rows * (2 * E + Nq + 3 * I)));
+      float *att = buf.data(), *y = att + rows * Nq, *x = y + rows * E, *gate = x + rows * E, *up = gate + rows * I,
+            *g = up + rows * I;
+      PagedShape ps{rows, sh.Hk, sh.H / sh.Hk, D, S, max_blocks, sh.block_size, {D, sh.Nk()}, {D, sh.Nk()},
+                    sh.q_scale, wide_kernels().load()};
+      parallel_items(rows * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) paged_decode_item(ps, qp, kp, vp, table, len, att, i / sh.Hk, i % sh.Hk);
+      });
+      gemm_parts(att, rows, Nq, o_w, o_t, o_bias, {{y, E}});
+      add_kernel(h, y, hp, static_cast<size_t>(rows * E));  // h + attention, kept in the output
+      rms_norm_kernel(hp, ln2, x, rows, E, sh.eps2);
+      gemm_parts(x, rows, E, gu_w, gu_t, nullptr, {{gate, I}, {up, I}});
+      swiglu_kernel(gate, up, g, static_cast<size_t>(rows * I));
+      gemm_parts(g, rows, I, down_w, down_t, nullptr, {{y, E}});
+      add_kernel(hp, y, hp, static_cast<size_t>(rows * E));
+    });
+  }
+
+ private:
+  DecodeLayerShape sh_;
+};
 #endif
 
 mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx::array> bias) {
@@ -1369,6 +1551,80 @@ mx::array packed_swiglu(const mx::array& x, const mx::array& w) {
   return swiglu(parts[0], parts[1]);
 }
 
+// weights: [input norm, q/k/v panels (q's then k's then v's), o panels, post-attention norm, gate/up panels
+// (gate's then up's), down panels, RoPE inverse frequencies]; eps: [input norm's, post-attention norm's,
+// the q/k norms'] (the last ignored without q_norm). Returns [h out, K pool, V pool].
+std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::array>& weights, const mx::array& k_pool,
+                                    const mx::array& v_pool, const mx::array& slots, const mx::array& positions,
+                                    const mx::array& tables, const mx::array& lengths, int heads,
+                                    const std::vector<float>& eps, int rope_dims, bool rope_traditional,
+                                    float rope_scale, int block_size, float q_scale,
+                                    std::optional<mx::array> qkv_bias, std::optional<mx::array> o_bias,
+                                    std::optional<mx::array> q_norm, std::optional<mx::array> k_norm) {
+#if MESHLM_AVX2
+  auto bad = [](const std::string& what) { return std::invalid_argument("decode_layer: " + what); };
+  if (weights.size() != 7 || eps.size() != 3) throw bad("7 weights and 3 eps");
+  const auto &ln1 = weights[0], &qkv = weights[1], &o = weights[2], &ln2 = weights[3], &gu = weights[4],
+             &down = weights[5], &inv_freq = weights[6];
+  if (h.ndim() < 1 || h.dtype() != mx::float32) throw bad("h (..., hidden) float32");
+  const int64_t E = h.shape(-1), R = E > 0 ? static_cast<int64_t>(h.size()) / E : 0;
+  if (k_pool.ndim() != 3 || v_pool.shape() != k_pool.shape() || k_pool.dtype() != mx::float32 ||
+      v_pool.dtype() != mx::float32) {
+    throw bad("pools (slots, kv_heads, head_dim) float32");
+  }
+  const int64_t Hk = k_pool.shape(1), D = k_pool.shape(2), S = k_pool.shape(0);
+  if (R < 1 || Hk < 1 || heads < 1 || heads % Hk != 0 || D < 1) throw bad("rows, heads a multiple of kv_heads");
+  if (block_size < 1 || S % block_size != 0) throw bad("the pools must hold whole blocks");
+  auto panels = [&](const mx::array& w, int64_t n, int64_t k) {
+    return w.ndim() == 3 && w.shape(2) == PANEL && w.shape(0) * PANEL == n && w.shape(1) == k;
+  };
+  auto vec = [&](const mx::array& a, int64_t n) { return a.ndim() == 1 && a.shape(0) == n && a.dtype() == mx::float32; };
+  const int64_t Nq = heads * D, Nqkv = Nq + 2 * Hk * D;
+  const int64_t I = gu.ndim() == 3 ? gu.shape(0) / 2 * PANEL : 0;
+  if (!panels(qkv, Nqkv, E) || !panels(o, E, Nq) || gu.shape(0) % 2 != 0 || !panels(gu, 2 * I, E) ||
+      !panels(down, E, I) || I < 1) {
+    throw bad("panels (N/16, K, 16): q/k/v (hidden -> (heads + 2 kv_heads) head_dim), o, gate/up, down");
+  }
+  if (!vec(ln1, E) || !vec(ln2, E)) throw bad("norm weights (hidden,) float32");
+  if (rope_dims < 2 || rope_dims % 2 != 0 || rope_dims > D || !vec(inv_freq, rope_dims / 2)) {
+    throw bad("an even rope_dims <= head_dim and inv_freq (rope_dims / 2,) float32");
+  }
+  auto ids = [&](const mx::array& a) { return a.ndim() == 1 && a.shape(0) == R && mx::issubdtype(a.dtype(), mx::integer); };
+  if (!ids(slots) || !ids(positions) || !ids(lengths) || tables.ndim() != 2 || tables.shape(0) != R ||
+      !mx::issubdtype(tables.dtype(), mx::integer)) {
+    throw bad("slots, positions, lengths (rows,) and tables (rows, max_blocks) of integers");
+  }
+  if ((qkv_bias && !vec(*qkv_bias, Nqkv)) || (o_bias && !vec(*o_bias, E)) || q_norm.has_value() != k_norm.has_value() ||
+      (q_norm && (!vec(*q_norm, D) || !vec(*k_norm, D)))) {
+    throw bad("biases (N,) and q/k norms (head_dim,) float32, both norms or neither");
+  }
+  auto s = current_stream();
+  DecodeLayerShape sh{E, heads, Hk, D, I, eps[0], eps[1], eps[2], rope_dims, rope_traditional, rope_scale,
+                      block_size, q_scale, qkv_bias.has_value(), o_bias.has_value(), q_norm.has_value()};
+  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
+  auto slot_ids = i32(slots);
+  std::vector<mx::array> qkv_in{float32_input(h, s), float32_input(ln1, s), panel_weight(qkv, s),
+                                float32_input(inv_freq, s), i32(positions)};
+  for (const auto* opt : {&qkv_bias, &q_norm, &k_norm}) {
+    if (*opt) qkv_in.push_back(float32_input(**opt, s));
+  }
+  const int64_t Nk = Hk * D;
+  auto planar = mx::array({static_cast<int>(R * (Nq + 2 * Nk))}, mx::float32, std::make_shared<DecodeQKV>(s, sh),
+                          std::move(qkv_in));
+  auto k_new = mx::array(k_pool.shape(), mx::float32, std::make_shared<DecodeKVWrite>(s, R * Nq),
+                         {k_pool, slot_ids, planar});
+  auto v_new = mx::array(v_pool.shape(), mx::float32, std::make_shared<DecodeKVWrite>(s, R * (Nq + Nk)),
+                         {v_pool, slot_ids, planar});
+  std::vector<mx::array> rest_in{float32_input(h, s), planar, k_new, v_new, i32(tables), i32(lengths),
+                                 panel_weight(o, s), float32_input(ln2, s), panel_weight(gu, s), panel_weight(down, s)};
+  if (o_bias) rest_in.push_back(float32_input(*o_bias, s));
+  auto out = mx::array(h.shape(), mx::float32, std::make_shared<DecodeRest>(s, sh), std::move(rest_in));
+  return {out, k_new, v_new};
+#else
+  throw std::invalid_argument("decode_layer: built without AVX2");
+#endif
+}
+
 mx::array untouched_zeros(const std::vector<int>& shape, mx::Dtype dtype) {
   for (int d : shape) {
     if (d < 0) throw std::invalid_argument("untouched_zeros: negative dimension");
@@ -1409,6 +1665,13 @@ NB_MODULE(_cpu_ops, m) {
   m.def("set_wide_kernels", &set_wide_kernels, nb::arg("on"),
         "the packed GEMM and the paged decode scores use their 512-bit versions (where built; the default) "
         "or the 256-bit ones; returns which");
+  m.def("decode_layer", &decode_layer, nb::arg("h"), nb::arg("weights"), nb::arg("k_pool"), nb::arg("v_pool"),
+        nb::arg("slots"), nb::arg("positions"), nb::arg("tables"), nb::arg("lengths"), nb::arg("heads"),
+        nb::arg("eps"), nb::arg("rope_dims"), nb::arg("rope_traditional"), nb::arg("rope_scale"),
+        nb::arg("block_size"), nb::arg("q_scale"), nb::arg("qkv_bias") = nb::none(), nb::arg("o_bias") = nb::none(),
+        nb::arg("q_norm") = nb::none(), nb::arg("k_norm") = nb::none(),
+        "one pre-norm decoder layer (attention, SwiGLU MLP, residuals) for rows of one new token each, as one "
+        "node: [h out, K pool, V pool], the pools with the rows' K and V written at slots");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),

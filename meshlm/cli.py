@@ -44,6 +44,9 @@ def _serve_parser(sub) -> None:
                    help="on CPU, hold every linear layer in float32, even where all its weights are exact "
                         "bfloat16 or float16 values (by default those stay 16-bit: half the memory and weight "
                         "reads)")
+    p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
+                   help="on CPU, run a decode step's layers op by op instead of each as one compiled node "
+                        "(same outputs; for comparison)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
@@ -186,7 +189,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
-                          args.native_kernels, args.half_weights),
+                          args.native_kernels, args.half_weights, args.fused_decode),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
                                   args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,

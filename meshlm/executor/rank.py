@@ -90,7 +90,8 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
     native, status = cpu_kernels.native_ops() if model_cfg.native_kernels else (None, "off (--no-native-kernels)")
     cpu = mx.default_device() == mx.cpu
     backend = attention_backend(cpu, model_cfg.cpu_kernels, native, cores_for_this_process())
-    parts = adapt(loaded.model, model_cfg.cpu_kernels, native, sum_group, model_cfg.half_weights)
+    parts = adapt(loaded.model, model_cfg.cpu_kernels, native, sum_group, model_cfg.half_weights,
+                  model_cfg.fused_decode)
     if cpu and model_cfg.cpu_kernels:
         log.info("CPU kernels: native: %s", status)
         if native is not None:

@@ -146,6 +146,11 @@ class KVStore:
         self.keys[layer][slots] = k.squeeze(0).transpose(1, 0, 2)
         self.values[layer][slots] = v.squeeze(0).transpose(1, 0, 2)
 
+    def replace(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Take a layer's pools as an op that wrote them returned them (model/decode_layer.py): the old
+        arrays are dropped here, before the step runs, so the op may update them in place."""
+        self.keys[layer], self.values[layer] = keys, values
+
     def block_slots(self, block: int, tokens: int | None = None) -> mx.array:
         bs = self.block_size
         return mx.arange(block * bs, block * bs + (bs if tokens is None else tokens))

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import TokenPositions, install_seam
+from meshlm.model.decode_layer import DecodeLayer, decode_layers
 from meshlm.model.vocab_parallel import TiedVocabSplit, VocabShardedHead
 from meshlm.kv.store import KVShape
 
@@ -116,6 +117,8 @@ class ModelParts:
     lm_head: nn.Module | None  # None with tied embeddings: the embedding table projects
     first_layer: int = 0  # index of layers[0] in the whole model
     num_layers: int = 0  # of the whole model
+    # Each layer as one node for steps of decode rows (model/decode_layer.py); None: the modules always.
+    decode_layers: list[DecodeLayer] | None = None
 
     @property
     def computes_logits(self) -> bool:
@@ -148,10 +151,12 @@ def kv_shape(model: nn.Module, parts: ModelParts, block_size: int, dtype: mx.Dty
     return KVShape(len(parts.layers), kv_heads, head_dim, block_size, dtype)
 
 
-def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, half_weights: bool = True) -> ModelParts:
+def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, half_weights: bool = True,
+          fused_decode: bool = True) -> ModelParts:
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
     what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py);
-    `half_weights`: packed layers whose weights are all exact bfloat16 (or float16) values keep them so."""
+    `half_weights`: packed layers whose weights are all exact bfloat16 (or float16) values keep them so;
+    `fused_decode`: steps of decode rows run each layer as one node where every layer can."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
@@ -186,4 +191,10 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, h
             log.info("CPU kernels: q/k/v and gate/up fused, %d GEMMs fewer per forward", saved)
     # Read after the swaps: parts taken before them kept an untied LM head as the nn.Linear it replaced
     # (MLX's `x @ W.T`, ~3x the packed GEMM's time at decode batch sizes).
-    return model_parts(model)
+    parts = model_parts(model)
+    if on_cpu and fused_decode:
+        parts.decode_layers = decode_layers(parts.layers, native)
+        if parts.decode_layers:
+            log.info("CPU kernels: a step of decode rows runs each of the %d layers as one node",
+                     len(parts.layers))
+    return parts

@@ -15,6 +15,7 @@ from meshlm.kv.store import KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend, LayerKV
 from meshlm.model.batch import Batch
+from meshlm.model.decode_layer import runs_fused
 
 
 def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionBackend,
@@ -22,8 +23,12 @@ def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionB
     """Logits (len(batch.logit_index), vocab) when this rank computes them, else the hidden state
     (1, T, hidden_size) after its last layer. `hidden`: the previous stage's output (None: embed)."""
     h = parts.embed(batch.tokens[None]) if hidden is None else hidden
-    for i, layer in enumerate(parts.layers):
-        h = layer(h, None, LayerKV(store, i, batch, backend))
+    if parts.decode_layers is not None and runs_fused(batch, store):
+        for i, layer in enumerate(parts.decode_layers):
+            h = layer(h, batch, store, i)
+    else:
+        for i, layer in enumerate(parts.layers):
+            h = layer(h, None, LayerKV(store, i, batch, backend))
     if not parts.computes_logits:
         return h
     return parts.head(h[:, batch.logit_index]).squeeze(0)

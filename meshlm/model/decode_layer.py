@@ -1,0 +1,114 @@
+"""A decoder layer of a decode step as one graph node: `_cpu_ops.decode_layer` (CPU kernels only).
+
+With every weight packed and every small op compiled, a one-row decode step of
+the demo model was still ~780 MLX nodes, 26 per layer (four GEMMs, nine small
+ops, their views), and each node costs the thread that builds and launches
+the step, a task hand-off and a wake-up of the GEMM helper: ~3.5 ms of a
+~10 ms step whose GEMMs take ~6.7 ms at the read bandwidth. When every row of
+a step is a decode row (one new token; `Batch.build` also splits short verify
+chunks into such rows), each layer whose parts are all meshlm's CPU forms runs
+instead as one node calling the same kernels on the same values in the same
+order, so the outputs are the module path's bit for bit (tests/unit/
+test_decode_layer.py holds them to it).
+
+A layer fuses only when nothing in it is other than what the kernel computes:
+RMSNorms as `NativeRMSNorm`, q/k/v as one packed GEMM (`FusedPart`s), o and down
+packed with no collective after them (tensor-parallel shards keep the module
+path and their all-reduces), gate and up fused, RoPE with a table, and the
+llama / qwen2 / qwen3 block (`h + attn(norm(h))`, then `+ mlp(norm(.))`; qwen2's
+q/k/v biases, qwen3's q/k norms). Everything else, and every step with a
+prefill chunk, runs mlx-lm's modules through the attention seam as before,
+which is also the path on Metal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from meshlm.kv.store import KVStore
+from meshlm.model import cpu_kernels
+from meshlm.model.attention import LOG2E
+from meshlm.model.batch import Batch
+
+# The mlx-lm modules whose decoder block is the one the kernel computes (mistral runs as llama).
+FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One layer's weights as `_cpu_ops.decode_layer` takes them (the modules' own arrays, not copies)."""
+
+    native: object
+    weights: tuple[mx.array, ...]  # input norm, q/k/v panels, o panels, post norm, gate/up panels, down panels, inv_freq
+    heads: int
+    eps: tuple[float, float, float]  # input norm, post-attention norm, q/k norms (1.0 when there are none)
+    rope: cpu_kernels.RopeTable
+    q_scale: float  # the softmax scale in base 2
+    qkv_bias: mx.array | None = None
+    o_bias: mx.array | None = None
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
+
+    def __call__(self, h: mx.array, batch: Batch, store: KVStore, layer: int) -> mx.array:
+        rows = batch.decode
+        out, keys, values = self.native.decode_layer(
+            h, list(self.weights), store.keys[layer], store.values[layer], batch.slots, batch.positions,
+            rows.tables, rows.lengths, self.heads, list(self.eps), self.rope.dims, self.rope.traditional,
+            self.rope.scale, store.block_size, self.q_scale, self.qkv_bias, self.o_bias, self.q_norm, self.k_norm)
+        store.replace(layer, keys, values)  # the store's old pools go: the node may then update them in place
+        return out
+
+
+def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
+    """`layer` as one fused node, or None when any part of it is not what the kernel computes."""
+    if native is None or not native.packed_gemm:
+        return None
+    if type(layer).__module__ not in FUSABLE_MODULES:
+        return None
+    attn, mlp = layer.get("self_attn"), layer.get("mlp")
+    norms = (layer.get("input_layernorm"), layer.get("post_attention_layernorm"))
+    if attn is None or mlp is None or any(type(n) is not cpu_kernels.NativeRMSNorm for n in norms):
+        return None
+    qkv = [attn.get(n) for n in ("q_proj", "k_proj", "v_proj")]
+    if any(type(p) is not cpu_kernels.FusedPart for p in qkv):
+        return None
+    shared = qkv[0]._shared
+    if any(p._shared is not shared for p in qkv) or [p._index for p in qkv] != [0, 1, 2]:
+        return None
+    o = attn.get("o_proj")
+    down = mlp.get("down_proj")
+    if type(o) is not cpu_kernels.PackedLinear or type(down) is not cpu_kernels.PackedLinear or "bias" in down:
+        return None
+    if "gate_up_p" not in mlp:
+        return None
+    rope = getattr(attn.get("rope"), "_table", None)
+    if rope is None:
+        return None
+    q_norm, k_norm = attn.get("q_norm"), attn.get("k_norm")
+    if (q_norm is None) != (k_norm is None):
+        return None
+    if q_norm is not None and (type(q_norm) is not cpu_kernels.NativeRMSNorm or type(k_norm) is not cpu_kernels.NativeRMSNorm
+                               or q_norm.eps != k_norm.eps):
+        return None
+    owner = shared.owner
+    weights = (norms[0]["weight"], owner["weight_p"], o["weight_p"], norms[1]["weight"], mlp["gate_up_p"],
+               down["weight_p"], rope.inv_freq)
+    return DecodeLayer(
+        native, weights, attn.n_heads, (norms[0].eps, norms[1].eps, q_norm.eps if q_norm is not None else 1.0),
+        rope, attn.scale * LOG2E, owner["bias"] if "bias" in owner else None, o["bias"] if "bias" in o else None,
+        q_norm["weight"] if q_norm is not None else None, k_norm["weight"] if k_norm is not None else None)
+
+
+def decode_layers(layers: list[nn.Module], native) -> list[DecodeLayer] | None:
+    """Every layer fused, or None (a step runs all its layers one way)."""
+    fused = [decode_layer(layer, native) for layer in layers]
+    return None if not fused or any(f is None for f in fused) else fused
+
+
+def runs_fused(batch: Batch, store: KVStore) -> bool:
+    """A step of decode rows only, over float32 pools."""
+    return (batch.decode is not None and not batch.extend and bool(store.keys)
+            and store.keys[0].dtype == mx.float32)
