@@ -1382,8 +1382,32 @@ class DecodeKVWrite : public CpuOnly {
   int64_t offset_;
 };
 
+// The attention after the writes: each row's q (planar, as DecodeQKV left it) over its blocks of the
+// written pools, then o: y (rows, E). att: (rows, H * D) scratch.
+void decode_attention_out(const DecodeLayerShape& sh, int64_t rows, const float* q, const float* kp, const float* vp,
+                          int64_t S, const int32_t* table, const int32_t* len, int64_t max_blocks, const void* o_w,
+                          PanelType o_t, const float* o_bias, float* att, float* y) {
+  PagedShape ps{rows, sh.Hk, sh.H / sh.Hk, sh.D, S, max_blocks, sh.block_size, {sh.D, sh.Nk()}, {sh.D, sh.Nk()},
+                sh.q_scale, wide_kernels().load()};
+  parallel_items(rows * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) paged_decode_item(ps, q, kp, vp, table, len, att, i / sh.Hk, i % sh.Hk);
+  });
+  gemm_parts(att, rows, sh.Nq(), o_w, o_t, o_bias, {{y, sh.E}});
+}
+
+// The MLP of h2 (rows, E): down(swiglu(norm2(h2) @ [gate | up])) into d (rows, E). scratch: rows * (E + 3 I).
+void decode_mlp_out(const DecodeLayerShape& sh, int64_t rows, const float* h2, const float* ln2, const void* gu_w,
+                    PanelType gu_t, const void* down_w, PanelType down_t, float* scratch, float* d) {
+  const int64_t E = sh.E, I = sh.I;
+  float *x = scratch, *gate = x + rows * E, *up = gate + rows * I, *g = up + rows * I;
+  rms_norm_kernel(h2, ln2, x, rows, E, sh.eps2);
+  gemm_parts(x, rows, E, gu_w, gu_t, nullptr, {{gate, I}, {up, I}});
+  swiglu_kernel(gate, up, g, static_cast<size_t>(rows * I));
+  gemm_parts(g, rows, I, down_w, down_t, nullptr, {{d, E}});
+}
+
 // inputs: h, the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels, norm2,
-// gate/up panels, down panels[, o bias]. Output: the layer's h.
+// gate/up panels, down panels[, o bias]. Output: the layer's h (a layer on one rank: no sums between).
 class DecodeRest : public CpuOnly {
  public:
   DecodeRest(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
@@ -1399,28 +1423,76 @@ class DecodeRest : public CpuOnly {
                   lp = In<int32_t>(in[5]), max_blocks = tables.shape(1), o_w = o.data<void>(), o_t = panel_type(o),
                   o_bias, ln2 = in[7].data<float>(), gu_w = gu.data<void>(), gu_t = panel_type(gu),
                   down_w = down.data<void>(), down_t = panel_type(down), hp = out.data<float>(),
-                  R = tables.shape(0)]() {
-      const int64_t E = sh.E, D = sh.D, Nq = sh.Nq(), I = sh.I, rows = R;
+                  rows = tables.shape(0)]() {
+      const int64_t E = sh.E;
       std::vector<float> hs;
       std::vector<int32_t> ts, ls;
       const float* h = hi.get(hs);
-      const int32_t *table = tp.get(ts), *len = lp.get(ls);
-      thread_local std::vector<float> buf;
-      buf.resize(static_cast<size_t>(rows * (2 * E + Nq + 3 * I)));
-      float *att = buf.data(), *y = att + rows * Nq, *x = y + rows * E, *gate = x + rows * E, *up = gate + rows * I,
-            *g = up + rows * I;
-      PagedShape ps{rows, sh.Hk, sh.H / sh.Hk, D, S, max_blocks, sh.block_size, {D, sh.Nk()}, {D, sh.Nk()},
-                    sh.q_scale, wide_kernels().load()};
-      parallel_items(rows * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) paged_decode_item(ps, qp, kp, vp, table, len, att, i / sh.Hk, i % sh.Hk);
-      });
-      gemm_parts(att, rows, Nq, o_w, o_t, o_bias, {{y, E}});
+      thread_local std::vector<float> buf;  // per thread: no allocation per layer
+      buf.resize(static_cast<size_t>(rows * (2 * E + sh.Nq() + 3 * sh.I)));
+      float *att = buf.data(), *y = att + rows * sh.Nq(), *scratch = y + rows * E;
+      decode_attention_out(sh, rows, qp, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, o_bias, att, y);
       add_kernel(h, y, hp, static_cast<size_t>(rows * E));  // h + attention, kept in the output
-      rms_norm_kernel(hp, ln2, x, rows, E, sh.eps2);
-      gemm_parts(x, rows, E, gu_w, gu_t, nullptr, {{gate, I}, {up, I}});
-      swiglu_kernel(gate, up, g, static_cast<size_t>(rows * I));
-      gemm_parts(g, rows, I, down_w, down_t, nullptr, {{y, E}});
+      decode_mlp_out(sh, rows, hp, ln2, gu_w, gu_t, down_w, down_t, scratch, y);
       add_kernel(hp, y, hp, static_cast<size_t>(rows * E));
+    });
+  }
+
+ private:
+  DecodeLayerShape sh_;
+};
+
+// Under tensor parallelism the layer's o and down are row shards whose outputs are summed over the ranks,
+// so the layer is cut at the sums: DecodeAttnO (the attention and this rank's partial o), then, after the
+// sum, DecodeMLP (the residual and this rank's partial down).
+// inputs: the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels. Output: y (h's shape).
+class DecodeAttnO : public CpuOnly {
+ public:
+  DecodeAttnO(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  const char* name() const override { return "MeshlmDecodeAttnO"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const auto &kpool = in[1], &tables = in[3], &o = in[5];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh = sh_, qp = in[0].data<float>(), kp = kpool.data<float>(), vp = in[2].data<float>(),
+                  S = kpool.shape(0), tp = In<int32_t>(tables), lp = In<int32_t>(in[4]), max_blocks = tables.shape(1),
+                  o_w = o.data<void>(), o_t = panel_type(o), y = out.data<float>(), rows = tables.shape(0)]() {
+      std::vector<int32_t> ts, ls;
+      thread_local std::vector<float> att;
+      att.resize(static_cast<size_t>(rows * sh.Nq()));
+      decode_attention_out(sh, rows, qp, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, nullptr,
+                           att.data(), y);
+    });
+  }
+
+ private:
+  DecodeLayerShape sh_;
+};
+
+// inputs: h, the summed attention output (its bias added), norm2, gate/up panels, down panels.
+// Outputs: h + attention, and this rank's partial MLP output (to be summed).
+class DecodeMLP : public mx::Primitive {
+ public:
+  DecodeMLP(mx::Stream s, DecodeLayerShape sh) : mx::Primitive(s), sh_(sh) {}
+  const char* name() const override { return "MeshlmDecodeMLP"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    const auto &gu = in[3], &down = in[4];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh = sh_, hi = In<float>(in[0]), ai = In<float>(in[1]), ln2 = in[2].data<float>(),
+                  gu_w = gu.data<void>(), gu_t = panel_type(gu), down_w = down.data<void>(), down_t = panel_type(down),
+                  h2 = outs[0].data<float>(), d = outs[1].data<float>(), rows = outs[0].size() / sh_.E]() {
+      std::vector<float> hs, as;
+      add_kernel(hi.get(hs), ai.get(as), h2, rows * sh.E);
+      thread_local std::vector<float> buf;
+      const int64_t R = static_cast<int64_t>(rows);
+      buf.resize(static_cast<size_t>(R * (sh.E + 3 * sh.I)));
+      decode_mlp_out(sh, R, h2, ln2, gu_w, gu_t, down_w, down_t, buf.data(), d);
     });
   }
 
@@ -1553,16 +1625,19 @@ mx::array packed_swiglu(const mx::array& x, const mx::array& w) {
 
 // weights: [input norm, q/k/v panels (q's then k's then v's), o panels, post-attention norm, gate/up panels
 // (gate's then up's), down panels, RoPE inverse frequencies]; eps: [input norm's, post-attention norm's,
-// the q/k norms'] (the last ignored without q_norm). Returns [h out, K pool, V pool].
+// the q/k norms'] (the last ignored without q_norm). Returns [h out, K pool, V pool]; with `split` (o and
+// down are tensor-parallel row shards) [this rank's partial attention output, K pool, V pool], for the
+// caller to sum over the ranks, add o's bias to, and hand to decode_mlp.
 std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::array>& weights, const mx::array& k_pool,
                                     const mx::array& v_pool, const mx::array& slots, const mx::array& positions,
                                     const mx::array& tables, const mx::array& lengths, int heads,
                                     const std::vector<float>& eps, int rope_dims, bool rope_traditional,
                                     float rope_scale, int block_size, float q_scale,
                                     std::optional<mx::array> qkv_bias, std::optional<mx::array> o_bias,
-                                    std::optional<mx::array> q_norm, std::optional<mx::array> k_norm) {
+                                    std::optional<mx::array> q_norm, std::optional<mx::array> k_norm, bool split) {
 #if MESHLM_AVX2
   auto bad = [](const std::string& what) { return std::invalid_argument("decode_layer: " + what); };
+  if (split && o_bias) throw bad("a split layer's o bias is added after the sum, by the caller");
   if (weights.size() != 7 || eps.size() != 3) throw bad("7 weights and 3 eps");
   const auto &ln1 = weights[0], &qkv = weights[1], &o = weights[2], &ln2 = weights[3], &gu = weights[4],
              &down = weights[5], &inv_freq = weights[6];
@@ -1615,6 +1690,11 @@ std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::ar
                          {k_pool, slot_ids, planar});
   auto v_new = mx::array(v_pool.shape(), mx::float32, std::make_shared<DecodeKVWrite>(s, R * (Nq + Nk)),
                          {v_pool, slot_ids, planar});
+  if (split) {
+    auto y = mx::array(h.shape(), mx::float32, std::make_shared<DecodeAttnO>(s, sh),
+                       {planar, k_new, v_new, i32(tables), i32(lengths), panel_weight(o, s)});
+    return {y, k_new, v_new};
+  }
   std::vector<mx::array> rest_in{float32_input(h, s), planar, k_new, v_new, i32(tables), i32(lengths),
                                  panel_weight(o, s), float32_input(ln2, s), panel_weight(gu, s), panel_weight(down, s)};
   if (o_bias) rest_in.push_back(float32_input(*o_bias, s));
@@ -1622,6 +1702,36 @@ std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::ar
   return {out, k_new, v_new};
 #else
   throw std::invalid_argument("decode_layer: built without AVX2");
+#endif
+}
+
+// The rest of a split layer: [h + attention, this rank's partial MLP output]; weights and eps as decode_layer's.
+std::vector<mx::array> decode_mlp(const mx::array& h, const mx::array& attention, const std::vector<mx::array>& weights,
+                                  const std::vector<float>& eps) {
+#if MESHLM_AVX2
+  auto bad = [](const std::string& what) { return std::invalid_argument("decode_mlp: " + what); };
+  if (weights.size() != 7 || eps.size() != 3) throw bad("7 weights and 3 eps");
+  const auto &ln2 = weights[3], &gu = weights[4], &down = weights[5];
+  if (h.ndim() < 1 || h.dtype() != mx::float32 || attention.shape() != h.shape() || attention.dtype() != mx::float32) {
+    throw bad("h and the attention output (..., hidden) float32, of one shape");
+  }
+  const int64_t E = h.shape(-1);
+  const int64_t I = gu.ndim() == 3 ? gu.shape(0) / 2 * PANEL : 0;
+  if (E < 1 || I < 1 || gu.shape(0) % 2 != 0 || gu.shape(1) != E || gu.shape(2) != PANEL || down.ndim() != 3 ||
+      down.shape(0) * PANEL != E || down.shape(1) != I || down.shape(2) != PANEL) {
+    throw bad("panels (N/16, K, 16): gate/up (hidden -> 2 I), down (I -> hidden)");
+  }
+  if (ln2.ndim() != 1 || ln2.shape(0) != E || ln2.dtype() != mx::float32) throw bad("norm weight (hidden,) float32");
+  auto s = current_stream();
+  DecodeLayerShape sh{};
+  sh.E = E;
+  sh.I = I;
+  sh.eps2 = eps[1];
+  return mx::array::make_arrays({h.shape(), h.shape()}, {mx::float32, mx::float32}, std::make_shared<DecodeMLP>(s, sh),
+                                {float32_input(h, s), float32_input(attention, s), float32_input(ln2, s),
+                                 panel_weight(gu, s), panel_weight(down, s)});
+#else
+  throw std::invalid_argument("decode_mlp: built without AVX2");
 #endif
 }
 
@@ -1669,9 +1779,12 @@ NB_MODULE(_cpu_ops, m) {
         nb::arg("slots"), nb::arg("positions"), nb::arg("tables"), nb::arg("lengths"), nb::arg("heads"),
         nb::arg("eps"), nb::arg("rope_dims"), nb::arg("rope_traditional"), nb::arg("rope_scale"),
         nb::arg("block_size"), nb::arg("q_scale"), nb::arg("qkv_bias") = nb::none(), nb::arg("o_bias") = nb::none(),
-        nb::arg("q_norm") = nb::none(), nb::arg("k_norm") = nb::none(),
-        "one pre-norm decoder layer (attention, SwiGLU MLP, residuals) for rows of one new token each, as one "
-        "node: [h out, K pool, V pool], the pools with the rows' K and V written at slots");
+        nb::arg("q_norm") = nb::none(), nb::arg("k_norm") = nb::none(), nb::arg("split") = false,
+        "one pre-norm decoder layer (attention, SwiGLU MLP, residuals) for rows of one new token each, in four "
+        "nodes: [h out, K pool, V pool], the pools with the rows' K and V written at slots; with split, "
+        "[partial attention output, K pool, V pool] (tensor-parallel o and down: decode_mlp follows the sum)");
+  m.def("decode_mlp", &decode_mlp, nb::arg("h"), nb::arg("attention"), nb::arg("weights"), nb::arg("eps"),
+        "a split decode layer after its attention sum: [h + attention, partial MLP output]");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),

@@ -1,4 +1,4 @@
-"""A decoder layer of a decode step as one graph node: `_cpu_ops.decode_layer` (CPU kernels only).
+"""A decoder layer of a decode step as four graph nodes: `_cpu_ops.decode_layer` (CPU kernels only).
 
 With every weight packed and every small op compiled, a one-row decode step of
 the demo model was still ~780 MLX nodes, 26 per layer (four GEMMs, nine small
@@ -7,18 +7,19 @@ the step, a task hand-off and a wake-up of the GEMM helper: ~3.5 ms of a
 ~10 ms step whose GEMMs take ~6.7 ms at the read bandwidth. When every row of
 a step is a decode row (one new token; `Batch.build` also splits short verify
 chunks into such rows), each layer whose parts are all meshlm's CPU forms runs
-instead as one node calling the same kernels on the same values in the same
-order, so the outputs are the module path's bit for bit (tests/unit/
-test_decode_layer.py holds them to it).
+instead as four nodes (q/k/v with RoPE, the two KV writes, the rest) calling
+the same kernels on the same values in the same order, so the outputs are the
+module path's bit for bit (tests/unit/test_decode_layer.py holds them to it).
+Under tensor parallelism o and down are row shards summed over the ranks: the
+layer is cut at the two sums (`split`), which stay the same collectives.
 
 A layer fuses only when nothing in it is other than what the kernel computes:
 RMSNorms as `NativeRMSNorm`, q/k/v as one packed GEMM (`FusedPart`s), o and down
-packed with no collective after them (tensor-parallel shards keep the module
-path and their all-reduces), gate and up fused, RoPE with a table, and the
-llama / qwen2 / qwen3 block (`h + attn(norm(h))`, then `+ mlp(norm(.))`; qwen2's
-q/k/v biases, qwen3's q/k norms). Everything else, and every step with a
-prefill chunk, runs mlx-lm's modules through the attention seam as before,
-which is also the path on Metal.
+packed (alone, or as row shards with their sum), gate and up fused, RoPE with a
+table, and the llama / qwen2 / qwen3 block (`h + attn(norm(h))`, then
+`+ mlp(norm(.))`; qwen2's q/k/v biases, qwen3's q/k norms). Everything else,
+and every step with a prefill chunk, runs mlx-lm's modules through the
+attention seam as before, which is also the path on Metal.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from meshlm.kv.store import KVStore
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import LOG2E
 from meshlm.model.batch import Batch
+from meshlm.transport.collectives import all_sum
 
 # The mlx-lm modules whose decoder block is the one the kernel computes (mistral runs as llama).
 FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
@@ -51,19 +53,30 @@ class DecodeLayer:
     o_bias: mx.array | None = None
     q_norm: mx.array | None = None
     k_norm: mx.array | None = None
+    group: object = None  # tensor parallelism: what o's and down's partial outputs are summed over
 
     def __call__(self, h: mx.array, batch: Batch, store: KVStore, layer: int) -> mx.array:
         rows = batch.decode
+        weights, eps = list(self.weights), list(self.eps)
+        split = self.group is not None
         out, keys, values = self.native.decode_layer(
-            h, list(self.weights), store.keys[layer], store.values[layer], batch.slots, batch.positions,
-            rows.tables, rows.lengths, self.heads, list(self.eps), self.rope.dims, self.rope.traditional,
-            self.rope.scale, store.block_size, self.q_scale, self.qkv_bias, self.o_bias, self.q_norm, self.k_norm)
+            h, weights, store.keys[layer], store.values[layer], batch.slots, batch.positions,
+            rows.tables, rows.lengths, self.heads, eps, self.rope.dims, self.rope.traditional,
+            self.rope.scale, store.block_size, self.q_scale, self.qkv_bias, None if split else self.o_bias,
+            self.q_norm, self.k_norm, split)
         store.replace(layer, keys, values)  # the store's old pools go: the node may then update them in place
-        return out
+        if not split:
+            return out
+        # As ShardedLinear and mlx-lm's block compute it: sum, o's bias, the residual, the MLP's sum, the residual.
+        attention = all_sum(out, self.group)
+        if self.o_bias is not None:
+            attention = attention + self.o_bias
+        h, partial = self.native.decode_mlp(h, attention, weights, eps)
+        return h + all_sum(partial, self.group)
 
 
 def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
-    """`layer` as one fused node, or None when any part of it is not what the kernel computes."""
+    """`layer` fused, or None when any part of it is not what the kernel computes."""
     if native is None or not native.packed_gemm:
         return None
     if type(layer).__module__ not in FUSABLE_MODULES:
@@ -78,10 +91,10 @@ def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
     shared = qkv[0]._shared
     if any(p._shared is not shared for p in qkv) or [p._index for p in qkv] != [0, 1, 2]:
         return None
-    o = attn.get("o_proj")
-    down = mlp.get("down_proj")
-    if type(o) is not cpu_kernels.PackedLinear or type(down) is not cpu_kernels.PackedLinear or "bias" in down:
+    o, down = _row_layer(attn.get("o_proj")), _row_layer(mlp.get("down_proj"))
+    if o is None or down is None or o[1] is not down[1] or "bias" in down[0] or "bias" in down[2]:
         return None
+    (o, group, o_bias_holder), down = o, down[0]
     if "gate_up_p" not in mlp:
         return None
     rope = getattr(attn.get("rope"), "_table", None)
@@ -98,8 +111,20 @@ def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
                down["weight_p"], rope.inv_freq)
     return DecodeLayer(
         native, weights, attn.n_heads, (norms[0].eps, norms[1].eps, q_norm.eps if q_norm is not None else 1.0),
-        rope, attn.scale * LOG2E, owner["bias"] if "bias" in owner else None, o["bias"] if "bias" in o else None,
-        q_norm["weight"] if q_norm is not None else None, k_norm["weight"] if k_norm is not None else None)
+        rope, attn.scale * LOG2E, owner["bias"] if "bias" in owner else None,
+        o_bias_holder["bias"] if "bias" in o_bias_holder else None,
+        q_norm["weight"] if q_norm is not None else None, k_norm["weight"] if k_norm is not None else None, group)
+
+
+def _row_layer(layer: nn.Module | None) -> tuple[cpu_kernels.PackedLinear, object, nn.Module] | None:
+    """o or down as (its packed weights, the group its outputs are summed over or None, what holds its
+    bias): a PackedLinear on one rank, or a tensor-parallel row shard (ShardedLinear with a sum, whose
+    bias is added after it)."""
+    if type(layer) is cpu_kernels.PackedLinear:
+        return layer, None, layer
+    if type(layer) is cpu_kernels.ShardedLinear and layer._reduce and type(layer.local) is cpu_kernels.PackedLinear:
+        return layer.local, layer._group, layer
+    return None
 
 
 def decode_layers(layers: list[nn.Module], native) -> list[DecodeLayer] | None:

@@ -4,6 +4,8 @@ layers it cannot compute are left to the modules; the pools are updated in place
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -68,9 +70,12 @@ def run(rank: RankState) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return logits, [np.array(a) for a in store.keys + store.values]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-rank", "split"])
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_fused_decode_steps_equal_the_module_path_bit_for_bit(tmp_path, model_type, stored, monkeypatch):
+def test_fused_decode_steps_equal_the_module_path_bit_for_bit(tmp_path, model_type, stored, split, monkeypatch):
+    """`split`: each layer cut at its sums as under tensor parallelism, here over a group of one rank (real
+    tensor-parallel ranks: tests/integration/test_tensor_parallel.py)."""
     path = demo.make_tiny(tmp_path, model_type=model_type, seed=5, dtype=stored)
     fused_calls = []
     call = decode_layer.DecodeLayer.__call__
@@ -79,7 +84,12 @@ def test_fused_decode_steps_equal_the_module_path_bit_for_bit(tmp_path, model_ty
     want_logits, want_kv = run(make_rank(path, fused=False))
     assert not fused_calls
     rank = make_rank(path, fused=True)
-    assert rank.runner.parts.decode_layers is not None
+    parts = rank.runner.parts
+    assert parts.decode_layers is not None and all(f.group is None for f in parts.decode_layers)
+    if split:
+        group = mx.distributed.init()
+        assert group.size() == 1
+        parts.decode_layers = [dataclasses.replace(f, group=group) for f in parts.decode_layers]
     got_logits, got_kv = run(rank)
     layers = len(rank.runner.parts.layers)
     assert len(fused_calls) == 7 * layers  # every decode-only step, not the prefill nor the mixed one
