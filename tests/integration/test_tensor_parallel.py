@@ -88,6 +88,24 @@ def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_pa
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+def test_fused_decode_on_real_ranks_serves_the_module_paths_logprobs_exactly(tp_model, tmp_path):
+    """Each rank runs a decode step's layers fused and cut at the two sums (model/decode_layer.py): the
+    same sums of the same partial outputs, so the same logprobs bit for bit as `--no-fused-decode`. One
+    request at a time, so both servers batch alike."""
+    answers, logs = [], []
+    for flags in ((), ("--no-fused-decode",)):
+        srv = start(tp_model, tmp_path, "--tensor-parallel", "2", "--no-prefix-cache", *flags)
+        try:
+            answers.append([asyncio.run(_complete_all(srv.url, [p], 12))[0] for p in PROMPTS[:4]])
+        finally:
+            srv.stop()
+        logs.append(srv.log.read_text())
+    assert [log.count("four nodes each and two sums") for log in logs] == [2, 0]
+    for got, want in zip(*answers):
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["choices"][0]["logprobs"]["token_logprobs"] == want["choices"][0]["logprobs"]["token_logprobs"]
+
+
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory) -> tuple[Path, list[dict]]:
     """A tiny model whose LM head is its embedding table, and one process's answers."""
