@@ -644,6 +644,25 @@ class Rope : public CpuOnly {
 // copied first, as MLX's scatter does. One node, where `pool[slots] = rows` built six per pool and layer
 // (squeezes, a transpose, a broadcast, a reshape, the scatter). Slots outside the pool (which the
 // runner refuses first) are skipped, never a stray write.
+// A pool written by a node as that node's output: the pool's own buffer when MLX can donate it (nothing
+// else holds it: the store dropped it), else a fresh buffer that the task first copies the pool into,
+// as MLX's scatter does. Returns what to copy, if anything.
+std::optional<In<float>> pool_output(const mx::array& pool, mx::array& out) {
+  if (pool.is_donatable() && pool.flags().row_contiguous) {
+    out.copy_shared_buffer(pool);
+    return std::nullopt;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return In<float>(pool);
+}
+
+// Inside the task: the copy pool_output asked for, of the pool's n floats.
+void copy_pool(const std::optional<In<float>>& src, float* out, size_t n) {
+  if (!src) return;
+  std::vector<float> scratch;
+  std::memcpy(out, src->get(scratch), n * sizeof(float));
+}
+
 class KVWrite : public CpuOnly {
  public:
   using CpuOnly::CpuOnly;
@@ -651,22 +670,13 @@ class KVWrite : public CpuOnly {
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pool
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &pool = in[0], &slots = in[1], &rows = in[2];
-    bool donate = pool.is_donatable() && pool.flags().row_contiguous;
-    if (donate) {
-      out.copy_shared_buffer(pool);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
     int64_t S = pool.shape(0), Hk = pool.shape(1), D = pool.shape(2), T = rows.shape(2);
     int64_t sh = rows.strides()[1], st = rows.strides()[2], sd = rows.strides()[3];
+    auto src = pool_output(pool, out);  // first: out's buffer is set here
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([src = donate ? std::optional<In<float>>() : std::optional<In<float>>(In<float>(pool)),
-                  sl = In<int32_t>(slots), r = rows.data<float>(), o = out.data<float>(), S, Hk, D, T, sh, st,
-                  sd]() {
-      if (src) {
-        std::vector<float> scratch;
-        std::memcpy(o, src->get(scratch), static_cast<size_t>(S * Hk * D) * sizeof(float));
-      }
+    enc.dispatch([src = std::move(src), sl = In<int32_t>(slots), r = rows.data<float>(), o = out.data<float>(), S, Hk,
+                  D, T, sh, st, sd]() {
+      copy_pool(src, o, static_cast<size_t>(S * Hk * D));
       std::vector<int32_t> ss;
       const int32_t* sp = sl.get(ss);
       for (int64_t t = 0; t < T; ++t) {
@@ -1300,13 +1310,22 @@ void gemm_parts(const float* a, int64_t R, int64_t K, const void* w, PanelType t
   gemm_pool().run(g, end);
 }
 
+// A one-output node of a decode layer.
+class DecodeNode : public CpuOnly {
+ public:
+  DecodeNode(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ protected:
+  DecodeLayerShape sh_;
+};
+
 // inputs: h, norm1, q/k/v panels, inv_freq, positions[, q/k/v bias][, q norm, k norm]. The output is planar:
 // q (R, H, D) then k (R, Hk, D) roped, then v (R, Hk, D); only this file's nodes read it.
-class DecodeQKV : public CpuOnly {
+class DecodeQKV : public DecodeNode {
  public:
-  DecodeQKV(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  using DecodeNode::DecodeNode;
   const char* name() const override { return "MeshlmDecodeQKV"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     const auto& w = in[2];
@@ -1339,9 +1358,6 @@ class DecodeQKV : public CpuOnly {
       rope_kernel(ks, Nk, D, pos, inv_freq, k_out, rows, sh.Hk, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
     });
   }
-
- private:
-  DecodeLayerShape sh_;
 };
 
 // pool (S, Hk, D) with rows (R, Hk * D) written at slots (R,), the rows `offset` floats into a planar
@@ -1354,21 +1370,12 @@ class DecodeKVWrite : public CpuOnly {
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pool
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &pool = in[0], &slots = in[1], &rows = in[2];
-    bool donate = pool.is_donatable() && pool.flags().row_contiguous;
-    if (donate) {
-      out.copy_shared_buffer(pool);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
     int64_t S = pool.shape(0), N = pool.shape(1) * pool.shape(2);
+    auto src = pool_output(pool, out);  // first: out's buffer is set here
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([src = donate ? std::optional<In<float>>() : std::optional<In<float>>(In<float>(pool)),
-                  sl = In<int32_t>(slots), r = rows.data<float>() + offset_, o = out.data<float>(), S, N,
-                  R = static_cast<int64_t>(slots.size())]() {
-      if (src) {
-        std::vector<float> scratch;
-        std::memcpy(o, src->get(scratch), static_cast<size_t>(S * N) * sizeof(float));
-      }
+    enc.dispatch([src = std::move(src), sl = In<int32_t>(slots), r = rows.data<float>() + offset_,
+                  o = out.data<float>(), S, N, R = static_cast<int64_t>(slots.size())]() {
+      copy_pool(src, o, static_cast<size_t>(S * N));
       std::vector<int32_t> ss;
       const int32_t* sp = sl.get(ss);
       for (int64_t t = 0; t < R; ++t) {
@@ -1408,11 +1415,10 @@ void decode_mlp_out(const DecodeLayerShape& sh, int64_t rows, const float* h2, c
 
 // inputs: h, the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels, norm2,
 // gate/up panels, down panels[, o bias]. Output: the layer's h (a layer on one rank: no sums between).
-class DecodeRest : public CpuOnly {
+class DecodeRest : public DecodeNode {
  public:
-  DecodeRest(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  using DecodeNode::DecodeNode;
   const char* name() const override { return "MeshlmDecodeRest"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     const auto &kpool = in[2], &tables = in[4], &o = in[6], &gu = in[8], &down = in[9];
@@ -1437,20 +1443,16 @@ class DecodeRest : public CpuOnly {
       add_kernel(hp, y, hp, static_cast<size_t>(rows * E));
     });
   }
-
- private:
-  DecodeLayerShape sh_;
 };
 
 // Under tensor parallelism the layer's o and down are row shards whose outputs are summed over the ranks,
 // so the layer is cut at the sums: DecodeAttnO (the attention and this rank's partial o), then, after the
 // sum, DecodeMLP (the residual and this rank's partial down).
 // inputs: the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels. Output: y (h's shape).
-class DecodeAttnO : public CpuOnly {
+class DecodeAttnO : public DecodeNode {
  public:
-  DecodeAttnO(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
+  using DecodeNode::DecodeNode;
   const char* name() const override { return "MeshlmDecodeAttnO"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     const auto &kpool = in[1], &tables = in[3], &o = in[5];
@@ -1465,9 +1467,6 @@ class DecodeAttnO : public CpuOnly {
                            att.data(), y);
     });
   }
-
- private:
-  DecodeLayerShape sh_;
 };
 
 // inputs: h, the summed attention output (its bias added), norm2, gate/up panels, down panels.
