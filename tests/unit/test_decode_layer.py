@@ -76,7 +76,35 @@ def run(rank: RankState) -> tuple[list[np.ndarray], list[np.ndarray]]:
 def test_fused_decode_steps_equal_the_module_path_bit_for_bit(tmp_path, model_type, stored, split, monkeypatch):
     """`split`: each layer cut at its sums as under tensor parallelism, here over a group of one rank (real
     tensor-parallel ranks: tests/integration/test_tensor_parallel.py)."""
-    path = demo.make_tiny(tmp_path, model_type=model_type, seed=5, dtype=stored)
+    check_bit_for_bit(demo.make_tiny(tmp_path, model_type=model_type, seed=5, dtype=stored), split, monkeypatch)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-rank", "split"])
+def test_a_biased_o_projection_is_added_where_the_module_adds_it(tmp_path, split, monkeypatch):
+    """llama with `attention_bias`: q/k/v and o carry biases; a split layer adds o's after the sum."""
+    path = with_attention_bias(demo.make_tiny(tmp_path, seed=6))
+    rank = make_rank(path, fused=True)
+    assert all(f.o_bias is not None and f.qkv_bias is not None for f in rank.runner.parts.decode_layers)
+    check_bit_for_bit(path, split, monkeypatch)
+
+
+def with_attention_bias(path):
+    """The tiny llama at `path` with random q/k/v/o biases (`attention_bias`), as some llama checkpoints have."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    weights = mx.load(str(path / "model.safetensors"))
+    key = mx.random.key(7)
+    for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))]:
+        key, sub = mx.random.split(key)
+        weights[name.replace(".weight", ".bias")] = 0.1 * mx.random.normal((weights[name].shape[0],), key=sub)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
+def check_bit_for_bit(path, split: bool, monkeypatch) -> None:
     fused_calls = []
     call = decode_layer.DecodeLayer.__call__
     monkeypatch.setattr(decode_layer.DecodeLayer, "__call__",
