@@ -45,7 +45,7 @@ def _serve_parser(sub) -> None:
                         "bfloat16 or float16 values (by default those stay 16-bit: half the memory and weight "
                         "reads)")
     p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
-                   help="on CPU, run a decode step's layers op by op instead of each as one compiled node "
+                   help="on CPU, run a decode step's layers op by op instead of each as four compiled nodes "
                         "(same outputs; for comparison)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)

@@ -22,7 +22,7 @@ class ModelConfig:
     # ... whose packed GEMM keeps a layer bfloat16 (or float16) when every weight of it is one (a 16-bit
     # checkpoint widened to float32 at load): half the memory and the bytes a decode step streams, same products
     half_weights: bool = True
-    # ... and a step of decode rows runs each layer as one node (model/decode_layer.py), outputs bit for bit
+    # ... and a step of decode rows runs each layer as four compiled nodes (model/decode_layer.py), same outputs
     fused_decode: bool = True
 
     def __post_init__(self) -> None:

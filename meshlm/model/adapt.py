@@ -117,7 +117,7 @@ class ModelParts:
     lm_head: nn.Module | None  # None with tied embeddings: the embedding table projects
     first_layer: int = 0  # index of layers[0] in the whole model
     num_layers: int = 0  # of the whole model
-    # Each layer as one node for steps of decode rows (model/decode_layer.py); None: the modules always.
+    # Each layer as four nodes for steps of decode rows (model/decode_layer.py); None: the modules always.
     decode_layers: list[DecodeLayer] | None = None
 
     @property
@@ -156,7 +156,7 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, h
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
     what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py);
     `half_weights`: packed layers whose weights are all exact bfloat16 (or float16) values keep them so;
-    `fused_decode`: steps of decode rows run each layer as one node where every layer can."""
+    `fused_decode`: steps of decode rows run each layer as four nodes where every layer can."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu

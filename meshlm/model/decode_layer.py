@@ -25,6 +25,7 @@ attention seam as before, which is also the path on Metal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +58,7 @@ class DecodeLayer:
 
     def __call__(self, h: mx.array, batch: Batch, store: KVStore, layer: int) -> mx.array:
         rows = batch.decode
-        weights, eps = list(self.weights), list(self.eps)
+        weights, eps = self.weights, self.eps
         split = self.group is not None
         out, keys, values = self.native.decode_layer(
             h, weights, store.keys[layer], store.values[layer], batch.slots, batch.positions,
@@ -92,9 +93,8 @@ def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
     if any(p._shared is not shared for p in qkv) or [p._index for p in qkv] != [0, 1, 2]:
         return None
     o, down = _row_layer(attn.get("o_proj")), _row_layer(mlp.get("down_proj"))
-    if o is None or down is None or o[1] is not down[1] or "bias" in down[0] or "bias" in down[2]:
+    if o is None or down is None or o.group is not down.group or "bias" in down.packed or "bias" in down.bias_holder:
         return None
-    (o, group, o_bias_holder), down = o, down[0]
     if "gate_up_p" not in mlp:
         return None
     rope = getattr(attn.get("rope"), "_table", None)
@@ -107,23 +107,30 @@ def decode_layer(layer: nn.Module, native) -> DecodeLayer | None:
                                or q_norm.eps != k_norm.eps):
         return None
     owner = shared.owner
-    weights = (norms[0]["weight"], owner["weight_p"], o["weight_p"], norms[1]["weight"], mlp["gate_up_p"],
-               down["weight_p"], rope.inv_freq)
+    weights = (norms[0]["weight"], owner["weight_p"], o.packed["weight_p"], norms[1]["weight"], mlp["gate_up_p"],
+               down.packed["weight_p"], rope.inv_freq)
     return DecodeLayer(
         native, weights, attn.n_heads, (norms[0].eps, norms[1].eps, q_norm.eps if q_norm is not None else 1.0),
         rope, attn.scale * LOG2E, owner["bias"] if "bias" in owner else None,
-        o_bias_holder["bias"] if "bias" in o_bias_holder else None,
-        q_norm["weight"] if q_norm is not None else None, k_norm["weight"] if k_norm is not None else None, group)
+        o.bias_holder["bias"] if "bias" in o.bias_holder else None,
+        q_norm["weight"] if q_norm is not None else None, k_norm["weight"] if k_norm is not None else None,
+        o.group)
 
 
-def _row_layer(layer: nn.Module | None) -> tuple[cpu_kernels.PackedLinear, object, nn.Module] | None:
-    """o or down as (its packed weights, the group its outputs are summed over or None, what holds its
-    bias): a PackedLinear on one rank, or a tensor-parallel row shard (ShardedLinear with a sum, whose
-    bias is added after it)."""
+class RowLayer(NamedTuple):
+    """o or down as the kernel takes it."""
+
+    packed: cpu_kernels.PackedLinear  # its panels
+    group: object  # what its outputs are summed over (tensor parallelism), or None
+    bias_holder: nn.Module  # where its bias lives: a row shard's is added after the sum
+
+
+def _row_layer(layer: nn.Module | None) -> RowLayer | None:
+    """A PackedLinear on one rank, or a tensor-parallel row shard (ShardedLinear with a sum)."""
     if type(layer) is cpu_kernels.PackedLinear:
-        return layer, None, layer
+        return RowLayer(layer, None, layer)
     if type(layer) is cpu_kernels.ShardedLinear and layer._reduce and type(layer.local) is cpu_kernels.PackedLinear:
-        return layer.local, layer._group, layer
+        return RowLayer(layer.local, layer._group, layer)
     return None
 
 
@@ -133,7 +140,7 @@ def decode_layers(layers: list[nn.Module], native) -> list[DecodeLayer] | None:
     return None if not fused or any(f is None for f in fused) else fused
 
 
-def runs_fused(batch: Batch, store: KVStore) -> bool:
-    """A step of decode rows only, over float32 pools."""
-    return (batch.decode is not None and not batch.extend and bool(store.keys)
+def runs_fused(batch: Batch, store: KVStore, h: mx.array) -> bool:
+    """A step of decode rows only, float32 activations over float32 pools."""
+    return (batch.decode is not None and not batch.extend and h.dtype == mx.float32 and bool(store.keys)
             and store.keys[0].dtype == mx.float32)

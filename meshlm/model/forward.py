@@ -23,7 +23,7 @@ def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionB
     """Logits (len(batch.logit_index), vocab) when this rank computes them, else the hidden state
     (1, T, hidden_size) after its last layer. `hidden`: the previous stage's output (None: embed)."""
     h = parts.embed(batch.tokens[None]) if hidden is None else hidden
-    if parts.decode_layers is not None and runs_fused(batch, store):
+    if parts.decode_layers is not None and runs_fused(batch, store, h):
         for i, layer in enumerate(parts.decode_layers):
             h = layer(h, batch, store, i)
     else:

@@ -198,3 +198,15 @@ def test_decode_layer_rejects_bad_shapes_with_clear_errors():
     for kw in bad:
         with pytest.raises(ValueError, match="decode_layer: "):
             call(**kw)
+
+
+def test_only_float32_steps_of_decode_rows_run_fused(tmp_path):
+    from meshlm.model.batch import Batch, RowSpec
+
+    store = make_rank(demo.make_tiny(tmp_path, seed=3), fused=True).runner.store
+    decode = Batch.build([RowSpec(0, 3, (5,), (0,)), RowSpec(1, 7, (6,), (1, 2))], BS)
+    mixed = Batch.build([RowSpec(0, 3, (5,), (0,)), RowSpec(1, 0, (6, 7, 8), (1,))], BS)
+    h = mx.zeros((1, 2, 64))
+    assert decode_layer.runs_fused(decode, store, h)
+    assert not decode_layer.runs_fused(decode, store, h.astype(mx.bfloat16))
+    assert not decode_layer.runs_fused(mixed, store, mx.zeros((1, 4, 64)))
