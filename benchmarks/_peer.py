@@ -13,6 +13,8 @@ mlx_lm.server or any other compatible server.
 
 from __future__ import annotations
 
+import argparse
+
 import asyncio
 import contextlib
 import json
@@ -661,6 +663,15 @@ def add_run_args(p) -> None:
     p.add_argument("--retries", type=int, default=2, help="retries of a request whose connection fails early")
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even when all went well")
     p.add_argument("--out", help="also write the JSON here")
+
+
+def refuse_tiny_flags(p: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Flags that shape the tiny model a script makes (`names`, as dests) do nothing beside --model: refuse
+    them rather than report a run they did not shape (a float16 comparison once measured float32 twice)."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != p.get_default(n)]
+    if args.model and given:
+        p.error(f"{', '.join(given)} shape the tiny model this script makes; --model serves the checkpoint as it "
+                "is (round its weights with --meshlm-args=--dtype=float16)")
 
 
 def parse_levels(parser, text: str) -> list[int]:

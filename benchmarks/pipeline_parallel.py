@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown := args.skip - set(SERVERS):
         p.error(f"--skip: unknown servers {sorted(unknown)}")
     args.split = parse_split(p, args.pp_split)
+    _peer.refuse_tiny_flags(p, args, ("model_type", "layers", "hidden", "heads", "kv_heads", "dtype"))
     return args
 
 

@@ -69,6 +69,9 @@ PROBE_ITERS = 300
 DECODE_PROBE_CONTEXT = 256  # tokens per row before decoding: about the load's prompts
 
 
+TINY_SHAPE = ("layers", "hidden", "heads", "kv_heads", "dtype")  # flags of the tiny model made without --model
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     layout = p.add_mutually_exclusive_group()
@@ -110,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               file=sys.stderr)
     if min(args.streams, args.requests, args.max_tokens, args.prefill_chunk, args.repeat) < 1:
         p.error("--streams, --requests, --max-tokens, --prefill-chunk and --repeat need positive integers")
+    _peer.refuse_tiny_flags(p, args, TINY_SHAPE)
     return args
 
 
