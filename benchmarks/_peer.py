@@ -14,7 +14,6 @@ mlx_lm.server or any other compatible server.
 from __future__ import annotations
 
 import argparse
-
 import asyncio
 import contextlib
 import json

@@ -638,12 +638,6 @@ class Rope : public CpuOnly {
   float scale_;
 };
 
-// A step's new K or V rows written into a pool: pool (S, Hk, D); rows (1, Hk, T, D) in any strides
-// (mlx-lm's head-major view of the projection's token-major output); slots (T,). The pool's buffer is
-// updated in place when MLX can donate it (the store drops its reference before the step runs), else
-// copied first, as MLX's scatter does. One node, where `pool[slots] = rows` built six per pool and layer
-// (squeezes, a transpose, a broadcast, a reshape, the scatter). Slots outside the pool (which the
-// runner refuses first) are skipped, never a stray write.
 // A pool written by a node as that node's output: the pool's own buffer when MLX can donate it (nothing
 // else holds it: the store dropped it), else a fresh buffer that the task first copies the pool into,
 // as MLX's scatter does. Returns what to copy, if anything.
@@ -663,6 +657,12 @@ void copy_pool(const std::optional<In<float>>& src, float* out, size_t n) {
   std::memcpy(out, src->get(scratch), n * sizeof(float));
 }
 
+// A step's new K or V rows written into a pool: pool (S, Hk, D); rows (1, Hk, T, D) in any strides
+// (mlx-lm's head-major view of the projection's token-major output); slots (T,). The pool's buffer is
+// updated in place when MLX can donate it (the store drops its reference before the step runs), else
+// copied first, as MLX's scatter does. One node, where `pool[slots] = rows` built six per pool and layer
+// (squeezes, a transpose, a broadcast, a reshape, the scatter). Slots outside the pool (which the
+// runner refuses first) are skipped, never a stray write.
 class KVWrite : public CpuOnly {
  public:
   using CpuOnly::CpuOnly;
@@ -1622,6 +1622,22 @@ mx::array packed_swiglu(const mx::array& x, const mx::array& w) {
   return swiglu(parts[0], parts[1]);
 }
 
+// Weight shapes the decode layer takes: (n/16, k, 16) panels, and (n,) float32 vectors (norms, biases).
+bool is_panels(const mx::array& w, int64_t n, int64_t k) {
+  return w.ndim() == 3 && w.shape(2) == PANEL && w.shape(0) * PANEL == n && w.shape(1) == k;
+}
+bool is_vector(const mx::array& a, int64_t n) { return a.ndim() == 1 && a.shape(0) == n && a.dtype() == mx::float32; }
+
+// The MLP width I of a decode layer's post-attention norm, gate/up panels (gate's then up's) and down panels
+// for hidden size E, or 0 when they do not fit it (decode_layer and decode_mlp take the same weights).
+constexpr const char* MLP_WEIGHTS =
+    "norm (hidden,) float32, gate/up panels (hidden -> 2 I) and down panels (I -> hidden)";
+int64_t decode_mlp_width(int64_t E, const mx::array& ln2, const mx::array& gu, const mx::array& down) {
+  const int64_t I = gu.ndim() == 3 && gu.shape(0) % 2 == 0 ? gu.shape(0) / 2 * PANEL : 0;
+  bool fits = E > 0 && I > 0 && is_vector(ln2, E) && is_panels(gu, 2 * I, E) && is_panels(down, E, I);
+  return fits ? I : 0;
+}
+
 // weights: [input norm, q/k/v panels (q's then k's then v's), o panels, post-attention norm, gate/up panels
 // (gate's then up's), down panels, RoPE inverse frequencies]; eps: [input norm's, post-attention norm's,
 // the q/k norms'] (the last ignored without q_norm). Returns [h out, K pool, V pool]; with `split` (o and
@@ -1649,18 +1665,14 @@ std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::ar
   const int64_t Hk = k_pool.shape(1), D = k_pool.shape(2), S = k_pool.shape(0);
   if (R < 1 || Hk < 1 || heads < 1 || heads % Hk != 0 || D < 1) throw bad("rows, heads a multiple of kv_heads");
   if (block_size < 1 || S % block_size != 0) throw bad("the pools must hold whole blocks");
-  auto panels = [&](const mx::array& w, int64_t n, int64_t k) {
-    return w.ndim() == 3 && w.shape(2) == PANEL && w.shape(0) * PANEL == n && w.shape(1) == k;
-  };
-  auto vec = [&](const mx::array& a, int64_t n) { return a.ndim() == 1 && a.shape(0) == n && a.dtype() == mx::float32; };
   const int64_t Nq = heads * D, Nqkv = Nq + 2 * Hk * D;
-  const int64_t I = gu.ndim() == 3 ? gu.shape(0) / 2 * PANEL : 0;
-  if (!panels(qkv, Nqkv, E) || !panels(o, E, Nq) || gu.shape(0) % 2 != 0 || !panels(gu, 2 * I, E) ||
-      !panels(down, E, I) || I < 1) {
-    throw bad("panels (N/16, K, 16): q/k/v (hidden -> (heads + 2 kv_heads) head_dim), o, gate/up, down");
+  if (!is_panels(qkv, Nqkv, E) || !is_panels(o, E, Nq)) {
+    throw bad("panels (N/16, K, 16): q/k/v (hidden -> (heads + 2 kv_heads) head_dim), o");
   }
-  if (!vec(ln1, E) || !vec(ln2, E)) throw bad("norm weights (hidden,) float32");
-  if (rope_dims < 2 || rope_dims % 2 != 0 || rope_dims > D || !vec(inv_freq, rope_dims / 2)) {
+  const int64_t I = decode_mlp_width(E, ln2, gu, down);
+  if (I < 1) throw bad(MLP_WEIGHTS);
+  if (!is_vector(ln1, E)) throw bad("input norm (hidden,) float32");
+  if (rope_dims < 2 || rope_dims % 2 != 0 || rope_dims > D || !is_vector(inv_freq, rope_dims / 2)) {
     throw bad("an even rope_dims <= head_dim and inv_freq (rope_dims / 2,) float32");
   }
   auto ids = [&](const mx::array& a) { return a.ndim() == 1 && a.shape(0) == R && mx::issubdtype(a.dtype(), mx::integer); };
@@ -1668,8 +1680,8 @@ std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::ar
       !mx::issubdtype(tables.dtype(), mx::integer)) {
     throw bad("slots, positions, lengths (rows,) and tables (rows, max_blocks) of integers");
   }
-  if ((qkv_bias && !vec(*qkv_bias, Nqkv)) || (o_bias && !vec(*o_bias, E)) || q_norm.has_value() != k_norm.has_value() ||
-      (q_norm && (!vec(*q_norm, D) || !vec(*k_norm, D)))) {
+  if ((qkv_bias && !is_vector(*qkv_bias, Nqkv)) || (o_bias && !is_vector(*o_bias, E)) ||
+      q_norm.has_value() != k_norm.has_value() || (q_norm && (!is_vector(*q_norm, D) || !is_vector(*k_norm, D)))) {
     throw bad("biases (N,) and q/k norms (head_dim,) float32, both norms or neither");
   }
   auto s = current_stream();
@@ -1714,13 +1726,8 @@ std::vector<mx::array> decode_mlp(const mx::array& h, const mx::array& attention
   if (h.ndim() < 1 || h.dtype() != mx::float32 || attention.shape() != h.shape() || attention.dtype() != mx::float32) {
     throw bad("h and the attention output (..., hidden) float32, of one shape");
   }
-  const int64_t E = h.shape(-1);
-  const int64_t I = gu.ndim() == 3 ? gu.shape(0) / 2 * PANEL : 0;
-  if (E < 1 || I < 1 || gu.shape(0) % 2 != 0 || gu.shape(1) != E || gu.shape(2) != PANEL || down.ndim() != 3 ||
-      down.shape(0) * PANEL != E || down.shape(1) != I || down.shape(2) != PANEL) {
-    throw bad("panels (N/16, K, 16): gate/up (hidden -> 2 I), down (I -> hidden)");
-  }
-  if (ln2.ndim() != 1 || ln2.shape(0) != E || ln2.dtype() != mx::float32) throw bad("norm weight (hidden,) float32");
+  const int64_t E = h.shape(-1), I = decode_mlp_width(E, ln2, gu, down);
+  if (I < 1) throw bad(MLP_WEIGHTS);
   auto s = current_stream();
   DecodeLayerShape sh{};
   sh.E = E;

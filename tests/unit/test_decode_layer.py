@@ -171,7 +171,7 @@ def test_fused_decode_is_on_by_default_and_the_flag_turns_it_off():
     assert fused() and not fused("--no-fused-decode")
 
 
-def test_decode_layer_rejects_bad_shapes_with_clear_errors():
+def test_decode_layer_and_mlp_reject_bad_shapes_with_clear_errors():
     E, H, Hk, D, I = 32, 2, 1, 16, 32
     pools = [mx.zeros((8, Hk, D)), mx.zeros((8, Hk, D))]
 
@@ -198,6 +198,13 @@ def test_decode_layer_rejects_bad_shapes_with_clear_errors():
     for kw in bad:
         with pytest.raises(ValueError, match="decode_layer: "):
             call(**kw)
+    h = mx.ones((1, 1, E))
+    mx.eval(NATIVE.decode_mlp(h, h, weights, [1e-5, 1e-5, 1.0]))
+    for args in [(mx.ones((1, 1, E + 16)), h, weights),  # h and the attention output of different shapes
+                 (h, h, [*weights[:4], panels(2 * I, E + 16), *weights[5:]]),  # gate/up of another width
+                 (h, h, [*weights[:5], panels(E, 2 * I), weights[6]])]:  # down not taking gate/up's width
+        with pytest.raises(ValueError, match="decode_mlp: "):
+            NATIVE.decode_mlp(*args, [1e-5, 1e-5, 1.0])
 
 
 def test_only_float32_steps_of_decode_rows_run_fused(tmp_path):
