@@ -356,96 +356,121 @@ struct PagedShape {
   bool wide = false;  // the 512-bit scores (wide_kernels)
 };
 
-// One item of a paged decode: row b's query heads of KV head h (a row's KV heads are independent, so
-// the GEMM threads share a step's items: one decode row of the demo model has 3, a 6-token verify 18).
+// One item of a paged decode: row b's query heads of KV heads h0..h1 (a row's KV heads are independent,
+// so the GEMM threads share a step's items: one decode row of the demo model has 3 heads, a 6-token
+// verify 18). The pools are token-major, a slot's KV heads side by side, so the item walks each block
+// once for all its heads: one KV head at a time read a block's keys as 256-byte pieces 2 KB apart and
+// left the rest of each line pair to L3, which the other stage's weight stream evicts on a shared
+// machine. Per head the same multiply-adds in the same order as one head an item, so the same result.
 void paged_decode_item(const PagedShape& sh, const float* q, const float* k, const float* v,
-                       const int32_t* tables, const int32_t* lengths, float* out, int64_t b, int64_t h) {
-  const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs;
+                       const int32_t* tables, const int32_t* lengths, float* out, int64_t b, int64_t h0,
+                       int64_t h1) {
+  const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs, G = h1 - h0, n_q = G * r;
   thread_local std::vector<float> scores, qbuf, inv;  // per thread: no allocation per item
   int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
   const int32_t* table = tables + b * sh.max_blocks;
   bool valid = len > 0;
   for (int64_t j = 0; j * bs < len; ++j) valid = valid && table[j] >= 0 && table[j] < pool_blocks;
-  float* oh = out + (b * sh.Hk + h) * r * D;
+  float* oh = out + (b * sh.Hk + h0) * r * D;  // (G, r, D): the item's heads are adjacent in out
   if (!valid) {
-    std::fill(oh, oh + r * D, 0.0f);
+    std::fill(oh, oh + n_q * D, 0.0f);
     return;
   }
-  if (static_cast<int64_t>(scores.size()) < r * len) scores.resize(r * len);
-  if (static_cast<int64_t>(qbuf.size()) < r * D) qbuf.resize(r * D);
-  if (static_cast<int64_t>(inv.size()) < r) inv.resize(r);
+  if (static_cast<int64_t>(scores.size()) < n_q * len) scores.resize(n_q * len);
+  if (static_cast<int64_t>(qbuf.size()) < n_q * D) qbuf.resize(n_q * D);
+  if (static_cast<int64_t>(inv.size()) < n_q) inv.resize(n_q);
   // The r query heads sharing a KV head go through its blocks together: each block's keys and
   // values are read from memory once and reused from L1 by every query head (one query head at a
   // time read a long row's keys r times from beyond L2).
-  const float* kh = k + h * sh.ks[0];
-  const float* vh = v + h * sh.vs[0];
-  for (int64_t j = 0; j < r; ++j) {
-    const float* qsrc = q + ((b * sh.Hk + h) * r + j) * D;
+  const float* qsrc = q + (b * sh.Hk + h0) * r * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) qbuf[j * D + d] = qsrc[d] * sh.q_scale;
-  }
+  for (int64_t i = 0; i < n_q * D; ++i) qbuf[i] = qsrc[i] * sh.q_scale;
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
-    const float* kb = kh + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
-    for (int64_t j = 0; j < r; ++j) {
-      const float* qj = qbuf.data() + j * D;
-      float* sc = scores.data() + j * len + blk * bs;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* kb = k + (h0 + g) * sh.ks[0] + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
+      for (int64_t j = 0; j < r; ++j) {
+        const float* qj = qbuf.data() + (g * r + j) * D;
+        float* sc = scores.data() + (g * r + j) * len + blk * bs;
 #if MESHLM_AVX512
-      if (sh.wide && D % 16 == 0) {
-        head_scores_512(qj, kb, sh.ks[1], n, D, sc);
-        continue;
-      }
+        if (sh.wide && D % 16 == 0) {
+          head_scores_512(qj, kb, sh.ks[1], n, D, sc);
+          continue;
+        }
 #endif
 #if MESHLM_AVX2
-      if (D % 64 == 0) {
-        head_scores(qj, kb, sh.ks[1], n, D, sc);
-        continue;
-      }
+        if (D % 64 == 0) {
+          head_scores(qj, kb, sh.ks[1], n, D, sc);
+          continue;
+        }
 #endif
-      for (int64_t s = 0; s < n; ++s) {
-        const float* kr = kb + s * sh.ks[1];
-        float dot = 0.0f;
+        for (int64_t s = 0; s < n; ++s) {
+          const float* kr = kb + s * sh.ks[1];
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
-        sc[s] = dot;
+          for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
+          sc[s] = dot;
+        }
       }
     }
   }
-  for (int64_t j = 0; j < r; ++j) inv[j] = softmax_row(scores.data() + j * len, len);
-  std::fill(oh, oh + r * D, 0.0f);
+  for (int64_t i = 0; i < n_q; ++i) inv[i] = softmax_row(scores.data() + i * len, len);
+  std::fill(oh, oh + n_q * D, 0.0f);
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
-    const float* vb = vh + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* vb = v + (h0 + g) * sh.vs[0] + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+      const float* pg = scores.data() + g * r * len + blk * bs;
+      float* og = oh + g * r * D;
 #if MESHLM_AVX512
-    if (sh.wide && weighted_values_heads(scores.data() + blk * bs, len, r, vb, sh.vs[1], n, oh, D)) continue;
+      if (sh.wide && weighted_values_heads(pg, len, r, vb, sh.vs[1], n, og, D)) continue;
 #endif
-    for (int64_t j = 0; j < r; ++j) {
-      const float* p = scores.data() + j * len + blk * bs;
-      float* o = oh + j * D;
+      for (int64_t j = 0; j < r; ++j) {
+        const float* p = pg + j * len;
+        float* o = og + j * D;
 #if MESHLM_AVX2
-      if (D % 64 == 0) {
-        for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
-        continue;
-      }
+        if (D % 64 == 0) {
+          for (int64_t d = 0; d < D; d += 64) weighted_values_64_acc(p, vb + d, sh.vs[1], n, o + d);
+          continue;
+        }
 #endif
-      for (int64_t s = 0; s < n; ++s) {
-        if (p[s] == 0.0f) continue;
-        const float* vr = vb + s * sh.vs[1];
+        for (int64_t s = 0; s < n; ++s) {
+          if (p[s] == 0.0f) continue;
+          const float* vr = vb + s * sh.vs[1];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
+          for (int64_t d = 0; d < D; ++d) o[d] += p[s] * vr[d];
+        }
       }
     }
   }
-  for (int64_t j = 0; j < r; ++j) {
-    float* o = oh + j * D;
+  for (int64_t i = 0; i < n_q; ++i) {
+    float* o = oh + i * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv[j];
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv[i];
   }
 }
 
 // Calls fn(i0, i1) over [0, n) in chunks shared by the calling thread and the GEMM pool's helper
 // (defined with the pool, below).
 void parallel_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn);
+int gemm_threads();
+
+// Every row of a paged decode, as items of whole rows, or of some of a row's KV heads where whole rows
+// would leave a GEMM thread idle (a step of one or two rows).
+void paged_decode(const PagedShape& sh, const float* q, const float* k, const float* v, const int32_t* tables,
+                  const int32_t* lengths, float* out) {
+  int threads = gemm_threads();
+  int64_t want = threads < 2 ? 1 : 4 * threads;  // items enough to balance the threads' shares
+  int64_t per_row = std::clamp<int64_t>((want + sh.R - 1) / sh.R, 1, sh.Hk);
+  int64_t G = (sh.Hk + per_row - 1) / per_row;  // KV heads an item
+  per_row = (sh.Hk + G - 1) / G;
+  parallel_items(sh.R * per_row, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t h0 = (i % per_row) * G;
+      paged_decode_item(sh, q, k, v, tables, lengths, out, i / per_row, h0, std::min(h0 + G, sh.Hk));
+    }
+  });
+}
 
 // A primitive's input, taken as MLX evaluated it. Inputs are not wrapped in Contiguous nodes when the
 // graph is built: every node costs the thread that builds and schedules the graph (a decode step of
@@ -567,9 +592,7 @@ class PagedDecodeAttention : public CpuOnly {
       std::vector<int32_t> ts, ls;
       const float* qv = qp.get(qs);
       const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
-      parallel_items(sh.R * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) paged_decode_item(sh, qv, kp, vp, tv, lv, o, i / sh.Hk, i % sh.Hk);
-      });
+      paged_decode(sh, qv, kp, vp, tv, lv, o);
     });
   }
 
@@ -1084,6 +1107,7 @@ class GemmPool {
     post(GemmArgs{}, n, std::max<int64_t>(1, chunk), &fn);
   }
   void set_threads(int n) { threads_ = std::max(1, n); }
+  int threads() const { return threads_; }
 
  private:
   static constexpr int64_t CHUNK = 4;  // panels per grab
@@ -1166,6 +1190,8 @@ GemmPool& gemm_pool() {
 void parallel_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
   gemm_pool().run_items(n, chunk, fn);
 }
+
+int gemm_threads() { return gemm_pool().threads(); }
 
 // Runs `g` on the GEMM threads inside the stream's task, x (and the bias) read as MLX produced them.
 void dispatch_gemm(mx::Stream s, GemmArgs g, const mx::array& x, const mx::array* bias, int64_t panels) {
@@ -1396,9 +1422,7 @@ void decode_attention_out(const DecodeLayerShape& sh, int64_t rows, const float*
                           PanelType o_t, const float* o_bias, float* att, float* y) {
   PagedShape ps{rows, sh.Hk, sh.H / sh.Hk, sh.D, S, max_blocks, sh.block_size, {sh.D, sh.Nk()}, {sh.D, sh.Nk()},
                 sh.q_scale, wide_kernels().load()};
-  parallel_items(rows * sh.Hk, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) paged_decode_item(ps, q, kp, vp, table, len, att, i / sh.Hk, i % sh.Hk);
-  });
+  paged_decode(ps, q, kp, vp, table, len, att);
   gemm_parts(att, rows, sh.Nq(), o_w, o_t, o_bias, {{y, sh.E}});
 }
 

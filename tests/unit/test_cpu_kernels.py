@@ -438,7 +438,7 @@ def test_packed_gemm_threads_and_streams(kernel_width):
 
 @NEEDS_PACKED_GEMM
 def test_paged_decode_items_shared_with_the_gemm_thread_match_one_thread():
-    """The paged decode hands its (row, KV head) items to the GEMM pool, whose helper then alternates
+    """The paged decode hands its items (rows, or some KV heads of a row) to the GEMM pool, whose helper then alternates
     between GEMM panels and attention items with no pause in between: hundreds of such hand-offs give
     bit-identical outputs to one thread."""
     bs, blocks, D = 8, 64, 64
@@ -463,6 +463,31 @@ def test_paged_decode_items_shared_with_the_gemm_thread_match_one_thread():
         outs.setdefault(threads, []).append(got)
     NATIVE.set_gemm_threads(2)
     assert all(mx.array_equal(o, outs[1][0]).item() for os_ in outs.values() for o in os_)
+
+
+@pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_paged_decode_items_of_whole_rows_or_some_heads_agree(rows):
+    """An item is a whole row (every KV head, each block read once) or, with two threads and few rows, some
+    of a row's KV heads: 1, 2, 4 or 8 heads an item here. Each head's arithmetic is the same either way."""
+    bs, blocks, Hk, D = 16, 96, 8, 64
+    pool_k, pool_v = mx.random.normal((blocks * bs, Hk, D)), mx.random.normal((blocks * bs, Hk, D))
+    tables = mx.array([[(r * 11 + 5 * j) % blocks for j in range(6)] for r in range(rows)])
+    lengths = mx.array([1 + (37 * r + 50) % 96 for r in range(rows)])
+    q = mx.random.normal((rows, Hk * 2, D))
+    outs = []
+    for threads in (1, 2):
+        NATIVE.set_gemm_threads(threads)
+        outs.append(NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, lengths, bs, 0.18))
+        mx.eval(outs[-1])
+    NATIVE.set_gemm_threads(2)
+    assert mx.array_equal(outs[0], outs[1]).item()
+    for b in range(rows):
+        n = lengths[b].item()
+        slots = mx.array([tables[b, p // bs].item() * bs + p % bs for p in range(n)])
+        keys, values = pool_k[slots].transpose(1, 0, 2)[None], pool_v[slots].transpose(1, 0, 2)[None]
+        want = reference(q[b].reshape(1, Hk * 2, 1, D), keys, values, scale=0.18 / cpu_kernels.LOG2E)
+        assert mx.abs(outs[0][b] - want.reshape(Hk * 2, D)).max().item() < TOL
 
 
 @NEEDS_PACKED_GEMM
