@@ -8,9 +8,11 @@ layers and the head, so logits never cross a link. The engine keeps up to
 stage 0 computes B. Plans reach every rank in one order and every rank applies
 them in that order, so KV and the batch fingerprints stay consistent.
 
-A worker acknowledges a plan after sending its activation, so by the time the
-leader has that plan's activation the acks are (nearly) in: they are checked
-then, for the plan executed before, never on the way to submitting the next.
+A worker acknowledges a plan right after sending its activation, so when the
+leader executes the next plan those acks are in: it checks them then, before
+waiting for that plan's activation, never on the way to submitting a plan.
+Every stage after the first applies a plan (`Runner.prepare`) before its
+activation arrives, and only then builds and launches the forward on it.
 The control plane, failure diagnosis and shutdown are the tensor-parallel
 executor's.
 """
@@ -36,13 +38,17 @@ class PipelineExecutor(TensorExecutor):
             self.control.broadcast(plan)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        with self.times.timing("link"):
-            hidden = self.io.receive(plan)
+        # The leader's stage would idle until the activation arrives: the acks of the plan before and the
+        # part of the step that needs only the plan are done first, off the path from the activation to
+        # the logits (with one stream, every stage waits on that path for the others).
         with self.times.timing("control"):
             if self._unacked is not None:
                 self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self._unacked = plan.step_id
-        return self.rank.step(plan, hidden)
+        prepared = self.rank.prepare(plan)
+        with self.times.timing("link"):
+            hidden = self.io.receive(plan)
+        return self.rank.launch(prepared, hidden)
 
     def _diagnose(self, error: str, wait: float = 1.0) -> str:
         """The tensor-parallel diagnosis, plus which stage each rank it names runs."""

@@ -21,7 +21,7 @@ from meshlm.model import cpu_kernels
 from meshlm.model.adapt import ModelParts, adapt, kv_shape
 from meshlm.model.attention import AttentionBackend, attention_backend
 from meshlm.model.ring_attention import RingContext
-from meshlm.model.runner import Runner, StepResult
+from meshlm.model.runner import Prepared, Runner, StepResult
 from meshlm.platform import cores_for_this_process
 from meshlm.step_times import StepTimes
 
@@ -72,6 +72,13 @@ class RankState:
 
     def step(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
         return self.runner.execute(plan, hidden, tokens)
+
+    def prepare(self, plan: StepPlan) -> Prepared:
+        """What of `plan` needs no activation (a pipeline stage's work while it waits for one)."""
+        return self.runner.prepare(plan)
+
+    def launch(self, prepared: Prepared, hidden: mx.array | None = None) -> StepResult:
+        return self.runner.launch(prepared, hidden)
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""

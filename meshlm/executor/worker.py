@@ -81,9 +81,10 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
             return EXIT_SHUTDOWN
         try:
             with watchdog.step(f"step {plan.step_id}"):
+                prepared = rank.prepare(plan)  # a later pipeline stage: while the activation is on its way
                 with times.timing("link"):
                     hidden = io.receive(plan) if io is not None else None
-                result = rank.step(plan, hidden)
+                result = rank.launch(prepared, hidden)
                 if io is not None:
                     with times.timing("link"):
                         io.send(plan, result)

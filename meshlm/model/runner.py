@@ -50,6 +50,16 @@ class SeqKV:
 
 
 @dataclass
+class Prepared:
+    """A step applied to the tables (`Runner.prepare`), its forward not yet built."""
+
+    plan: StepPlan
+    rows: list[RowSpec]  # one per chunk
+    seconds: float  # host time preparing took
+    waited: float  # of it before: waiting for the previous step's forward
+
+
+@dataclass
 class StepResult:
     uids: list[int]  # the sequence of each row of `logits`, in order
     logits: mx.array | None  # (len(uids), vocab) float32, evaluating asynchronously
@@ -102,10 +112,15 @@ class Runner:
         """Apply `plan` and launch its forward. `tokens`: the input ids of a plan of decode rows planned ahead
         (`Scheduler.continue_ahead`), one per chunk in order, still being sampled by the previous step; the
         chunks' own ids are placeholders then."""
+        return self.launch(self.prepare(plan, ahead=tokens is not None), hidden, tokens)
+
+    def prepare(self, plan: StepPlan, ahead: bool = False) -> Prepared:
+        """The part of a step that needs only its plan: checks, saves, table changes, loads and copies, each
+        row's positions. A pipeline stage after the first does this while the activation is on its way
+        (executor/pipeline.py); `launch` runs the rest. `ahead`: a step planned ahead, built while the previous
+        one still runs (it waits for it only before launching)."""
         t0 = time.perf_counter()
-        # A step planned ahead is built while the previous one still runs, and waits for it only before
-        # it is launched (below).
-        waited = self._finish_previous() if tokens is None else 0.0
+        waited = 0.0 if ahead else self._finish_previous()
         self._check(plan)
         self._save(plan)
         self._export(plan)
@@ -116,6 +131,13 @@ class Runner:
         for c in plan.copies:
             self.store.copy(c.src, c.dst, self._local(c.tokens))
         rows = [self._row(c) for c in plan.chunks]
+        return Prepared(plan, rows, time.perf_counter() - t0 - waited, waited)
+
+    def launch(self, prepared: Prepared, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+        """Build and launch the forward of a prepared step (`execute` is both at once)."""
+        plan, rows, waited = prepared.plan, prepared.rows, prepared.waited
+        # Host seconds of this step so far, as if prepare had run just now: the link wait between is not its own.
+        t0 = time.perf_counter() - prepared.seconds - waited
         out = None
         batch = None
         result = None  # set here by a context-parallel step
