@@ -25,7 +25,7 @@ class Metrics:
         self.kv_blocks_cached = Gauge("meshlm_kv_blocks_cached", "KV blocks findable by the prefix cache", registry=r)
         self.preemptions = Counter("meshlm_preemptions", "Sequences preempted for recompute", registry=r)
         self.steps_ahead = Counter("meshlm_steps_planned_ahead", "Decode steps planned and launched while the "
-                                   "previous step ran (--async-scheduling)", registry=r)
+                                   "previous step ran (--async-scheduling; a pipeline's, ids to follow)", registry=r)
         self.spec_verifies = Counter("meshlm_spec_verify_steps", "Speculating rows verified (one per row per step)",
                                      registry=r)
         self.spec_drafted = Counter("meshlm_spec_draft_tokens", "Draft tokens verified by the target", registry=r)

@@ -202,6 +202,12 @@ class Engine:
         wanted = config.async_scheduling == "on" or (config.async_scheduling == "auto" and
                                                      mx.default_device() == mx.gpu)
         self._ahead = wanted and getattr(executor, "plans_ahead", False) and self.speculator is None and self._depth == 1
+        # A pipeline whose only micro-batch in flight is the one the leader's stage computes (one stream, or
+        # a few) would leave every other stage idle while the leader samples, schedules and broadcasts: the
+        # next step of the same sequences is planned and broadcast before the ids are sampled, and they
+        # follow (`_plan_ids_ahead`). The earlier stages are idle then, so this is on unless turned off.
+        self._ids_follow = (self._depth > 1 and hasattr(executor, "send_ids") and self.speculator is None
+                            and config.async_scheduling != "off")
         # Greedy rows' argmax read on the host where the device is the CPU (engine/sampler.py, host_argmax).
         self._argmax_on_host = mx.default_device() == mx.cpu
 
@@ -346,7 +352,48 @@ class Engine:
         if plan is None or result is None:
             return None
         launched = self._launch_draw(plan, result) if self._ahead else None
-        return launched or self._collect_within_deadline(plan, result)
+        ahead = self._plan_ids_ahead(plan, result) if self._ids_follow else None
+        pending = launched or self._collect_within_deadline(plan, result)
+        if ahead is not None:
+            self._send_ids(ahead, pending)
+        return pending
+
+    def _plan_ids_ahead(self, plan: StepPlan, result: StepResult) -> StepPlan | None:
+        """A pipeline with no other micro-batch in flight: plan and broadcast the next step of `plan`'s
+        sequences (`Scheduler.continue_ahead`) while the leader's stage computes `plan`, its ids to follow
+        once sampled (`_send_ids`). The other stages apply it meanwhile and wait only for the ids. None
+        where the next step needs `schedule` (see continue_ahead), or other micro-batches keep the stages
+        busy anyway."""
+        if result.logits is None or self._in_flight:
+            return None
+        uids = result.uids
+        if not uids or len(set(uids)) != len(uids) or any(u not in self._tracked for u in uids):
+            return None  # a verify chunk's several rows, or a sequence that ended meanwhile
+        with self.times.timing("schedule"):
+            with self._lock:
+                ahead = self.scheduler.continue_ahead(plan, list(uids))
+        if ahead is None:
+            return None
+        ahead = dataclasses.replace(ahead, ids_follow=True)
+        with self._deadline(f"step {ahead.step_id}"):
+            self.executor.submit(ahead)
+        self._in_flight.append(ahead)
+        self.metrics.steps_ahead.inc()
+        return ahead
+
+    def _send_ids(self, ahead: StepPlan, pending: "_Pending") -> None:
+        """The ids `ahead`'s chunks decode: each sequence's token just sampled. A sequence that took none (it
+        ended meanwhile) gets any valid id: its row runs and its result is dropped, as a row planned ahead
+        in one process is."""
+        ids = [(pending.sampled.get(c.uid) or [0])[0] for c in ahead.chunks]
+        with self._deadline(f"step {ahead.step_id}"):
+            self.executor.send_ids(ahead.step_id, ids)
+        # The leader's copy holds the real ids too (its stage does not embed them; the scheduler reads lengths).
+        real = dataclasses.replace(ahead, chunks=tuple(dataclasses.replace(c, token_ids=(i,))
+                                                       for c, i in zip(ahead.chunks, ids)))
+        for i, p in enumerate(self._in_flight):
+            if p.step_id == ahead.step_id:
+                self._in_flight[i] = real
 
     def _step_ahead(self, launched: _Launched) -> "_Pending | _Launched | None":
         """Asynchronous scheduling (vLLM's async scheduling, mlx-lm's generate loop): plan and launch the

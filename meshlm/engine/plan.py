@@ -96,6 +96,9 @@ class StepPlan:
     exports: tuple[BlockExport, ...] = ()
     num_blocks: int = 0  # block ids below this may appear: every rank's pools must hold them
     fingerprint: int = 0
+    # Planned before the tokens its rows decode were sampled (a pipeline's next step of the same sequences):
+    # its chunks hold placeholder ids, and a TOKENS frame right after it carries the real ones.
+    ids_follow: bool = False
 
     @property
     def num_tokens(self) -> int:

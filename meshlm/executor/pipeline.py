@@ -19,10 +19,18 @@ executor's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.stage_io import StageIO
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.model.runner import StepResult
+from meshlm.transport.control import ControlError
+
+
+class StageFailed(RuntimeError):
+    """A pipeline rank failed on the control channel; the message names the stage it runs."""
 
 
 class PipelineExecutor(TensorExecutor):
@@ -34,14 +42,31 @@ class PipelineExecutor(TensorExecutor):
         self.stages = stages or {}  # rank -> what it runs ("stage 0, layers 0..14"), for failure messages
 
     def submit(self, plan: StepPlan) -> None:
-        with self.times.timing("control"):
+        with self.times.timing("control"), self._naming_stages():
             self.control.broadcast(plan)
+
+    def send_ids(self, step_id: int, ids: list[int]) -> None:
+        """The sampled input ids of plan `step_id`, submitted with `ids_follow` before they were known."""
+        with self.times.timing("control"), self._naming_stages():
+            self.control.send_ids(step_id, ids)
+
+    @contextlib.contextmanager
+    def _naming_stages(self) -> Iterator[None]:
+        """A control-channel failure names the stage of the rank it names at once: requests end with this
+        message and /health shows it until the executor's reset has diagnosed the failure."""
+        try:
+            yield
+        except ControlError as exc:
+            what = self.stages.get(getattr(exc, "rank", None))
+            if what is None:
+                raise
+            raise StageFailed(f"{type(exc).__name__}: {exc} [rank {exc.rank} runs {what}]") from exc
 
     def execute(self, plan: StepPlan) -> StepResult:
         # The leader's stage would idle until the activation arrives: the acks of the plan before and the
         # part of the step that needs only the plan are done first, off the path from the activation to
         # the logits (with one stream, every stage waits on that path for the others).
-        with self.times.timing("control"):
+        with self.times.timing("control"), self._naming_stages():
             if self._unacked is not None:
                 self.control.collect_acks(self._unacked, timeout=self.step_timeout)
             self._unacked = plan.step_id
@@ -53,7 +78,8 @@ class PipelineExecutor(TensorExecutor):
     def _diagnose(self, error: str, wait: float = 1.0) -> str:
         """The tensor-parallel diagnosis, plus which stage each rank it names runs."""
         message = super()._diagnose(error, wait)
-        named = [f"rank {r} runs {what}" for r, what in sorted(self.stages.items()) if f"rank {r}" in message]
+        named = [f"rank {r} runs {what}" for r, what in sorted(self.stages.items())
+                 if f"rank {r}" in message and f"rank {r} runs" not in message]
         return f"{message} [{'; '.join(named)}]" if named else message
 
     def close(self) -> None:

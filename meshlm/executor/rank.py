@@ -77,8 +77,8 @@ class RankState:
         """What of `plan` needs no activation (a pipeline stage's work while it waits for one)."""
         return self.runner.prepare(plan)
 
-    def launch(self, prepared: Prepared, hidden: mx.array | None = None) -> StepResult:
-        return self.runner.launch(prepared, hidden)
+    def launch(self, prepared: Prepared, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+        return self.runner.launch(prepared, hidden, tokens)
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""

@@ -82,15 +82,26 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
         try:
             with watchdog.step(f"step {plan.step_id}"):
                 prepared = rank.prepare(plan)  # a later pipeline stage: while the activation is on its way
+                tokens = None
+                if plan.ids_follow:  # planned before its ids were sampled: they follow in a TOKENS frame
+                    with times.timing("wait"):
+                        ids = control.next_ids(plan)
+                    if ids is None:
+                        log.info("leader asked to stop: %s", control.shutdown_reason)
+                        return EXIT_SHUTDOWN
+                    tokens = rank.runner.follow_ids(plan, ids)
                 with times.timing("link"):
                     hidden = io.receive(plan) if io is not None else None
-                result = rank.launch(prepared, hidden)
+                result = rank.launch(prepared, hidden, tokens)
                 if io is not None:
                     with times.timing("link"):
                         io.send(plan, result)
                 elif result.logits is not None:
                     with times.timing("device"):
                         mx.eval(result.logits)  # every rank must take part in the step's collectives
+        except LeaderLost as exc:  # waiting for a plan's ids
+            log.error("%s; exiting", exc)
+            return EXIT_LEADER_LOST
         except Exception as exc:  # the group is unusable after a failed step: report, then leave
             log.exception("step %d failed", plan.step_id)
             try:

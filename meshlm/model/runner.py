@@ -182,6 +182,16 @@ class Runner:
         self.times.add("device", waited)
         return waited
 
+    def follow_ids(self, plan: StepPlan, ids: tuple[int, ...]) -> mx.array:
+        """The input ids a TOKENS frame carried for `plan` (sent with `ids_follow`), checked as a plan's own
+        ids are, as `launch`'s `tokens`."""
+        if not plan.ids_follow or len(ids) != len(plan.chunks):
+            raise SplitBrain(f"step {plan.step_id}: {len(ids)} ids for a plan of {len(plan.chunks)} chunks"
+                             + ("" if plan.ids_follow else " whose ids were its own"))
+        if ids and self.vocab_size is not None and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            raise SplitBrain(f"step {plan.step_id}: a token id outside the vocabulary")
+        return mx.array(ids, dtype=mx.int32)
+
     def _with_tokens(self, batch: Batch, tokens: mx.array, plan: StepPlan) -> Batch:
         if tokens.shape != (len(plan.chunks),) or any(len(c.token_ids) != 1 for c in plan.chunks):
             raise SplitBrain(f"step {plan.step_id}: {tokens.shape} device tokens for a plan of "

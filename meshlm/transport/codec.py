@@ -55,9 +55,10 @@ import msgspec
 from meshlm.engine.plan import StepPlan
 
 MAGIC = b"MLCP"
-VERSION = 6  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+VERSION = 7  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
 # 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
-# 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens)
+# 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens);
+# 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead)
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256
@@ -97,9 +98,11 @@ class Kind(enum.IntEnum):
     ACK = 7
     CHALLENGE = 8
     PROOF = 9
+    TOKENS = 10
 
 
-LEADER_KINDS = frozenset({Kind.CHALLENGE, Kind.WELCOME, Kind.REJECT, Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN})
+LEADER_KINDS = frozenset({Kind.CHALLENGE, Kind.WELCOME, Kind.REJECT, Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN,
+                          Kind.TOKENS})
 WORKER_KINDS = frozenset({Kind.HELLO, Kind.PROOF, Kind.REJECT, Kind.ACK})
 
 
@@ -292,8 +295,16 @@ class Ack:
     times: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True)
+class TokenIds:
+    """The input ids of plan `step_id` (sent with `ids_follow`), one per chunk in order."""
+
+    step_id: int
+    ids: tuple[int, ...]
+
+
 MESSAGE_TYPES: dict[Kind, type] = {Kind.CHALLENGE: Challenge, Kind.HELLO: Hello, Kind.PROOF: Proof,
-                                   Kind.WELCOME: Welcome, Kind.PLAN: StepPlan, Kind.ACK: Ack}
+                                   Kind.WELCOME: Welcome, Kind.PLAN: StepPlan, Kind.ACK: Ack, Kind.TOKENS: TokenIds}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(t) for kind, t in MESSAGE_TYPES.items()}
 

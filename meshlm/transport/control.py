@@ -41,7 +41,8 @@ from meshlm.engine.plan import StepPlan
 from meshlm.transport import codec as wire
 from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joining, Refused, new_nonce,
                                   prove_worker)
-from meshlm.transport.codec import Ack, ControlError, Frame, Hello, Kind, ProtocolError, VersionMismatch, Welcome
+from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, ProtocolError, TokenIds, VersionMismatch,
+                                    Welcome)
 from meshlm.transport.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
 from meshlm.step_times import check_totals
 
@@ -337,6 +338,13 @@ class ControlLeader:
                 pending.append((plan.step_id, plan.fingerprint))
             return seq
 
+    def send_ids(self, step_id: int, ids: list[int]) -> None:
+        """The input ids of plan `step_id`, broadcast with `ids_follow` before they were sampled."""
+        with self._lock:
+            if step_id != self._last_step:
+                raise ValueError(f"ids of step {step_id} after plan {self._last_step}: they follow their own plan")
+            self._send_all(Kind.TOKENS, wire.encode(TokenIds(step_id, tuple(ids))))
+
     def heartbeat(self) -> None:
         """Tell idle workers the leader is alive; first notice any worker that died meanwhile."""
         with self._lock:
@@ -592,7 +600,7 @@ class ControlWorker:
         return f"{self.leader_host}:{self.port}"
 
     def recv(self, timeout: float | None = None) -> Frame:
-        """Next PLAN, HEARTBEAT or SHUTDOWN frame. LeaderLost if nothing at all arrives within `timeout`."""
+        """Next PLAN, TOKENS, HEARTBEAT or SHUTDOWN frame. LeaderLost if nothing at all arrives within `timeout`."""
         wait = self.timeout if timeout is None else timeout
         try:
             frame = self._link_or_raise().recv(time.monotonic() + wait)
@@ -604,7 +612,7 @@ class ControlWorker:
         if frame.kind is Kind.REJECT:
             self.close()
             raise LeaderLost(f"rank {self.rank}: leader aborted the cluster: {wire.decode_reason(frame.payload)}")
-        if frame.kind not in (Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN):
+        if frame.kind not in (Kind.PLAN, Kind.TOKENS, Kind.HEARTBEAT, Kind.SHUTDOWN):
             raise ProtocolError(f"unexpected {frame.kind.name} frame after the handshake")
         return frame
 
@@ -614,6 +622,27 @@ class ControlWorker:
             frame = self.recv(timeout)
             if frame.kind is Kind.PLAN:
                 return wire.decode_plan(frame.payload)
+            if frame.kind is Kind.TOKENS:
+                raise ProtocolError(f"rank {self.rank}: TOKENS frame with no plan waiting for its ids")
+            if frame.kind is Kind.SHUTDOWN:
+                self.shutdown_reason = wire.decode_reason(frame.payload)
+                self.close()
+                return None
+            wire.decode_empty(frame.payload, "HEARTBEAT")
+
+    def next_ids(self, plan: StepPlan, timeout: float | None = None) -> tuple[int, ...] | None:
+        """The input ids of `plan`, sent with `ids_follow` (one per chunk), skipping heartbeats; None on
+        SHUTDOWN. Anything else (a plan, ids of another step or count) is a ProtocolError."""
+        while True:
+            frame = self.recv(timeout)
+            if frame.kind is Kind.TOKENS:
+                msg = wire.decode(Kind.TOKENS, frame.payload)
+                if msg.step_id != plan.step_id or len(msg.ids) != len(plan.chunks):
+                    raise ProtocolError(f"rank {self.rank}: ids of step {msg.step_id} ({len(msg.ids)}) where "
+                                        f"step {plan.step_id} waits for {len(plan.chunks)}")
+                return msg.ids
+            if frame.kind is Kind.PLAN:
+                raise ProtocolError(f"rank {self.rank}: a plan arrived before the ids of step {plan.step_id}")
             if frame.kind is Kind.SHUTDOWN:
                 self.shutdown_reason = wire.decode_reason(frame.payload)
                 self.close()

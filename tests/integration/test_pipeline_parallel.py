@@ -80,6 +80,21 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     assert "layers 0..0 of 4" in log or "layers 0..1 of 4" in log  # the first stage holds only its layers
 
 
+@pytest.mark.parametrize("flags", [("--pipeline-parallel", "2"), ("--pipeline-parallel", "3", "--pp-split", "1,2,1")],
+                         ids=["pp2", "pp3"])
+def test_one_stream_plans_ahead_with_ids_to_follow_at_parity(model, reference, tmp_path, flags):
+    """One request at a time: each decode step is planned and broadcast while the leader's stage computes
+    the one before, its ids sent once sampled (a TOKENS frame), which every stage takes in order."""
+    srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", *flags, log_dir=tmp_path)
+    try:
+        got = [asyncio.run(complete_all(srv.url, [p], 16))[0] for p in PROMPTS[:3]]
+        ahead = srv.metric("meshlm_steps_planned_ahead_total")
+    finally:
+        srv.stop()
+    assert_parity(got, reference[:3], tol=TOL)
+    assert ahead >= 3 * 12  # all but a request's first steps and the one its max_tokens ends
+
+
 def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_path):
     """A KV budget so small that sequences in flight are preempted (and re-admitted) while other
     micro-batches run; then a restarted pipeline serves the same prompts from each stage's SSD tier."""

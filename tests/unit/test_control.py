@@ -32,6 +32,7 @@ from meshlm.transport.codec import (
     Hello,
     Kind,
     Proof,
+    TokenIds,
     Welcome,
     decode,
     decode_reason,
@@ -150,6 +151,30 @@ def test_acks_may_be_collected_late_and_are_all_checked():
         assert leader.collect_acks(4) == {1: Ack(4, 104)}  # steps 0..3 checked on the way
         with pytest.raises(ValueError, match="no outstanding acks"):
             leader.collect_acks(2)
+
+
+def test_a_plans_ids_may_follow_it_in_a_tokens_frame():
+    """A pipeline's step planned ahead: the PLAN has placeholder ids and `ids_follow`; the TOKENS frame after
+    it carries the real ones, and heartbeats in between are skipped."""
+    got: list[tuple[int, ...]] = []
+
+    def on_plan(worker: ControlWorker, p: StepPlan) -> None:
+        if p.ids_follow:
+            got.append(worker.next_ids(p))
+        worker.ack(p.step_id, p.fingerprint)
+
+    ahead = StepPlan(1, chunks=(Chunk(1, 3, (0,), LOGITS_LAST), Chunk(2, 7, (0,), LOGITS_LAST)), ids_follow=True)
+    with cluster(3, on_plan=on_plan) as (leader, workers):
+        leader.broadcast(plan(0))
+        leader.broadcast(ahead)
+        with pytest.raises(ValueError, match="follow their own plan"):
+            leader.send_ids(0, [5])
+        leader.heartbeat()
+        leader.send_ids(1, [11, 12])
+        assert set(leader.collect_acks(1)) == {1, 2}
+    for w in workers:
+        assert w.error is None and w.plans == [plan(0), ahead]
+    assert got == [(11, 12), (11, 12)]
 
 
 def test_large_plan_with_200k_token_chunk():
@@ -888,6 +913,45 @@ def test_worker_refuses_bad_frames_from_the_leader(frames, message):
                                                            secret=SECRET) as worker:
         worker.connect()
         with pytest.raises(ProtocolError, match=message):
+            worker.next_plan()
+
+
+AHEAD_PLAN = encode(StepPlan(0, chunks=(Chunk(1, 0, (0,), LOGITS_LAST),), ids_follow=True))
+
+
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        ([encode_frame(Kind.TOKENS, 3, encode(TokenIds(1, (5,))))], "ids of step 1 .* step 0 waits for 1"),
+        ([encode_frame(Kind.TOKENS, 3, encode(TokenIds(0, (5, 6))))], "ids of step 0 \\(2\\) where step 0 waits for 1"),
+        ([encode_frame(Kind.PLAN, 3, GOOD_PLAN)], "a plan arrived before the ids of step 0"),
+        ([encode_frame(Kind.TOKENS, 3, b"\x92\x00")], "invalid TOKENS payload"),
+    ],
+)
+def test_worker_refuses_ids_that_do_not_follow_their_plan(frames, message):
+    with misbehaving_leader([encode_frame(Kind.PLAN, 2, AHEAD_PLAN), *frames]) as port, \
+            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+        worker.connect()
+        ahead = worker.next_plan()
+        assert ahead.ids_follow
+        with pytest.raises(ProtocolError, match=message):
+            worker.next_ids(ahead)
+
+
+def test_a_leader_gone_before_the_ids_is_leader_lost():
+    with misbehaving_leader([encode_frame(Kind.PLAN, 2, AHEAD_PLAN)]) as port, \
+            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+        worker.connect()
+        ahead = worker.next_plan()
+        with pytest.raises(LeaderLost):
+            worker.next_ids(ahead)
+
+
+def test_ids_with_no_plan_waiting_are_refused():
+    with misbehaving_leader([encode_frame(Kind.TOKENS, 2, encode(TokenIds(0, (5,))))]) as port, \
+            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+        worker.connect()
+        with pytest.raises(ProtocolError, match="TOKENS frame with no plan waiting"):
             worker.next_plan()
 
 

@@ -5,6 +5,7 @@ attention backend.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -269,6 +270,25 @@ def test_plans_that_do_not_fit_are_refused_before_touching_arrays(path, plan, wo
     rank.step(first_plan())
     with pytest.raises(SplitBrain, match=words):
         rank.step(plan)
+
+
+def test_ids_that_follow_a_plan_are_checked_and_give_the_same_logits(path):
+    """A plan sent with `ids_follow` is applied first (`prepare`), then launched on the ids that followed it:
+    the same logits as the plan holding them. Ids outside the vocabulary, or not one per chunk, are refused."""
+    step = StepPlan(1, chunks=(Chunk(7, 3, (9,), LOGITS_LAST),), num_blocks=1, fingerprint=batch_fingerprint({7: 4}))
+    ahead = dataclasses.replace(step, chunks=(Chunk(7, 3, (0,), LOGITS_LAST),), ids_follow=True)
+    whole, follow = make_rank(path), make_rank(path)
+    for rank in (whole, follow):
+        rank.step(first_plan())
+    want = whole.step(step).logits
+    prepared = follow.prepare(ahead)
+    for ids, words in (((VOCAB + 200,), "vocabulary"), ((-1,), "vocabulary"), ((9, 9), "2 ids for a plan of 1")):
+        with pytest.raises(SplitBrain, match=words):
+            follow.runner.follow_ids(ahead, ids)
+    with pytest.raises(SplitBrain, match="whose ids were its own"):
+        follow.runner.follow_ids(step, (9,))
+    got = follow.launch(prepared, tokens=follow.runner.follow_ids(ahead, (9,))).logits
+    assert mx.array_equal(got, want).item()
 
 
 def test_a_rank_that_missed_a_step_is_detected(path):
