@@ -48,7 +48,8 @@ class Executor(Protocol):
 
     A pipeline executor also has `depth` > 1 (plans the engine keeps in flight, one micro-batch per
     stage) and `submit(plan)`, which starts a plan on the first stages; `execute` then finishes the
-    oldest submitted plan on the leader's stage. An executor with `plans_ahead` true also takes
+    oldest submitted plan on the leader's stage; `send_ids(step_id, ids)` sends the sampled input ids of a
+    plan submitted with `ids_follow` before they were known. An executor with `plans_ahead` true also takes
     `execute(plan, tokens)`: a decode plan whose input ids are the previous step's unread samples
     (asynchronous scheduling)."""
 
