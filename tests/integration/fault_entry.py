@@ -22,29 +22,37 @@ def _plant(kind: str, arg: int) -> None:
     from meshlm.engine.scheduler import Scheduler
     from meshlm.model.runner import Runner
 
-    execute, schedule = Runner.execute, Scheduler.schedule
+    # Every step is Runner.prepare (the plan) then Runner.launch (the forward); Runner.execute is both.
+    prepare, launch, schedule = Runner.prepare, Runner.launch, Scheduler.schedule
 
-    def raising_execute(self, plan, *rest):
-        if any(arg in c.token_ids for c in plan.chunks):
+    def raising_launch(self, prepared, *rest, **kw):
+        if any(arg in c.token_ids for c in prepared.plan.chunks):
             raise RuntimeError(f"injected forward failure (token {arg})")
-        return execute(self, plan, *rest)
+        return launch(self, prepared, *rest, **kw)
 
     def raising_schedule(self, *args, **kwargs):
         if any(arg in s.prompt_ids for s in self.waiting):
             raise OverflowError(f"injected scheduler failure (token {arg})")
         return schedule(self, *args, **kwargs)
 
-    def skipping_execute(self, plan, *rest):
+    def skipping_prepare(self, plan, *rest, **kw):
         if plan.step_id == arg:  # acknowledged with this rank's old batch: the leader sees a split brain
+            from meshlm.model.runner import Prepared
+
+            return Prepared(plan, [], 0.0, 0.0)
+        return prepare(self, plan, *rest, **kw)
+
+    def skipping_launch(self, prepared, *rest, **kw):
+        if prepared.plan.step_id == arg:
             from meshlm.model.runner import StepResult
 
             return StepResult([], None)
-        return execute(self, plan, *rest)
+        return launch(self, prepared, *rest, **kw)
 
-    def stalling_execute(self, plan, *rest):
+    def stalling_prepare(self, plan, *rest, **kw):
         if plan.step_id == arg:
             time.sleep(3600)
-        return execute(self, plan, *rest)
+        return prepare(self, plan, *rest, **kw)
 
     from meshlm.transport import stage_wire
     from meshlm.transport.stage_link import StageLink
@@ -58,13 +66,13 @@ def _plant(kind: str, arg: int) -> None:
         packet[stage_wire.HEADER.size + 1:stage_wire.HEADER.size + 5] = (99).to_bytes(4, "big")  # the dtype code
         self.send(bytes(packet), timeout)
 
-    patches = {"forward_raise": (Runner, "execute", raising_execute),
-               "schedule_raise": (Scheduler, "schedule", raising_schedule),
-               "skip_step": (Runner, "execute", skipping_execute),
-               "stall_step": (Runner, "execute", stalling_execute),
-               "corrupt_activation": (StageLink, "send_activation", corrupting_send)}
-    cls, name, fn = patches[kind]
-    setattr(cls, name, fn)
+    patches = {"forward_raise": [(Runner, "launch", raising_launch)],
+               "schedule_raise": [(Scheduler, "schedule", raising_schedule)],
+               "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
+               "stall_step": [(Runner, "prepare", stalling_prepare)],
+               "corrupt_activation": [(StageLink, "send_activation", corrupting_send)]}
+    for cls, name, fn in patches[kind]:
+        setattr(cls, name, fn)
 
 
 if __name__ == "__main__":
