@@ -618,31 +618,30 @@ class ControlWorker:
 
     def next_plan(self, timeout: float | None = None) -> StepPlan | None:
         """The next plan, skipping heartbeats (each restarts the silence timer); None on SHUTDOWN."""
-        while True:
-            frame = self.recv(timeout)
-            if frame.kind is Kind.PLAN:
-                return wire.decode_plan(frame.payload)
-            if frame.kind is Kind.TOKENS:
-                raise ProtocolError(f"rank {self.rank}: TOKENS frame with no plan waiting for its ids")
-            if frame.kind is Kind.SHUTDOWN:
-                self.shutdown_reason = wire.decode_reason(frame.payload)
-                self.close()
-                return None
-            wire.decode_empty(frame.payload, "HEARTBEAT")
+        frame = self._next(Kind.PLAN, "TOKENS frame with no plan waiting for its ids", timeout)
+        return None if frame is None else wire.decode_plan(frame.payload)
 
     def next_ids(self, plan: StepPlan, timeout: float | None = None) -> tuple[int, ...] | None:
         """The input ids of `plan`, sent with `ids_follow` (one per chunk), skipping heartbeats; None on
         SHUTDOWN. Anything else (a plan, ids of another step or count) is a ProtocolError."""
+        frame = self._next(Kind.TOKENS, f"a plan arrived before the ids of step {plan.step_id}", timeout)
+        if frame is None:
+            return None
+        msg = wire.decode(Kind.TOKENS, frame.payload)
+        if msg.step_id != plan.step_id or len(msg.ids) != len(plan.chunks):
+            raise ProtocolError(f"rank {self.rank}: ids of step {msg.step_id} ({len(msg.ids)}) where "
+                                f"step {plan.step_id} waits for {len(plan.chunks)}")
+        return msg.ids
+
+    def _next(self, kind: Kind, out_of_turn: str, timeout: float | None) -> Frame | None:
+        """The next frame of `kind` (PLAN or TOKENS), skipping heartbeats; None on SHUTDOWN; the other of the
+        two now is a ProtocolError saying `out_of_turn`."""
         while True:
             frame = self.recv(timeout)
-            if frame.kind is Kind.TOKENS:
-                msg = wire.decode(Kind.TOKENS, frame.payload)
-                if msg.step_id != plan.step_id or len(msg.ids) != len(plan.chunks):
-                    raise ProtocolError(f"rank {self.rank}: ids of step {msg.step_id} ({len(msg.ids)}) where "
-                                        f"step {plan.step_id} waits for {len(plan.chunks)}")
-                return msg.ids
-            if frame.kind is Kind.PLAN:
-                raise ProtocolError(f"rank {self.rank}: a plan arrived before the ids of step {plan.step_id}")
+            if frame.kind is kind:
+                return frame
+            if frame.kind in (Kind.PLAN, Kind.TOKENS):
+                raise ProtocolError(f"rank {self.rank}: {out_of_turn}")
             if frame.kind is Kind.SHUTDOWN:
                 self.shutdown_reason = wire.decode_reason(frame.payload)
                 self.close()
