@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint
+from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint
 from meshlm.engine.request import SamplingParams, Sequence
 from meshlm.engine.scheduler import Scheduler
 from meshlm.executor.local import LocalExecutor
@@ -24,6 +24,8 @@ from meshlm.kv.blocks import BlockManager
 from meshlm.model import cpu_kernels, demo
 from meshlm.model.loader import load_model
 from meshlm.model import batch as batch_module
+from meshlm.model import decode_layer as decode_layer_module
+from meshlm.model import forward as forward_module
 from meshlm.model.batch import Batch, RowSpec
 from meshlm.model.runner import SplitBrain
 
@@ -331,6 +333,36 @@ def test_a_chunk_gives_logits_for_every_position_and_equals_one_at_a_time(path, 
     assert many.shape[0] == n
     for i in range(n):
         assert mx.abs(many[i] - rows[i + 1]).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_last_layer_runs_on_the_rows_with_logits_only_and_gives_the_same_logits(path, monkeypatch, backend):
+    """After the last attention only the rows whose logits are wanted go on (model/forward.py): the logits
+    equal the whole layer's, and the K and V of every position are still written (the next step reads them)."""
+    narrowed = []
+    real = forward_module._rows_after_attention
+    monkeypatch.setattr(forward_module, "_rows_after_attention",
+                        lambda layer, h, kv, index: narrowed.append(index.size) or real(layer, h, kv, index))
+    plans = [
+        StepPlan(0, new=(NewSequence(1, 0), NewSequence(2, 0)),
+                 chunks=(Chunk(1, 0, tuple(range(3, 20)), LOGITS_LAST), Chunk(2, 0, tuple(range(30, 41)), LOGITS_NONE)),
+                 tables=(TableUpdate(1, (0, 1, 2)), TableUpdate(2, (3, 4))), num_blocks=5),
+        StepPlan(1, chunks=(Chunk(1, 17, (50,), LOGITS_LAST), Chunk(2, 11, tuple(range(60, 80)), LOGITS_LAST)),
+                 tables=(TableUpdate(2, (5, 6)),), num_blocks=7),
+        StepPlan(2, chunks=(Chunk(1, 18, (51, 52, 53), LOGITS_ALL), Chunk(2, 31, (54,), LOGITS_LAST)),
+                 tables=(TableUpdate(2, (7,)),), num_blocks=8),
+        StepPlan(3, chunks=(Chunk(1, 21, (55,), LOGITS_LAST), Chunk(2, 32, (56,), LOGITS_LAST)), num_blocks=8),
+    ]
+    runs = {}
+    for narrow in (True, False):
+        monkeypatch.setattr(forward_module, "FUSABLE_MODULES", decode_layer_module.FUSABLE_MODULES if narrow else ())
+        rank = make_rank(path, backend[0])
+        runs[narrow] = [rank.step(plan).logits for plan in plans]
+    assert narrowed == [1, 2]  # the prefill plans only: a verify chunk or a step of decode rows wants every row
+    for got, want in zip(runs[True], runs[False]):
+        assert got.shape == want.shape
+        assert mx.abs(got - want).max().item() < 1e-5
+        assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
 
 
 def test_short_continuing_rows_split_into_decode_rows_and_others_do_not():
