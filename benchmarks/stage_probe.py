@@ -10,7 +10,8 @@ preloaded as meshlm preloads it:
 
 - `one_core`: one process, every layer, `streams` decode rows (the baseline's decode step);
 - `alone`: each stage's layers, streams/S rows, one stage at a time on its core;
-- `side_by_side`: every stage at once, each on its core, timed over the same window;
+- `side_by_side`: every stage at once, each on its core, the median of its steps taken while every
+  stage was stepping;
 
 and `decode_ceiling` = one_core / (S x the slowest stage side by side): the most a pipeline of these
 stages can serve over one core in the decode phase before any host work.
@@ -126,17 +127,25 @@ def worker(args: argparse.Namespace) -> int:
     barrier = Path(args.barrier) if args.barrier else None
     if barrier is not None:
         _meet(barrier, "start", args.name, args.peers)
+    spans: list[tuple[float, float]] = []  # (start, seconds) of every step from here on, on the shared clock
+
+    def timed() -> float:
+        start = time.monotonic()
+        seconds = step()[0]
+        spans.append((start, seconds))
+        return seconds
+
     window = [time.monotonic()]
-    times = [step()[0] for _ in range(TIMED_STEPS)]
+    times = [timed() for _ in range(TIMED_STEPS)]
     window.append(time.monotonic())
     if barrier is not None:  # keep decoding until every peer's timed steps are done: they all overlap
         (barrier / f"done-{args.name}").touch()
         deadline = time.monotonic() + BARRIER_TIMEOUT_S
         while len(list(barrier.glob("done-*"))) < args.peers and time.monotonic() < deadline:
-            step()
+            timed()
     print(json.dumps({"median_ms": round(statistics.median(times) * 1e3, 3),
                       "mean_ms": round(statistics.mean(times) * 1e3, 3), "steps": len(times),
-                      "window": window}))
+                      "window": window, "spans": spans if barrier is not None else []}))
     return 0
 
 
@@ -186,9 +195,19 @@ def probe(model: Path, stages: int, streams: int, context: int, workdir: Path) -
     barrier.mkdir(parents=True, exist_ok=True)
     side = _results([_spawn(args, s % cores, span, rows, barrier, f"stage{s}", stages)
                      for s, span in enumerate(spans)])
-    slowest = max(r["median_ms"] for r in side)
-    overlap = min(r["window"][1] for r in side) - max(r["window"][0] for r in side)
-    longest = max(r["window"][1] - r["window"][0] for r in side)
+    # Side by side means while every process steps: from the last one's first step to the first one's last
+    # (each keeps stepping until all have timed theirs). A process the VM stalled after the start barrier
+    # would otherwise have some of its peers' timed steps run alone. Each stage's figure is the median of
+    # its steps inside that interval.
+    common = (max(r["spans"][0][0] for r in side), min(sum(r["spans"][-1]) for r in side))
+    inside = [[seconds for start, seconds in r["spans"] if start >= common[0] and start + seconds <= common[1]]
+              for r in side]
+    if min(map(len, inside)) < TIMED_STEPS // 4:
+        raise RuntimeError(f"the stages stepped side by side for {min(map(len, inside))} steps only")
+    side_ms = [round(statistics.median(steps) * 1e3, 3) for steps in inside]
+    slowest = max(side_ms)
+    overlap = min(common[1] - common[0], min(r["window"][1] - r["window"][0] for r in side))
+    shortest = min(r["window"][1] - r["window"][0] for r in side)
     return {
         "what": f"decode forwards on meshlm's runner, each process pinned to one core, OPENBLAS_NUM_THREADS=1, "
                 f"{context}-token prompts, median of {TIMED_STEPS} steps; one_core: every layer, {streams} rows; "
@@ -197,9 +216,10 @@ def probe(model: Path, stages: int, streams: int, context: int, workdir: Path) -
         "split": list(layout.split),
         "one_core_ms": one_core["median_ms"],
         "stage_alone_ms": [r["median_ms"] for r in alone],
-        "stage_side_by_side_ms": [r["median_ms"] for r in side],
-        "side_by_side_slowdown": [round(b["median_ms"] / a["median_ms"], 3) for a, b in zip(alone, side)],
-        "side_by_side_overlap": round(overlap / longest, 3),  # of the longest timed window (1.0: all at once)
+        "stage_side_by_side_ms": side_ms,
+        "side_by_side_steps": [len(steps) for steps in inside],  # each stage's steps while all stepped
+        "side_by_side_slowdown": [round(b / a["median_ms"], 3) for a, b in zip(alone, side_ms)],
+        "side_by_side_overlap": round(overlap / shortest, 3),  # all stepping, of the shortest timed window
         "decode_ceiling": round(one_core["median_ms"] / (stages * slowest), 3),
         "decode_ceiling_alone": round(one_core["median_ms"] / (stages * max(r["median_ms"] for r in alone)), 3),
     }

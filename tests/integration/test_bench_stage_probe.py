@@ -25,6 +25,7 @@ def test_the_probe_times_every_stage_alone_and_side_by_side(tmp_path):
     times = [report["one_core_ms"], *report["stage_alone_ms"], *report["stage_side_by_side_ms"]]
     assert all(t > 0 for t in times) and len(times) == 5
     assert report["side_by_side_overlap"] > 0.5  # the stages' timed steps ran at the same time
+    assert min(report["side_by_side_steps"]) >= stage_probe.TIMED_STEPS // 4  # the medians are of those steps
     slowest = max(report["stage_side_by_side_ms"])
     assert report["decode_ceiling"] == round(report["one_core_ms"] / (2 * slowest), 3)
     assert report["side_by_side_slowdown"] == [round(b / a, 3) for a, b in
