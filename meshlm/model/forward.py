@@ -38,8 +38,8 @@ def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionB
     last = len(parts.layers) - 1
     for i, layer in enumerate(parts.layers):
         kv = LayerKV(store, i, batch, backend)
-        if i == last and narrow and type(layer).__module__ in FUSABLE_MODULES:
-            h = _rows_after_attention(layer, h, kv, batch.logit_index)
+        if i == last and narrow and narrows(layer):
+            h = rows_after_attention(layer, h, kv, batch.logit_index)
             return parts.head(h).squeeze(0)
         h = layer(h, None, kv)
     if not parts.computes_logits:
@@ -47,7 +47,12 @@ def forward(parts: ModelParts, batch: Batch, store: KVStore, backend: AttentionB
     return parts.head(h[:, batch.logit_index]).squeeze(0)
 
 
-def _rows_after_attention(layer: nn.Module, h: mx.array, kv: LayerKV, index: mx.array) -> mx.array:
+def narrows(layer: nn.Module) -> bool:
+    """Whether `rows_after_attention` computes this layer: the block of every family meshlm runs."""
+    return type(layer).__module__ in FUSABLE_MODULES
+
+
+def rows_after_attention(layer: nn.Module, h: mx.array, kv: LayerKV, index: mx.array) -> mx.array:
     """mlx-lm's llama / qwen2 / qwen3 block (`h + attn(norm(h))`, then `+ mlp(norm(.))`) with every
     position attending and writing its K and V, and only `index`'s rows after that."""
     r = layer.self_attn(layer.input_layernorm(h), None, kv)

@@ -27,6 +27,7 @@ from meshlm.kv.store import KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend, LayerKV, TokenPositions, merge_partials
 from meshlm.model.context_batch import LOCAL, MIN_NEW_FOR_KV, PASS_KV, ContextBatch
+from meshlm.model.forward import narrows, rows_after_attention
 
 EVAL_SCORES = 1 << 22  # attention blocks with this many scores are evaluated as they are built
 
@@ -215,15 +216,22 @@ def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
     chain = Collectives()
     h = parts.embed(batch.tokens[None])
     last = len(parts.layers) - 1
+    picked = None
     for i, layer in enumerate(parts.layers):
         # A step without logits (a prefill chunk) needs only the last layer's K and V, not its attention:
         # one process's lazy graph never evaluates it, and here every rank skips it alike, collectives
         # included (its large blocks would otherwise be evaluated as they are built).
         needed = bool(batch.logit_rows) or i < last
-        h = layer(h, None, RingLayerKV(store, i, batch, group, chain, backend, needed, comm))
+        kv = RingLayerKV(store, i, batch, group, chain, backend, needed, comm)
+        if i == last and batch.logit_rows and narrows(layer):  # as one process: only the wanted rows go on
+            picked = rows_after_attention(layer, h, kv, batch.logit_index)[0]
+        else:
+            h = layer(h, None, kv)
     if not batch.logit_rows:
         return None, chain.last
-    picked = mx.take(h[0], batch.logit_index, axis=0) * batch.logit_mine[:, None].astype(h.dtype)
+    if picked is None:
+        picked = mx.take(h[0], batch.logit_index, axis=0)
+    picked = picked * batch.logit_mine[:, None].astype(picked.dtype)
     picked = chain.sum(picked, group)  # every wanted row, from the rank that holds it
     if batch.split.rank != 0:  # the leader samples: only it projects to the vocabulary
         return None, picked

@@ -340,8 +340,8 @@ def test_the_last_layer_runs_on_the_rows_with_logits_only_and_gives_the_same_log
     """After the last attention only the rows whose logits are wanted go on (model/forward.py): the logits
     equal the whole layer's, and the K and V of every position are still written (the next step reads them)."""
     narrowed = []
-    real = forward_module._rows_after_attention
-    monkeypatch.setattr(forward_module, "_rows_after_attention",
+    real = forward_module.rows_after_attention
+    monkeypatch.setattr(forward_module, "rows_after_attention",
                         lambda layer, h, kv, index: narrowed.append(index.size) or real(layer, h, kv, index))
     plans = [
         StepPlan(0, new=(NewSequence(1, 0), NewSequence(2, 0)),
