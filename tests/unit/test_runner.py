@@ -15,7 +15,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint
+from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, NewSequence, StepPlan, TableUpdate, Trim,
+                                batch_fingerprint)
 from meshlm.engine.request import SamplingParams, Sequence
 from meshlm.engine.scheduler import Scheduler
 from meshlm.executor.local import LocalExecutor
@@ -345,7 +346,8 @@ def test_the_last_layer_runs_on_the_rows_with_logits_only_and_gives_the_same_log
                         lambda layer, h, kv, index: narrowed.append(index.size) or real(layer, h, kv, index))
     plans = [
         StepPlan(0, new=(NewSequence(1, 0), NewSequence(2, 0)),
-                 chunks=(Chunk(1, 0, tuple(range(3, 20)), LOGITS_LAST), Chunk(2, 0, tuple(range(30, 41)), LOGITS_NONE)),
+                 chunks=(Chunk(1, 0, tuple(range(3, 20)), LOGITS_LAST),
+                         Chunk(2, 0, tuple(range(30, 41)), LOGITS_NONE)),
                  tables=(TableUpdate(1, (0, 1, 2)), TableUpdate(2, (3, 4))), num_blocks=5),
         StepPlan(1, chunks=(Chunk(1, 17, (50,), LOGITS_LAST), Chunk(2, 11, tuple(range(60, 80)), LOGITS_LAST)),
                  tables=(TableUpdate(2, (5, 6)),), num_blocks=7),
