@@ -206,8 +206,8 @@ def probe(model: Path, stages: int, streams: int, context: int, workdir: Path) -
         raise RuntimeError(f"the stages stepped side by side for {min(map(len, inside))} steps only")
     side_ms = [round(statistics.median(steps) * 1e3, 3) for steps in inside]
     slowest = max(side_ms)
-    overlap = min(common[1] - common[0], min(r["window"][1] - r["window"][0] for r in side))
     shortest = min(r["window"][1] - r["window"][0] for r in side)
+    overlap = min(common[1] - common[0], shortest)
     return {
         "what": f"decode forwards on meshlm's runner, each process pinned to one core, OPENBLAS_NUM_THREADS=1, "
                 f"{context}-token prompts, median of {TIMED_STEPS} steps; one_core: every layer, {streams} rows; "

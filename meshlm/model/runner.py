@@ -188,8 +188,7 @@ class Runner:
         if not plan.ids_follow or len(ids) != len(plan.chunks):
             raise SplitBrain(f"step {plan.step_id}: {len(ids)} ids for a plan of {len(plan.chunks)} chunks"
                              + ("" if plan.ids_follow else " whose ids were its own"))
-        if ids and self.vocab_size is not None and not (0 <= min(ids) and max(ids) < self.vocab_size):
-            raise SplitBrain(f"step {plan.step_id}: a token id outside the vocabulary")
+        self._check_vocab(f"step {plan.step_id}", ids)
         return mx.array(ids, dtype=mx.int32)
 
     def _with_tokens(self, batch: Batch, tokens: mx.array, plan: StepPlan) -> Batch:
@@ -267,8 +266,11 @@ class Runner:
             raise SplitBrain(f"{step}: a block id outside 0..{plan.num_blocks - 1}")
         if any(not 0 <= c.tokens <= self.block_size for c in plan.copies):
             raise SplitBrain(f"{step}: a block copy of more tokens than a block holds")
-        tokens = [t for c in plan.chunks for t in c.token_ids]
-        if tokens and self.vocab_size is not None and not (0 <= min(tokens) and max(tokens) < self.vocab_size):
+        self._check_vocab(step, [t for c in plan.chunks for t in c.token_ids])
+
+    def _check_vocab(self, step: str, ids) -> None:
+        """Token ids a plan or a TOKENS frame carries must index the embedding (MLX's gathers do not check)."""
+        if ids and self.vocab_size is not None and not (0 <= min(ids) and max(ids) < self.vocab_size):
             raise SplitBrain(f"{step}: a token id outside the vocabulary")
 
     def _apply_tables(self, plan: StepPlan) -> None:
