@@ -1080,12 +1080,17 @@ void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   }
 }
 
-// One helper thread shares each GEMM's panels with the calling stream thread,
-// both taking chunks from one counter: when the helper is descheduled (two
-// cores shared with OpenBLAS and a second stream) the caller does the work
-// instead of waiting for it. Between calls it spins briefly (a decode step
-// issues ~200 GEMMs a fraction of a millisecond apart), then sleeps on a
-// futex so an idle server does not burn a core.
+// One helper thread shares each GEMM's panels with the calling stream thread.
+// Each walks its own half of the panels in order, a chunk at a time, then
+// takes chunks of the other's rest: when the helper is descheduled (two cores
+// shared with OpenBLAS and a second stream) the caller does the work instead
+// of waiting for it. One counter for both once dealt the chunks out in turn,
+// so each thread's reads jumped every chunk and the prefetchers restarted:
+// halves were 2-3 % faster on the demo model's decode steps, 1 and 16 rows
+// (docs/BENCHMARKS.md), and let the chunks shrink, which shortens the wait for
+// the other thread's last one. Between calls the helper spins briefly (a
+// decode step issues ~200 GEMMs a fraction of a millisecond apart), then
+// sleeps on a futex so an idle server does not burn a core.
 class GemmPool {
  public:
   void run(GemmArgs g, int64_t panels) {
@@ -1110,7 +1115,7 @@ class GemmPool {
   int threads() const { return threads_; }
 
  private:
-  static constexpr int64_t CHUNK = 4;  // panels per grab
+  static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the micro-kernel
   static constexpr int PREPARING = 0;  // posted_ while the caller writes a job (tickets start at 1)
   static constexpr int SPIN = 2000;  // pause instructions (~20-50 us) before sleeping; longer spins slowed batch-16 decode
 
@@ -1129,24 +1134,30 @@ class GemmPool {
     fn_ = fn;
     panels_ = items;
     chunk_ = chunk;
-    next_.store(0);
+    mid_ = (items + chunk - 1) / chunk / 2 * chunk;  // the caller's half ends here, the helper's starts
+    halves_[0].next.store(0);
+    halves_[1].next.store(mid_);
     tickets_ = tickets_ == std::numeric_limits<int>::max() ? 1 : tickets_ + 1;  // never PREPARING (a server
     int ticket = tickets_;                                                         // runs ~10^4 GEMMs a second)
     posted_.store(ticket);
     posted_.notify_one();
-    work();
+    work(0);
     while (inside_.load() == ticket) _mm_pause();  // its last chunk
   }
 
-  void work() {
-    for (;;) {
-      int64_t p0 = next_.fetch_add(chunk_);
-      if (p0 >= panels_) return;
-      int64_t p1 = std::min(p0 + chunk_, panels_);
-      if (fn_ != nullptr) {
-        (*fn_)(p0, p1);
-      } else {
-        packed_gemm_panels(job_, p0, p1);
+  // `own`: 0 the caller, 1 the helper.
+  void work(int own) {
+    for (int half : {own, 1 - own}) {
+      int64_t end = half == 0 ? mid_ : panels_;
+      for (;;) {
+        int64_t p0 = halves_[half].next.fetch_add(chunk_);
+        if (p0 >= end) break;
+        int64_t p1 = std::min(p0 + chunk_, end);
+        if (fn_ != nullptr) {
+          (*fn_)(p0, p1);
+        } else {
+          packed_gemm_panels(job_, p0, p1);
+        }
       }
     }
   }
@@ -1166,13 +1177,17 @@ class GemmPool {
       // Announce, then re-check (both sequentially consistent): either the caller sees us inside and
       // waits, or we see that it has moved on and stay out of the next job's set-up.
       inside_.store(ticket);
-      if (posted_.load() == ticket) work();
+      if (posted_.load() == ticket) work(1);
       inside_.store(0);
     }
   }
 
   std::atomic<int> posted_{0}, inside_{0};
-  std::atomic<int64_t> next_{0};
+  struct alignas(64) Half {  // a counter a line: each thread's own grabs stay in its cache
+    std::atomic<int64_t> next{0};
+  };
+  Half halves_[2];
+  int64_t mid_ = 0;
   GemmArgs job_{};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;  // set: the job is this, not a GEMM
   int64_t panels_ = 0, chunk_ = CHUNK;  // items of the job, and how many a grab takes
