@@ -7,6 +7,7 @@ the backend must exist and have its settings.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -169,8 +170,9 @@ class LocalCluster:
         return cls(hostfile, f"127.0.0.1:{port()}", tuple(f"127.0.0.1:{port()}" for _ in range(n)))
 
 
-def init_group(cfg: ParallelConfig, ring_file: Path | None):
-    """Join the MLX group as `cfg.rank` (env set here so a child sees the same)."""
+def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float):
+    """Join the MLX group as `cfg.rank` (env set here so a child sees the same); the process ends (status 1,
+    with the stack of the wait) if the group has not formed within `timeout` seconds."""
     import mlx.core as mx
 
     os.environ["MLX_RANK"] = str(cfg.rank)
@@ -179,7 +181,15 @@ def init_group(cfg: ParallelConfig, ring_file: Path | None):
     if cfg.backend == "jaccl":
         os.environ["MLX_IBV_DEVICES"] = str(cfg.ibv_devices)
         os.environ["MLX_JACCL_COORDINATOR"] = str(cfg.jaccl_coordinator)
-    group = mx.distributed.init(strict=True, backend=cfg.backend)
+    log.info("joining the MLX group (%s) as rank %d of %d: this process ends if it has not formed within %.0f s",
+             cfg.backend, cfg.rank, cfg.world_size, timeout)
+    # The join cannot be interrupted and holds the GIL while it waits (rank 0 for ever for a rank that
+    # died): only faulthandler's own thread can bound it.
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        group = mx.distributed.init(strict=True, backend=cfg.backend)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if group.size() != cfg.world_size or group.rank() != cfg.rank:
         raise ClusterError(f"group is rank {group.rank()} of {group.size()}, expected {cfg.rank} of "
                            f"{cfg.world_size}: check the hostfile")

@@ -28,6 +28,7 @@ from typing import Callable
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, ring_hostfile, spawn_local_workers)
 from meshlm.cluster.stages import StageLayout
+from meshlm.cluster.start_line import StartLine
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
@@ -56,19 +57,24 @@ class Topology:
     secret: ClusterSecret  # redacted in any repr
     memory_gb: tuple[float, ...] | None = None  # per rank, when the hostfile declares it (pipeline split)
     owns_ring_file: bool = False  # written by this rank for itself: removed once its group is formed
+    start_line: StartLine | None = None  # a local cluster's: where its ranks meet before joining the group
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
     if ports.ring_hostfile is not None or (p.backend != "ring" and p.control_addr):
         ring = Path(ports.ring_hostfile) if ports.ring_hostfile else None
         hostfile = load_hostfile(p.hostfile) if p.hostfile else None
-        return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile)), None
+        # A ring file given on the command line is a local cluster's: rank 0 started this process.
+        line = StartLine(ring.parent, os.getppid()) if ring is not None else None
+        return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile),
+                        start_line=line), None
     if p.hostfile is None:
         if p.rank != 0:
             raise ClusterError("a rank other than 0 needs --hostfile (or is started by rank 0 itself)")
         local = LocalCluster.create(p.world_size)
         replaced = dataclasses.replace(p, control_addr=local.control_addr, stage_addrs=local.stage_addrs)
-        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate()), local
+        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate(),
+                        start_line=StartLine(local.hostfile.parent)), local
     hostfile = load_hostfile(p.hostfile)
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts
@@ -187,12 +193,18 @@ def local_sum_group(config: ServeConfig, topo: Topology):
     return SharedMemoryGroup(path, p.rank, p.world_size, native, spin_us(p.world_size))
 
 
-def _load(config: ServeConfig, topo: Topology):
+def _load(config: ServeConfig, topo: Topology, children: list[subprocess.Popen] | None = None):
+    """Join the group and load this rank's share. `children`: rank 0's local workers (ranks 1..)."""
     from meshlm.model.loader import load_model
 
     p = topo.parallel
     sums = local_sum_group(config, topo)
-    group = init_group(p, topo.ring_file)
+    if topo.start_line is not None:
+        if p.rank == 0:
+            topo.start_line.lead(children or [], HANDSHAKE_SECONDS)
+        else:
+            topo.start_line.follow(p.rank, HANDSHAKE_SECONDS)
+    group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS)
     if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
         shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
     spec = RankSpec(layout=p.layout, rank=p.rank)
@@ -239,7 +251,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     port = int(p.control_addr.rsplit(":", 1)[1])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
-    loaded, rank, sums = _load(config, topo)
+    loaded, rank, sums = _load(config, topo, children)
     control.fingerprint = _handshake_fingerprint(loaded, topo)
     log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
              p.control_addr)

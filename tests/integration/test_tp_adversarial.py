@@ -456,3 +456,22 @@ def test_ranks_plan_within_the_smallest_kv_budget(model, tmp_path):
         assert httpx.get(hc.url + "/health").status_code == 200
     finally:
         finish(procs)
+
+
+def test_a_worker_that_dies_before_the_group_forms_ends_the_start_with_its_name(model, tmp_path):
+    """Rank 1 killed as soon as it exists: rank 0 used to wait in MLX's join for ever (it cannot be
+    interrupted); now it ends the start within seconds, naming the rank and its status."""
+    port = free_port()
+    leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(port),
+                               "--tensor-parallel", "2", "--kv-cache-dir", str(tmp_path / "kv")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: children(leader.pid), 30, step=0.005)
+        os.kill(children(leader.pid)[0], signal.SIGKILL)  # long before it can reach the group
+        out, _ = leader.communicate(timeout=60)
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+    assert leader.returncode == 2, out[-2000:]
+    assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
