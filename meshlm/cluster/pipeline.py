@@ -15,6 +15,7 @@ import subprocess
 from meshlm.cluster.bootstrap import ClusterError
 from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology
 from meshlm.cluster.stages import StageLayout
+from meshlm.cluster.start_line import exited
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ServeConfig
 from meshlm.executor.rank import RankSpec, build_rank
@@ -93,7 +94,7 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,
              HANDSHAKE_SECONDS, p.world_size - 1, p.control_addr)
     try:
-        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS)
+        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=lambda: exited(children))
         io = _join(topo, layout, server, spec)
     except (HandshakeError, ControlError) as exc:
         raise ClusterError(str(exc)) from None

@@ -28,7 +28,7 @@ from typing import Callable
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, ring_hostfile, spawn_local_workers)
 from meshlm.cluster.stages import StageLayout
-from meshlm.cluster.start_line import StartLine
+from meshlm.cluster.start_line import StartLine, exited
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
@@ -257,7 +257,8 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
              p.control_addr)
     try:
         # The sums' file exists from just before the workers are welcomed (and join it) until they all have.
-        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, before_welcome=sums.create if sums else None)
+        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, before_welcome=sums.create if sums else None,
+                                          gone=lambda: exited(children))
     except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
         if sums is not None:
             sums.remove_file()

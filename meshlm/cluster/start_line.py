@@ -41,11 +41,9 @@ class StartLine:
         waiting = set(range(1, len(children) + 1))
         while waiting:
             waiting = {r for r in waiting if not self._mark(r).exists()}
-            for r in sorted(waiting):
-                code = children[r - 1].poll()
-                if code is not None:
-                    raise ClusterError(f"rank {r} exited with status {code} before joining the cluster "
-                                       "(its own output says why)")
+            why = exited(children)
+            if why is not None:
+                raise ClusterError(why)
             if waiting and time.monotonic() > deadline:
                 raise ClusterError(f"rank(s) {', '.join(map(str, sorted(waiting)))} did not reach the cluster's "
                                    f"start within {timeout:.0f} s")
@@ -64,3 +62,12 @@ class StartLine:
                 raise ClusterError(f"rank 0 did not start the cluster within {timeout:.0f} s")
             time.sleep(POLL_S)
 
+
+
+def exited(children: Sequence[subprocess.Popen]) -> str | None:
+    """Why the cluster cannot form: the first local worker (rank r is children[r - 1]) that has exited."""
+    for r, child in enumerate(children, start=1):
+        code = child.poll()
+        if code is not None:
+            return f"rank {r} exited with status {code} before joining the cluster (its own output says why)"
+    return None

@@ -55,6 +55,7 @@ DEFAULT_TIMEOUT = 10.0
 AUTH_TIMEOUT = 10.0  # a real worker proves itself within a round trip of being accepted
 MAX_CANDIDATES = 32  # unauthenticated connections held at once during the handshake
 MAX_HELLO_BYTES = 64 << 10  # an unproven peer cannot make the leader buffer more than this
+GONE_POLL_S = 0.25  # how often the handshake asks whether a rank will never come
 
 
 class LeaderLost(ControlError):
@@ -152,9 +153,11 @@ class ControlLeader:
     # -- handshake ------------------------------------------------------------------
 
     def wait_for_workers(self, timeout: float | None = None,
-                         before_welcome: Callable[[], None] | None = None) -> dict[int, Hello]:
+                         before_welcome: Callable[[], None] | None = None,
+                         gone: Callable[[], str | None] | None = None) -> dict[int, Hello]:
         """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks.
-        `before_welcome` runs once every rank is admitted (what the workers use once welcomed).
+        `before_welcome` runs once every rank is admitted (what the workers use once welcomed). `gone`:
+        why a rank will never come (a local worker that exited while loading), asked a few times a second.
 
         A connection that does not prove it holds the secret is dropped (with a
         warning naming its address) and the wait goes on; a peer of another
@@ -166,7 +169,10 @@ class ControlLeader:
             sel.register(self._listener, selectors.EVENT_READ)
             try:
                 while len(admitted) < self.world_size - 1:
-                    self._handshake_round(sel, admitted, deadline)
+                    why = gone() if gone is not None else None
+                    if why is not None:
+                        raise HandshakeError(why)
+                    self._handshake_round(sel, admitted, deadline, GONE_POLL_S if gone is not None else None)
                 if before_welcome is not None:
                     before_welcome()
                 self._welcome_all(admitted)
@@ -178,11 +184,13 @@ class ControlLeader:
         self._listener.close()  # a static world: late or extra workers must not get in
         return {rank: c.hello for rank, c in admitted.items() if c.hello is not None}
 
-    def _handshake_round(self, sel: selectors.BaseSelector, admitted: dict[int, Candidate], deadline: float) -> None:
+    def _handshake_round(self, sel: selectors.BaseSelector, admitted: dict[int, Candidate], deadline: float,
+                         poll: float | None = None) -> None:
         if remaining(deadline) == 0:
             raise HandshakeError(self._missing_message(admitted))
         self._expire(sel)
-        wake = min([remaining(deadline)] + [remaining(c.deadline) for c in _candidates(sel)])
+        wake = min([remaining(deadline)] + [remaining(c.deadline) for c in _candidates(sel)]
+                   + ([poll] if poll is not None else []))
         for key, _ in sel.select(wake):
             if key.fileobj is self._listener:
                 self._accept(sel)

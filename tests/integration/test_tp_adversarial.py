@@ -458,12 +458,15 @@ def test_ranks_plan_within_the_smallest_kv_budget(model, tmp_path):
         finish(procs)
 
 
-def test_a_worker_that_dies_before_the_group_forms_ends_the_start_with_its_name(model, tmp_path):
-    """Rank 1 killed as soon as it exists: rank 0 used to wait in MLX's join for ever (it cannot be
-    interrupted); now it ends the start within seconds, naming the rank and its status."""
+@pytest.mark.parametrize("layout", ["--tensor-parallel", "--pipeline-parallel"])
+def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_name(model, tmp_path, layout):
+    """Rank 1 killed as soon as it exists. Tensor parallelism: rank 0 used to wait in MLX's join for ever (it
+    cannot be interrupted); a pipeline (no MLX group): its leader waited for the handshake's 180 s. Both
+    now end the start within seconds, naming the rank and its status."""
     port = free_port()
+    t0 = time.monotonic()
     leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(port),
-                               "--tensor-parallel", "2", "--kv-cache-dir", str(tmp_path / "kv")],
+                               layout, "2", "--kv-cache-dir", str(tmp_path / "kv")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_until(lambda: children(leader.pid), 30, step=0.005)
@@ -475,3 +478,4 @@ def test_a_worker_that_dies_before_the_group_forms_ends_the_start_with_its_name(
             leader.wait()
     assert leader.returncode == 2, out[-2000:]
     assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
+    assert time.monotonic() - t0 < 60

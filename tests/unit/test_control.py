@@ -433,6 +433,24 @@ def test_missing_rank_is_named_at_the_deadline():
     assert "missing ranks [1, 3]" in str(workers[0].error)
 
 
+def test_a_rank_that_will_never_come_ends_the_wait_at_once():
+    """A local worker that exited while loading: the wait ends within a poll, not at the 60 s deadline."""
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
+    workers = _start(leader.port, 3, [(1, FP)])
+    t0 = time.monotonic()
+    asked = []
+
+    def gone():
+        asked.append(time.monotonic())
+        return "rank 2 exited with status -9 before joining the cluster" if time.monotonic() - t0 > 0.3 else None
+
+    with pytest.raises(HandshakeError, match="rank 2 exited with status -9"):
+        leader.wait_for_workers(timeout=60, gone=gone)
+    assert time.monotonic() - t0 < 2 and len(asked) >= 2
+    _join(workers)
+    assert "rank 2 exited with status -9" in str(workers[0].error)  # the admitted rank is told why
+
+
 @pytest.mark.parametrize(
     "specs, world, message",
     [
