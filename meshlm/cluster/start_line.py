@@ -63,7 +63,6 @@ class StartLine:
             time.sleep(POLL_S)
 
 
-
 def exited(children: Sequence[subprocess.Popen]) -> str | None:
     """Why the cluster cannot form: the first local worker (rank r is children[r - 1]) that has exited."""
     for r, child in enumerate(children, start=1):
