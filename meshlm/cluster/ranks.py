@@ -65,7 +65,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         ring = Path(ports.ring_hostfile) if ports.ring_hostfile else None
         hostfile = load_hostfile(p.hostfile) if p.hostfile else None
         # A ring file given on the command line is a local cluster's: rank 0 started this process.
-        line = StartLine(ring.parent, os.getppid()) if ring is not None else None
+        line = StartLine(ring.parent) if ring is not None else None
         return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile),
                         start_line=line), None
     if p.hostfile is None:
@@ -74,7 +74,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         local = LocalCluster.create(p.world_size)
         replaced = dataclasses.replace(p, control_addr=local.control_addr, stage_addrs=local.stage_addrs)
         return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate(),
-                        start_line=StartLine(local.hostfile.parent)), local
+                        start_line=StartLine.create(local.hostfile.parent)), local
     hostfile = load_hostfile(p.hostfile)
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts

@@ -12,6 +12,7 @@ that exits or hangs first ends the start with an error that names it, not a sile
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -26,7 +27,17 @@ POLL_S = 0.01
 @dataclass(frozen=True)
 class StartLine:
     directory: Path  # the local cluster's own (private) directory
-    leader_pid: int | None = None  # a worker's: rank 0, the process that started it
+
+    @classmethod
+    def create(cls, directory: Path) -> "StartLine":
+        """Rank 0's, before it starts any worker: its pid, which the workers' parent must be."""
+        line = cls(directory)
+        line._leader.write_text(str(os.getpid()))
+        return line
+
+    @property
+    def _leader(self) -> Path:
+        return self.directory / "leader"
 
     def _mark(self, rank: int) -> Path:
         return self.directory / f"ready-{rank}"
@@ -53,10 +64,15 @@ class StartLine:
 
     def follow(self, rank: int, timeout: float) -> None:
         """A worker: leave this rank's mark, then wait for rank 0's word."""
+        try:
+            leader = int(self._leader.read_text())
+        except (OSError, ValueError):
+            raise ClusterError(f"no start line in {self.directory}: a local worker is started by rank 0") from None
         self._mark(rank).touch()
         deadline = time.monotonic() + timeout
         while not self._word.exists():
-            if os.getppid() != self.leader_pid:  # a dead parent's children are re-parented
+            if os.getppid() != leader:  # a dead parent's children are re-parented, even before we looked
+                shutil.rmtree(self.directory, ignore_errors=True)  # rank 0 cannot remove it now
                 raise ClusterError("rank 0 ended before the cluster formed")
             if time.monotonic() > deadline:
                 raise ClusterError(f"rank 0 did not start the cluster within {timeout:.0f} s")

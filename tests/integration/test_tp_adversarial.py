@@ -479,3 +479,25 @@ def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_nam
     assert leader.returncode == 2, out[-2000:]
     assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
     assert time.monotonic() - t0 < 60
+
+
+def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(model, tmp_path):
+    """Rank 0 killed as soon as its worker exists: the worker (which shares its output) stops waiting at the
+    start line instead of in MLX's join, and removes the cluster's directory rank 0 can no longer remove."""
+    leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port",
+                               str(free_port()), "--tensor-parallel", "2", "--kv-cache-dir", str(tmp_path / "kv")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        assert wait_until(lambda: children(leader.pid), 30, step=0.005)
+        worker = children(leader.pid)[0]
+        ring = Path(f"/proc/{worker}/cmdline").read_text().split("\0")
+        directory = Path(ring[ring.index("--ring-hostfile") + 1]).parent
+        os.kill(leader.pid, signal.SIGKILL)
+        out, _ = leader.communicate(timeout=60)  # the pipe closes once the worker has exited too
+    finally:
+        for pid in [leader.pid, worker]:
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert "rank 0 ended before the cluster formed" in out, out[-2000:]
+    assert wait_until(lambda: not alive(worker), 10) and not directory.exists()

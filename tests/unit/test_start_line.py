@@ -19,16 +19,23 @@ def sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
+def as_leader(directory, pid: int) -> StartLine:
+    """The line rank `pid` would have created (a worker's parent is rank 0: here a test's workers are
+    threads, whose parent is the test's own)."""
+    (directory / "leader").write_text(str(pid))
+    return StartLine(directory)
+
+
 def test_the_word_is_given_once_every_worker_is_at_the_line(tmp_path):
     kids = [sleeper(), sleeper()]
     try:
-        leader = StartLine(tmp_path)
-        workers = [StartLine(tmp_path, os.getppid()) for _ in kids]
+        leader = StartLine.create(tmp_path)
+        assert (tmp_path / "leader").read_text() == str(os.getpid())
+        as_leader(tmp_path, os.getppid())
         done: list[int] = []
 
         def follow(rank: int) -> None:
-            # A worker's parent is rank 0; here the test process stands for it (leader_pid = our own ppid).
-            workers[rank - 1].follow(rank, timeout=10)
+            StartLine(tmp_path).follow(rank, timeout=10)
             done.append(rank)
 
         threads = [threading.Thread(target=follow, args=(1,))]
@@ -73,13 +80,18 @@ def test_a_worker_that_never_comes_ends_the_start_at_the_deadline(tmp_path):
 
 
 def test_a_worker_whose_rank_0_died_stops_waiting(tmp_path):
-    # Not our parent: as if rank 0 had died and this process had been re-parented.
-    line = StartLine(tmp_path, leader_pid=os.getppid() + 1)
+    # Not our parent: as if rank 0 had died, even before this worker looked, and it had been re-parented.
+    line = as_leader(tmp_path, os.getppid() + 1)
     with pytest.raises(ClusterError, match="rank 0 ended before the cluster formed"):
         line.follow(1, timeout=60)
-    assert (tmp_path / "ready-1").exists()
+    assert not tmp_path.exists()  # the cluster's directory goes with it: rank 0 cannot remove it now
 
 
 def test_a_worker_waits_for_rank_0_only_until_its_deadline(tmp_path):
     with pytest.raises(ClusterError, match="rank 0 did not start the cluster within 0 s"):
-        StartLine(tmp_path, os.getppid()).follow(1, timeout=0.2)
+        as_leader(tmp_path, os.getppid()).follow(1, timeout=0.2)
+
+
+def test_a_worker_without_a_line_is_refused(tmp_path):
+    with pytest.raises(ClusterError, match="no start line"):
+        StartLine(tmp_path).follow(1, timeout=10)
