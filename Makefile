@@ -28,7 +28,7 @@ serve: install
 	$(BIN)/meshlm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=15 tests
 
 bench: install
 	$(BIN)/python benchmarks/serve.py --model $(MODEL) --streams 1,16 --peer mlx-lm
