@@ -1115,7 +1115,7 @@ class GemmPool {
   int threads() const { return threads_; }
 
  private:
-  static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the micro-kernel
+  static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the 512-bit micro-kernel
   static constexpr int PREPARING = 0;  // posted_ while the caller writes a job (tickets start at 1)
   static constexpr int SPIN = 2000;  // pause instructions (~20-50 us) before sleeping; longer spins slowed batch-16 decode
 

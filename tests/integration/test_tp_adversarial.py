@@ -9,6 +9,7 @@ protocol version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -463,10 +464,8 @@ def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_nam
     """Rank 1 killed as soon as it exists. Tensor parallelism: rank 0 used to wait in MLX's join for ever (it
     cannot be interrupted); a pipeline (no MLX group): its leader waited for the handshake's 180 s. Both
     now end the start within seconds, naming the rank and its status."""
-    port = free_port()
-    t0 = time.monotonic()
-    leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", str(port),
-                               layout, "2", "--kv-cache-dir", str(tmp_path / "kv")],
+    leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port",
+                               str(free_port()), layout, "2", "--kv-cache-dir", str(tmp_path / "kv")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_until(lambda: children(leader.pid), 30, step=0.005)
@@ -478,7 +477,6 @@ def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_nam
             leader.wait()
     assert leader.returncode == 2, out[-2000:]
     assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
-    assert time.monotonic() - t0 < 60
 
 
 def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(model, tmp_path):
@@ -488,11 +486,19 @@ def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(mo
                                str(free_port()), "--tensor-parallel", "2", "--kv-cache-dir", str(tmp_path / "kv")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     worker = None
+
+    def execed_worker() -> list[str]:  # the worker's command line, once it has exec'd (a fork has rank 0's)
+        for pid in children(leader.pid):
+            with contextlib.suppress(OSError):
+                args = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+                if "--ring-hostfile" in args:
+                    return [str(pid), *args]
+        return []
+
     try:
-        assert wait_until(lambda: children(leader.pid), 30, step=0.005)
-        worker = children(leader.pid)[0]
-        ring = Path(f"/proc/{worker}/cmdline").read_text().split("\0")
-        directory = Path(ring[ring.index("--ring-hostfile") + 1]).parent
+        assert wait_until(execed_worker, 30, step=0.005)
+        pid, *args = execed_worker()
+        worker, directory = int(pid), Path(args[args.index("--ring-hostfile") + 1]).parent
         os.kill(leader.pid, signal.SIGKILL)
         out, _ = leader.communicate(timeout=60)  # the pipe closes once the worker has exited too
     finally:
