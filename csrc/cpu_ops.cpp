@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -1080,19 +1081,19 @@ void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   }
 }
 
-// One helper thread shares each GEMM's panels with the calling stream thread.
-// Each walks its own half of the panels in order, a chunk at a time, then
-// takes chunks of the other's rest: when the helper is descheduled (two cores
-// shared with OpenBLAS and a second stream) the caller does the work instead
-// of waiting for it. One counter for both once dealt the chunks out in turn,
-// so each thread's reads jumped every chunk and the prefetchers restarted:
-// halves were 2-3 % faster on the demo model's decode steps, 1 and 16 rows
-// (docs/BENCHMARKS.md), and let the chunks shrink, which shortens the wait for
-// the other thread's last one. Between calls the helper spins briefly (a
-// decode step issues ~200 GEMMs a fraction of a millisecond apart), then
-// sleeps on a futex so an idle server does not burn a core.
+// The GEMM threads: the calling stream thread and threads_ - 1 helpers share each GEMM's panels (or a
+// job's items). Each walks its own part of the panels in order, a chunk at a time, then takes chunks of
+// the others' rest: when a helper is descheduled (cores shared with OpenBLAS and a second stream) the
+// others do its work instead of waiting for it. One counter for all once dealt the chunks out in turn,
+// so each thread's reads jumped every chunk and the prefetchers restarted: parts were 2-3 % faster on
+// the demo model's decode steps on two threads, 1 and 16 rows (docs/BENCHMARKS.md), and let the chunks
+// shrink, which shortens the wait for another thread's last one. Between calls the helpers spin briefly
+// (a decode step issues ~200 GEMMs a fraction of a millisecond apart), then sleep on a futex so an idle
+// server does not burn its cores.
 class GemmPool {
  public:
+  static constexpr int MAX_THREADS = 64;
+
   void run(GemmArgs g, int64_t panels) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
     g.wide = wide_kernels().load();
@@ -1111,48 +1112,70 @@ class GemmPool {
     }
     post(GemmArgs{}, n, std::max<int64_t>(1, chunk), &fn);
   }
-  void set_threads(int n) { threads_ = std::max(1, n); }
+  void set_threads(int n) { threads_ = std::clamp(n, 1, MAX_THREADS); }
   int threads() const { return threads_; }
 
  private:
   static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the 512-bit micro-kernel
+  static constexpr int64_t MIN_CHUNKS = 4;  // a thread beyond the second joins a job only with this many
   static constexpr int PREPARING = 0;  // posted_ while the caller writes a job (tickets start at 1)
   static constexpr int SPIN = 2000;  // pause instructions (~20-50 us) before sleeping; longer spins slowed batch-16 decode
 
-  // Hands the job to the helper and works on it beside it; returns once both are done.
+  struct alignas(64) Helper {  // a line each: a helper's announcements stay in its cache
+    std::atomic<int> inside{0};  // the ticket of the job it is looking at, or 0
+  };
+  struct alignas(64) Part {  // a line each: each thread's own grabs stay in its cache
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+
+  // Hands the job to the helpers and works on it beside them; returns once all are done.
   //
   // The job's fields are written only while no helper can be in work(): posted_ first says "none"
-  // (PREPARING), then the caller waits until the helper is not inside. A helper that announces itself
+  // (PREPARING), then the caller waits until no helper is inside. A helper that announces itself
   // after that wait re-reads posted_ and sees PREPARING (or the new ticket, whose job is complete), never
   // the old ticket: it once could, and then worked on a job being written, the caller returning while
   // it still ran a paged decode's items against a function that had gone out of scope (a SIGSEGV).
+  // Helpers start here, under the caller's lock, the first time a job wants them.
   void post(const GemmArgs& g, int64_t items, int64_t chunk, const std::function<void(int64_t, int64_t)>* fn) {
-    std::call_once(started_, [this] { std::thread([this] { loop(); }).detach(); });
     posted_.store(PREPARING);
-    while (inside_.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
+    for (auto& h : helpers_) {
+      while (h->inside.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
+    }
+    while (static_cast<int>(helpers_.size()) < threads_ - 1) {
+      int index = static_cast<int>(helpers_.size());
+      helpers_.push_back(std::make_unique<Helper>());
+      std::thread([this, index, h = helpers_.back().get()] { loop(index + 1, *h); }).detach();
+    }
     job_ = g;
     fn_ = fn;
-    panels_ = items;
     chunk_ = chunk;
-    mid_ = (items + chunk - 1) / chunk / 2 * chunk;  // the caller's half ends here, the helper's starts
-    halves_[0].next.store(0);
-    halves_[1].next.store(mid_);
+    int64_t chunks = (items + chunk - 1) / chunk;
+    // Two threads for any job worth posting; more only with MIN_CHUNKS each: on a many-core machine
+    // a small GEMM split 64 ways would cost more in hand-offs and counters than its reads.
+    active_ = static_cast<int>(std::clamp<int64_t>(chunks / MIN_CHUNKS, 2, threads_));
+    for (int t = 0; t < active_; ++t) {  // thread t's part: chunks [t * chunks / T, (t + 1) * chunks / T)
+      parts_[t].next.store(t * chunks / active_ * chunk);
+      parts_[t].end = t + 1 == active_ ? items : (t + 1) * chunks / active_ * chunk;
+    }
     tickets_ = tickets_ == std::numeric_limits<int>::max() ? 1 : tickets_ + 1;  // never PREPARING (a server
     int ticket = tickets_;                                                         // runs ~10^4 GEMMs a second)
     posted_.store(ticket);
-    posted_.notify_one();
+    posted_.notify_all();
     work(0);
-    while (inside_.load() == ticket) _mm_pause();  // its last chunk
+    for (int t = 1; t < active_; ++t) {
+      while (helpers_[t - 1]->inside.load() == ticket) _mm_pause();  // its last chunk
+    }
   }
 
-  // `own`: 0 the caller, 1 the helper.
+  // `own`: 0 the caller, t the helper of thread t. Its own part first, then the others' in turn.
   void work(int own) {
-    for (int half : {own, 1 - own}) {
-      int64_t end = half == 0 ? mid_ : panels_;
+    for (int k = 0; k < active_; ++k) {
+      Part& part = parts_[(own + k) % active_];
       for (;;) {
-        int64_t p0 = halves_[half].next.fetch_add(chunk_);
-        if (p0 >= end) break;
-        int64_t p1 = std::min(p0 + chunk_, end);
+        int64_t p0 = part.next.fetch_add(chunk_);
+        if (p0 >= part.end) break;
+        int64_t p1 = std::min(p0 + chunk_, part.end);
         if (fn_ != nullptr) {
           (*fn_)(p0, p1);
         } else {
@@ -1161,7 +1184,7 @@ class GemmPool {
       }
     }
   }
-  void loop() {
+  void loop(int thread, Helper& me) {
     int seen = 0;
     for (;;) {
       int ticket = posted_.load();
@@ -1175,30 +1198,28 @@ class GemmPool {
       }
       seen = ticket;
       // Announce, then re-check (both sequentially consistent): either the caller sees us inside and
-      // waits, or we see that it has moved on and stay out of the next job's set-up.
-      inside_.store(ticket);
-      if (posted_.load() == ticket) work(1);
-      inside_.store(0);
+      // waits, or we see that it has moved on and stay out of the next job's set-up. A helper beyond the
+      // job's threads (set_threads lowered) only announces itself.
+      me.inside.store(ticket);
+      if (posted_.load() == ticket && thread < active_) work(thread);
+      me.inside.store(0);
     }
   }
 
-  std::atomic<int> posted_{0}, inside_{0};
-  struct alignas(64) Half {  // a counter a line: each thread's own grabs stay in its cache
-    std::atomic<int64_t> next{0};
-  };
-  Half halves_[2];
-  int64_t mid_ = 0;
+  std::atomic<int> posted_{0};
+  std::vector<std::unique_ptr<Helper>> helpers_;  // grows only; helper t's thread is thread t + 1
+  Part parts_[MAX_THREADS];
+  int active_ = 1;  // threads in the job posted last
   GemmArgs job_{};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;  // set: the job is this, not a GEMM
-  int64_t panels_ = 0, chunk_ = CHUNK;  // items of the job, and how many a grab takes
+  int64_t chunk_ = CHUNK;  // how many items a grab takes
   int tickets_ = 0;
   int threads_ = 1;
   std::mutex use_;
-  std::once_flag started_;
 };
 
 GemmPool& gemm_pool() {
-  static GemmPool* pool = new GemmPool();  // never destroyed: its detached thread outlives static destructors
+  static GemmPool* pool = new GemmPool();  // never destroyed: its detached threads outlive static destructors
   return *pool;
 }
 

@@ -465,6 +465,38 @@ def test_paged_decode_items_shared_with_the_gemm_thread_match_one_thread():
     assert all(mx.array_equal(o, outs[1][0]).item() for os_ in outs.values() for o in os_)
 
 
+@NEEDS_PACKED_GEMM
+def test_any_number_of_gemm_threads_gives_one_threads_outputs_bit_for_bit():
+    """Each thread walks its own part of a GEMM's panels and then takes chunks of the others': every output
+    column is still one thread's, summed in the same order, however many threads there are (a many-core
+    Linux box runs as many as it has cores; here more threads than cores, and the count changing between
+    calls, which starts helpers and leaves some out of a job)."""
+    shapes = [(576, 576, mx.float32), (3072, 576, mx.float16), (960, 576, mx.bfloat16), (64, 128, mx.float32)]
+    weights = [mx.contiguous((mx.random.normal((o // 16, i, 16)) * 0.05).astype(dt)) for o, i, dt in shapes]
+    xs = [mx.random.normal((rows, 576)) for rows in (1, 3, 16, 33)]
+    bs, blocks, Hk, D = 16, 96, 8, 64
+    pool_k, pool_v = mx.random.normal((blocks * bs, Hk, D)), mx.random.normal((blocks * bs, Hk, D))
+    tables = mx.array([[(r * 11 + 5 * j) % blocks for j in range(6)] for r in range(5)])
+    lengths = mx.array([1 + (37 * r + 50) % 96 for r in range(5)])
+    q = mx.random.normal((5, Hk * 2, D))
+
+    def outputs():
+        got = [NATIVE.packed_linear(x[:, : w.shape[1]], w, None) for x in xs for w in weights]
+        got.append(NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, lengths, bs, 0.18))
+        mx.eval(got)
+        return got
+
+    try:
+        NATIVE.set_gemm_threads(1)
+        want = outputs()
+        for threads in (2, 3, 4, 7, 2, 5, 1, 3):
+            NATIVE.set_gemm_threads(threads)
+            for _ in range(5):
+                assert all(mx.array_equal(a, b).item() for a, b in zip(outputs(), want)), threads
+    finally:
+        NATIVE.set_gemm_threads(2)
+
+
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_paged_decode_items_of_whole_rows_or_some_heads_agree(rows):
