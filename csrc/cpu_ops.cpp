@@ -1081,7 +1081,7 @@ void packed_gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   }
 }
 
-// The GEMM threads: the calling stream thread and threads_ - 1 helpers share each GEMM's panels (or a
+// The GEMM threads: the calling stream thread and threads - 1 helpers share each GEMM's panels (or a
 // job's items). Each walks its own part of the panels in order, a chunk at a time, then takes chunks of
 // the others' rest: when a helper is descheduled (cores shared with OpenBLAS and a second stream) the
 // others do its work instead of waiting for it. One counter for all once dealt the chunks out in turn,
@@ -1097,23 +1097,25 @@ class GemmPool {
   void run(GemmArgs g, int64_t panels) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
     g.wide = wide_kernels().load();
-    if (threads_ < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
+    int threads = threads_.load();  // once a job: set_threads may run meanwhile, from Python
+    if (threads < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
       packed_gemm_panels(g, 0, panels);
       return;
     }
-    post(g, panels, CHUNK, nullptr);
+    post(threads, g, panels, CHUNK, nullptr);
   }
   // Any other job of independent items (the paged decode's rows and KV heads), shared the same way.
   void run_items(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);
-    if (threads_ < 2 || n < 2 || !busy.owns_lock()) {
+    int threads = threads_.load();
+    if (threads < 2 || n < 2 || !busy.owns_lock()) {
       fn(0, n);
       return;
     }
-    post(GemmArgs{}, n, std::max<int64_t>(1, chunk), &fn);
+    post(threads, GemmArgs{}, n, std::max<int64_t>(1, chunk), &fn);
   }
-  void set_threads(int n) { threads_ = std::clamp(n, 1, MAX_THREADS); }
-  int threads() const { return threads_; }
+  void set_threads(int n) { threads_.store(std::clamp(n, 1, MAX_THREADS)); }
+  int threads() const { return threads_.load(); }
 
  private:
   static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the 512-bit micro-kernel
@@ -1137,12 +1139,13 @@ class GemmPool {
   // the old ticket: it once could, and then worked on a job being written, the caller returning while
   // it still ran a paged decode's items against a function that had gone out of scope (a SIGSEGV).
   // Helpers start here, under the caller's lock, the first time a job wants them.
-  void post(const GemmArgs& g, int64_t items, int64_t chunk, const std::function<void(int64_t, int64_t)>* fn) {
+  void post(int threads, const GemmArgs& g, int64_t items, int64_t chunk,
+            const std::function<void(int64_t, int64_t)>* fn) {
     posted_.store(PREPARING);
     for (auto& h : helpers_) {
       while (h->inside.load() != 0) _mm_pause();  // a late helper may still be looking at the last job
     }
-    while (static_cast<int>(helpers_.size()) < threads_ - 1) {
+    while (static_cast<int>(helpers_.size()) < threads - 1) {
       int index = static_cast<int>(helpers_.size());
       helpers_.push_back(std::make_unique<Helper>());
       std::thread([this, index, h = helpers_.back().get()] { loop(index + 1, *h); }).detach();
@@ -1153,7 +1156,7 @@ class GemmPool {
     int64_t chunks = (items + chunk - 1) / chunk;
     // Two threads for any job worth posting; more only with MIN_CHUNKS each: on a many-core machine
     // a small GEMM split 64 ways would cost more in hand-offs and counters than its reads.
-    active_ = static_cast<int>(std::clamp<int64_t>(chunks / MIN_CHUNKS, 2, threads_));
+    active_ = static_cast<int>(std::clamp<int64_t>(chunks / MIN_CHUNKS, 2, threads));
     for (int t = 0; t < active_; ++t) {  // thread t's part: chunks [t * chunks / T, (t + 1) * chunks / T)
       parts_[t].next.store(t * chunks / active_ * chunk);
       parts_[t].end = t + 1 == active_ ? items : (t + 1) * chunks / active_ * chunk;
@@ -1214,7 +1217,7 @@ class GemmPool {
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;  // set: the job is this, not a GEMM
   int64_t chunk_ = CHUNK;  // how many items a grab takes
   int tickets_ = 0;
-  int threads_ = 1;
+  std::atomic<int> threads_{1};
   std::mutex use_;
 };
 
