@@ -50,16 +50,17 @@ class StartLine:
         """Rank 0: wait until every worker (rank r is children[r - 1]) is at the line, then give the word."""
         deadline = time.monotonic() + timeout
         waiting = set(range(1, len(children) + 1))
-        while waiting:
+        while True:
             waiting = {r for r in waiting if not self._mark(r).exists()}
             why = exited(children)
             if why is not None:
                 raise ClusterError(why)
-            if waiting and time.monotonic() > deadline:
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
                 raise ClusterError(f"rank(s) {', '.join(map(str, sorted(waiting)))} did not reach the cluster's "
                                    f"start within {timeout:.0f} s")
-            if waiting:
-                time.sleep(POLL_S)
+            time.sleep(POLL_S)
         self._word.touch()
 
     def follow(self, rank: int, timeout: float) -> None:
