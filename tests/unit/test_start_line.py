@@ -38,16 +38,17 @@ def test_the_word_is_given_once_every_worker_is_at_the_line(tmp_path):
             StartLine(tmp_path).follow(rank, timeout=10)
             done.append(rank)
 
-        threads = [threading.Thread(target=follow, args=(1,))]
-        threads[0].start()
-        time.sleep(0.1)
-        assert not done and not (tmp_path / "go").exists()  # rank 2 is not there yet
+        threads = [threading.Thread(target=follow, args=(1,)),
+                   threading.Thread(target=leader.lead, args=(kids, 10))]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        assert not done and not (tmp_path / "go").exists()  # rank 0 waits: rank 2 is not there yet
         threads.append(threading.Thread(target=follow, args=(2,)))
-        threads[1].start()
-        leader.lead(kids, timeout=10)
+        threads[-1].start()
         for t in threads:
             t.join(5)
-        assert sorted(done) == [1, 2]
+        assert sorted(done) == [1, 2] and (tmp_path / "go").exists()
     finally:
         for k in kids:
             k.kill()
