@@ -12,12 +12,13 @@ import json
 import logging
 import os
 import random
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,7 +150,8 @@ def ring_hostfile(hosts: list[Host], base_port: int) -> list[list[str]]:
 @dataclass(frozen=True)
 class LocalCluster:
     """N ranks on this machine: a ring hostfile on free loopback ports, a control port, and a stage link
-    port per rank (used by pipeline stages)."""
+    port per rank (used by pipeline stages), in a private directory that also names rank 0 (its pid), so a
+    worker can tell rank 0 died before the cluster formed."""
 
     hostfile: Path
     control_addr: str
@@ -167,7 +169,37 @@ class LocalCluster:
             return p
 
         hostfile.write_text(json.dumps([[f"127.0.0.1:{port()}"] for _ in range(n)]))
+        (tmp / LEADER_FILE).write_text(str(os.getpid()))
         return cls(hostfile, f"127.0.0.1:{port()}", tuple(f"127.0.0.1:{port()}" for _ in range(n)))
+
+
+LEADER_FILE = "leader"
+
+
+def local_leader_gone(ring_file: Path) -> Callable[[], str | None]:
+    """A local worker's watch on rank 0, which started it: why the cluster will never form once rank 0 has
+    died (its children are re-parented, even before this looked), removing the directory rank 0 no longer can."""
+    try:
+        leader = int((ring_file.parent / LEADER_FILE).read_text())
+    except (OSError, ValueError):
+        raise ClusterError(f"no rank 0 named in {ring_file.parent}: a local worker is started by rank 0") from None
+
+    def gone() -> str | None:
+        if os.getppid() == leader:
+            return None
+        shutil.rmtree(ring_file.parent, ignore_errors=True)
+        return "rank 0 ended before the cluster formed"
+
+    return gone
+
+
+def exited(children: Sequence[subprocess.Popen]) -> str | None:
+    """Why the cluster cannot form: the first local worker (rank r is children[r - 1]) that has exited."""
+    for r, child in enumerate(children, start=1):
+        code = child.poll()
+        if code is not None:
+            return f"rank {r} exited with status {code} before joining the cluster (its own output says why)"
+    return None
 
 
 def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float):

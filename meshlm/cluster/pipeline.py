@@ -1,5 +1,6 @@
-"""Forming a pipeline-parallel cluster: each rank loads its stage's layers, the control channel forms
-as for tensor parallelism, then each stage links to its neighbours (transport/stage_link.py).
+"""Forming a pipeline-parallel cluster: the control channel's roll call, then each rank loads its stage's
+layers and the cluster starts as for tensor parallelism, then each stage links to its neighbours
+(transport/stage_link.py).
 
 Link order avoids waiting in a circle: every stage first connects to the next
 stage (whose socket has been listening since before the control channel
@@ -12,10 +13,9 @@ from __future__ import annotations
 import logging
 import subprocess
 
-from meshlm.cluster.bootstrap import ClusterError
+from meshlm.cluster.bootstrap import ClusterError, exited
 from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology
 from meshlm.cluster.stages import StageLayout
-from meshlm.cluster.start_line import exited
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ServeConfig
 from meshlm.executor.rank import RankSpec, build_rank
@@ -71,12 +71,13 @@ def _join(topo: Topology, layout: StageLayout, server, spec: ActivationSpec) -> 
 
 
 def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> int:
-    from meshlm.executor.worker import run_worker
+    from meshlm.executor.worker import answer_roll_call, run_worker
 
     p = topo.parallel
     server = _listen(topo, p.rank) if layout.stage_of(p.rank) > 0 else None
+    control = answer_roll_call(p, topo.secret, HANDSHAKE_SECONDS, topo.leader_gone)
     loaded, rank, spec = _load_stage(config, topo, layout)
-    return run_worker(p, topo.secret, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec))
+    return run_worker(p, control, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec))
 
 
 def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
@@ -89,17 +90,21 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     server = _listen(topo, 0)
-    loaded, rank, spec = _load_stage(config, topo, layout)
-    control.fingerprint = loaded.fingerprint
+    gone = (lambda: exited(children)) if children else None
     log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,
              HANDSHAKE_SECONDS, p.world_size - 1, p.control_addr)
     try:
-        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=lambda: exited(children))
+        control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
+        loaded, rank, spec = _load_stage(config, topo, layout)
+        control.fingerprint = loaded.fingerprint
+        log.info("stage %d has loaded its layers: waiting up to %.0f s for the other stages to load theirs",
+                 layout.stage_of(0), HANDSHAKE_SECONDS)
+        ready = control.start(timeout=HANDSHAKE_SECONDS, gone=gone)
         io = _join(topo, layout, server, spec)
     except (HandshakeError, ControlError) as exc:
         raise ClusterError(str(exc)) from None
     log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
-    kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
+    kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])
     stages = {layout.rank_of(s): f"stage {s}, layers {a}..{b - 1}"
               for s, (a, b) in ((s, layout.layers(s)) for s in range(layout.stages))}
     executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages, stages=stages)

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Callable
 
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
-                                      init_group, load_hostfile, ring_hostfile, spawn_local_workers)
+                                      exited, init_group, load_hostfile, local_leader_gone, ring_hostfile,
+                                      spawn_local_workers)
 from meshlm.cluster.stages import StageLayout
-from meshlm.cluster.start_line import StartLine, exited
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
@@ -39,7 +39,7 @@ from meshlm.transport.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_SECONDS = 180.0  # workers load their shards before saying HELLO
+HANDSHAKE_SECONDS = 180.0  # each round of the start: every rank present; every rank loaded, after the leader
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Topology:
     secret: ClusterSecret  # redacted in any repr
     memory_gb: tuple[float, ...] | None = None  # per rank, when the hostfile declares it (pipeline split)
     owns_ring_file: bool = False  # written by this rank for itself: removed once its group is formed
-    start_line: StartLine | None = None  # a local cluster's: where its ranks meet before joining the group
+    leader_gone: Callable[[], str | None] | None = None  # a local worker's watch on rank 0, its parent
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
@@ -65,16 +65,15 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         ring = Path(ports.ring_hostfile) if ports.ring_hostfile else None
         hostfile = load_hostfile(p.hostfile) if p.hostfile else None
         # A ring file given on the command line is a local cluster's: rank 0 started this process.
-        line = StartLine(ring.parent) if ring is not None else None
+        watch = local_leader_gone(ring) if ring is not None else None
         return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile),
-                        start_line=line), None
+                        leader_gone=watch), None
     if p.hostfile is None:
         if p.rank != 0:
             raise ClusterError("a rank other than 0 needs --hostfile (or is started by rank 0 itself)")
         local = LocalCluster.create(p.world_size)
         replaced = dataclasses.replace(p, control_addr=local.control_addr, stage_addrs=local.stage_addrs)
-        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate(),
-                        start_line=StartLine.create(local.hostfile.parent)), local
+        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate()), local
     hostfile = load_hostfile(p.hostfile)
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts
@@ -193,17 +192,13 @@ def local_sum_group(config: ServeConfig, topo: Topology):
     return SharedMemoryGroup(path, p.rank, p.world_size, native, spin_us(p.world_size))
 
 
-def _load(config: ServeConfig, topo: Topology, children: list[subprocess.Popen] | None = None):
-    """Join the group and load this rank's share. `children`: rank 0's local workers (ranks 1..)."""
+def _load(config: ServeConfig, topo: Topology):
+    """Join the group (every rank has answered the roll call, so all join together) and load this rank's
+    share."""
     from meshlm.model.loader import load_model
 
     p = topo.parallel
     sums = local_sum_group(config, topo)
-    if topo.start_line is not None:
-        if p.rank == 0:
-            topo.start_line.lead(children or [], HANDSHAKE_SECONDS)
-        else:
-            topo.start_line.follow(p.rank, HANDSHAKE_SECONDS)
     group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS)
     if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
         shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
@@ -217,7 +212,12 @@ def _load(config: ServeConfig, topo: Topology, children: list[subprocess.Popen] 
         ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm,
                            overlap=overlap_transfers(p))
         return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring), None
-    loaded = load_model(config.model, tensor_group=group)
+    try:
+        loaded = load_model(config.model, tensor_group=group)
+    except RuntimeError as exc:  # mlx-lm's sharded load ends in a collective: a rank lost while loading ends it
+        log.debug("sharded load failed", exc_info=True)
+        raise ClusterError(f"rank {p.rank} could not load its share: {exc} (if a rank died while loading, its own "
+                           "log says why)") from None
     return loaded, build_rank(loaded, config.model, config.cache, budget, spec, sum_group=sums), sums
 
 
@@ -236,11 +236,12 @@ def _handshake_fingerprint(loaded, topo: Topology) -> str:
 
 
 def _follow(config: ServeConfig, topo: Topology) -> int:
-    from meshlm.executor.worker import run_worker
+    from meshlm.executor.worker import answer_roll_call, run_worker
 
+    control = answer_roll_call(topo.parallel, topo.secret, HANDSHAKE_SECONDS, topo.leader_gone)
     loaded, rank, sums = _load(config, topo)
-    # Rank 0 creates the sums' file before it welcomes any rank.
-    return run_worker(topo.parallel, topo.secret, rank, _handshake_fingerprint(loaded, topo),
+    # Rank 0 creates the sums' file before it starts the cluster.
+    return run_worker(topo.parallel, control, rank, _handshake_fingerprint(loaded, topo),
                       on_joined=sums.join if sums is not None else None)
 
 
@@ -251,15 +252,20 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     port = int(p.control_addr.rsplit(":", 1)[1])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
-    loaded, rank, sums = _load(config, topo, children)
-    control.fingerprint = _handshake_fingerprint(loaded, topo)
+    gone = (lambda: exited(children)) if children else None
     log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
              p.control_addr)
     try:
-        # The sums' file exists from just before the workers are welcomed (and join it) until they all have.
-        hellos = control.wait_for_workers(timeout=HANDSHAKE_SECONDS, before_welcome=sums.create if sums else None,
-                                          gone=lambda: exited(children))
+        control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
     except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
+        raise ClusterError(str(exc)) from None
+    loaded, rank, sums = _load(config, topo)
+    control.fingerprint = _handshake_fingerprint(loaded, topo)
+    log.info("rank 0 has loaded its share: waiting up to %.0f s for the other ranks to load theirs", HANDSHAKE_SECONDS)
+    try:
+        # The sums' file exists from just before the workers are started (and join it) until they all have.
+        ready = control.start(timeout=HANDSHAKE_SECONDS, before_start=sums.create if sums else None, gone=gone)
+    except HandshakeError as exc:
         if sums is not None:
             sums.remove_file()
         raise ClusterError(str(exc)) from None
@@ -267,7 +273,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     if sums is not None:  # else the executor removes it once they have (its idle polls)
         sums.remove_file_once_joined(timeout=2.0)
     # Every rank must hold every block the leader hands out: plan within the smallest budget.
-    kv_blocks = min([rank.max_blocks] + [h.kv_blocks for h in hellos.values() if h.kv_blocks > 0])
+    kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])
     if kv_blocks < rank.max_blocks:
         log.info("KV blocks limited to %d by the smallest rank's --kv-cache-memory", kv_blocks)
     leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout, sums), children=children,

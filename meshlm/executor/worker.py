@@ -34,20 +34,33 @@ def _hard_exit(message: str) -> None:
     os._exit(EXIT_DEADLINE)
 
 
-def run_worker(cfg: ParallelConfig, secret: ClusterSecret, rank: RankState, fingerprint: str,
-               join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None) -> int:
-    """Serve plans until the cluster ends. `join_stages`: a pipeline stage's links to its neighbours,
-    formed once every rank has joined the control channel; `on_joined`: called once this rank has
-    (joining the shared-memory sums, whose file the leader makes before any handshake)."""
+def answer_roll_call(cfg: ParallelConfig, secret: ClusterSecret, start_timeout: float,
+                     gone: Callable[[], str | None] | None = None) -> ControlWorker:
+    """Join the leader's control channel before loading anything, so a rank that dies while loading is
+    noticed at once. `start_timeout`: how long to try, and later to wait for the start once loaded;
+    `gone`: why the leader will never listen (a local rank 0 that died)."""
     host, port = cfg.control_addr.rsplit(":", 1)
-    control = ControlWorker(host, int(port), cfg.rank, fingerprint, timeout=cfg.worker_timeout,
-                            world_size=cfg.world_size, secret=secret,
-                            connect_timeout=max(60.0, cfg.worker_timeout), kv_blocks=rank.max_blocks)
+    control = ControlWorker(host, int(port), cfg.rank, timeout=cfg.worker_timeout, world_size=cfg.world_size,
+                            secret=secret, connect_timeout=max(start_timeout, cfg.worker_timeout))
     try:
-        control.connect()
+        control.connect(gone)
     except ControlError as exc:  # refused, wrong version, no leader: the message says what to fix
         raise ClusterError(str(exc)) from None
-    log.info("rank %d joined the leader at %s", cfg.rank, cfg.control_addr)
+    log.info("rank %d answered the leader's roll call at %s", cfg.rank, cfg.control_addr)
+    return control
+
+
+def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fingerprint: str,
+               join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None) -> int:
+    """Say this rank has loaded, wait for the start, then serve plans until the cluster ends.
+    `join_stages`: a pipeline stage's links to its neighbours, formed once the cluster has started;
+    `on_joined`: called once it has (joining the shared-memory sums, whose file the leader makes before
+    it starts the cluster)."""
+    try:
+        control.start(fingerprint, rank.max_blocks)
+    except ControlError as exc:  # another model, or the leader gave up: the message says what to fix
+        raise ClusterError(str(exc)) from None
+    log.info("rank %d started by the leader at %s", cfg.rank, cfg.control_addr)
     io = None
     try:
         if on_joined is not None:

@@ -9,10 +9,10 @@ other's. The secret never leaves the process except through a child's
 environment: `ClusterSecret` redacts itself in every repr and str.
 
 Handshake (frames in `codec`): the leader sends CHALLENGE(nonce_l) on accept
-and the worker sends HELLO(rank, world size, fingerprint, nonce_w) on connect,
-neither waiting for the other; the worker answers the challenge with
+and the worker sends HELLO(rank, world size, nonce_w) on connect, neither
+waiting for the other; the worker answers the challenge with
 PROOF(hello_proof); the leader admits it if the proof matches, and once every
-rank is in sends each worker WELCOME(world size, fingerprint, welcome_proof).
+rank is in sends each worker WELCOME(world size, welcome_proof).
 After that no frame is authenticated: the secret decides who joins, it does
 not protect the connection from someone on the network path.
 """
@@ -91,7 +91,7 @@ def _mac(secret: ClusterSecret, *parts: bytes) -> bytes:
 
 def hello_proof(secret: ClusterSecret, leader_nonce: bytes, hello_payload: bytes) -> bytes:
     """The worker's PROOF: it holds the secret, answering this leader's challenge, for exactly these
-    HELLO claims (the payload holds rank, world size, model fingerprint and the worker's nonce)."""
+    HELLO claims (the payload holds rank, world size and the worker's nonce)."""
     return _mac(secret, _HELLO_TAG, leader_nonce, hello_payload)
 
 
@@ -177,11 +177,11 @@ class Candidate:
                               "MESHLM_CLUSTER_SECRET or hostfile \"secret\" differs from the leader's)")
         return None
 
-    def welcome(self, secret: ClusterSecret, world_size: int, fingerprint: str) -> bytes:
+    def welcome(self, secret: ClusterSecret, world_size: int) -> bytes:
         """WELCOME (seq 1) for this worker, with the leader's proof for its nonce."""
         assert self.hello is not None, "WELCOME before the worker proved itself"
-        mac = welcome_proof(secret, self.hello.nonce, self.nonce, wire.welcome_fields(world_size, fingerprint))
-        return wire.encode_frame(Kind.WELCOME, 1, wire.encode(Welcome(world_size, fingerprint, mac)))
+        mac = welcome_proof(secret, self.hello.nonce, self.nonce, wire.welcome_fields(world_size))
+        return wire.encode_frame(Kind.WELCOME, 1, wire.encode(Welcome(world_size, mac)))
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def prove_worker(link: Link, send: Callable[[Kind, bytes], None], secret: Cluste
     leader_nonce = wire.decode(Kind.CHALLENGE, _handshake_frame(link, Kind.CHALLENGE, joining, deadline).payload).nonce
     send(Kind.PROOF, wire.encode(Proof(hello_proof(secret, leader_nonce, hello))))
     welcome = wire.decode(Kind.WELCOME, _handshake_frame(link, Kind.WELCOME, joining, deadline).payload)
-    fields = wire.welcome_fields(welcome.world_size, welcome.fingerprint)
+    fields = wire.welcome_fields(welcome.world_size)
     if not proof_matches(welcome_proof(secret, joining.hello.nonce, leader_nonce, fields), welcome.mac):
         raise HandshakeError(
             f"rank {joining.hello.rank}: the process at {joining.leader} did not prove it holds the cluster "

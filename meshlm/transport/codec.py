@@ -21,20 +21,30 @@ or trailing bytes are a `ProtocolError`, never a half-built message:
 | kind      | dir | payload                                                  |
 | --------- | --- | -------------------------------------------------------- |
 | CHALLENGE | l→w | `Challenge` (the leader's 32-byte nonce)                 |
-| HELLO     | w→l | `Hello` (rank, world size, model fingerprint, nonce)     |
+| HELLO     | w→l | `Hello` (rank, world size, nonce)                        |
 | PROOF     | w→l | `Proof` (mac, see `meshlm.transport.auth.hello_proof`)   |
-| WELCOME   | l→w | `Welcome` (world size, fingerprint, mac)                 |
+| WELCOME   | l→w | `Welcome` (world size, mac)                              |
+| LOADED    | w→l | `Loaded` (model fingerprint, KV blocks the rank holds)   |
+| START     | l→w | empty                                                    |
 | PLAN      | l→w | `meshlm.engine.plan.StepPlan`                            |
+| TOKENS    | l→w | `TokenIds` (a plan's input ids, sent after it)           |
 | HEARTBEAT | l→w | empty                                                    |
 | ACK       | w→l | `Ack` (step id, the worker's batch fingerprint, error)   |
 | REJECT    | any | reason: u32 byte length + UTF-8 (a frozen layout)        |
 | SHUTDOWN  | l→w | reason, as REJECT                                        |
 
-Handshake: the leader sends CHALLENGE as soon as it accepts a connection, and
-the worker sends HELLO as soon as it connects, so each side reads the other's
-version in its first frame. The worker then sends PROOF; the leader admits it
-once the proof checks and every rank is present, and sends WELCOME (seq 1).
-PLAN, HEARTBEAT and SHUTDOWN follow from seq 2; the worker's ACKs from seq 2.
+Handshake, in two rounds around the model load:
+- the roll call, before any rank joins the MLX group or loads a weight: the
+  leader sends CHALLENGE as soon as it accepts a connection, and the worker
+  sends HELLO as soon as it connects, so each side reads the other's version
+  in its first frame. The worker then sends PROOF; the leader admits it once
+  the proof checks and every rank is present, and sends WELCOME (seq 1);
+- the start, once each rank has loaded its share: the worker sends LOADED
+  (seq 2); once every rank has, with the leader's fingerprint, the leader
+  sends START (seq 2).
+PLAN, HEARTBEAT and SHUTDOWN follow from seq 3; the worker's ACKs from seq 3.
+Between the rounds the connection is idle but open, so a rank that dies
+while loading is noticed at once (its kernel closes the socket).
 
 REJECT's layout (this header, kind 3, a reason) is frozen across versions: a
 peer that meets a frame of another version answers with a REJECT written in
@@ -55,10 +65,11 @@ import msgspec
 from meshlm.engine.plan import StepPlan
 
 MAGIC = b"MLCP"
-VERSION = 7  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+VERSION = 8  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
 # 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
 # 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens);
-# 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead)
+# 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead);
+# 8: the roll call (HELLO..WELCOME) comes before the model load, LOADED and START after it
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256
@@ -99,11 +110,13 @@ class Kind(enum.IntEnum):
     CHALLENGE = 8
     PROOF = 9
     TOKENS = 10
+    LOADED = 11
+    START = 12
 
 
-LEADER_KINDS = frozenset({Kind.CHALLENGE, Kind.WELCOME, Kind.REJECT, Kind.PLAN, Kind.HEARTBEAT, Kind.SHUTDOWN,
-                          Kind.TOKENS})
-WORKER_KINDS = frozenset({Kind.HELLO, Kind.PROOF, Kind.REJECT, Kind.ACK})
+LEADER_KINDS = frozenset({Kind.CHALLENGE, Kind.WELCOME, Kind.START, Kind.REJECT, Kind.PLAN, Kind.HEARTBEAT,
+                          Kind.SHUTDOWN, Kind.TOKENS})
+WORKER_KINDS = frozenset({Kind.HELLO, Kind.PROOF, Kind.LOADED, Kind.REJECT, Kind.ACK})
 
 
 @dataclass(frozen=True)
@@ -251,14 +264,12 @@ class Challenge:
 
 @dataclass(frozen=True)
 class Hello:
-    """A worker introduces itself. The leader believes none of it until the worker's PROOF checks;
-    then it checks every rank loaded the same model revision. `nonce`: the worker's challenge to the leader."""
+    """A worker introduces itself, before it loads anything. The leader believes none of it until the
+    worker's PROOF checks. `nonce`: the worker's challenge to the leader."""
 
     rank: int
     world_size: int
-    fingerprint: str
     nonce: bytes = field(repr=False)
-    kv_blocks: int = 0  # KV blocks this rank's budget holds (0: not said); the leader plans within the least
 
     def __post_init__(self) -> None:
         _fixed(self.nonce, NONCE_SIZE, "a nonce")
@@ -277,11 +288,18 @@ class Welcome:
     """The leader admits a worker once every rank has proved itself; `mac` proves the leader holds the secret."""
 
     world_size: int
-    fingerprint: str
     mac: bytes = field(repr=False)
 
     def __post_init__(self) -> None:
         _fixed(self.mac, MAC_SIZE, "a mac")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A welcomed worker has loaded its share: every rank must have loaded the same model revision."""
+
+    fingerprint: str
+    kv_blocks: int = 0  # KV blocks this rank's budget holds (0: not said); the leader plans within the least
 
 
 @dataclass(frozen=True)
@@ -304,7 +322,8 @@ class TokenIds:
 
 
 MESSAGE_TYPES: dict[Kind, type] = {Kind.CHALLENGE: Challenge, Kind.HELLO: Hello, Kind.PROOF: Proof,
-                                   Kind.WELCOME: Welcome, Kind.PLAN: StepPlan, Kind.ACK: Ack, Kind.TOKENS: TokenIds}
+                                   Kind.WELCOME: Welcome, Kind.LOADED: Loaded, Kind.PLAN: StepPlan, Kind.ACK: Ack,
+                                   Kind.TOKENS: TokenIds}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(t) for kind, t in MESSAGE_TYPES.items()}
 
@@ -335,9 +354,9 @@ def decode_plan(data: bytes | bytearray | memoryview) -> StepPlan:
     return decode(Kind.PLAN, data)
 
 
-def welcome_fields(world_size: int, fingerprint: str) -> bytes:
+def welcome_fields(world_size: int) -> bytes:
     """What the leader's WELCOME proof covers (its fields but the mac)."""
-    return _ENCODER.encode((world_size, fingerprint))
+    return _ENCODER.encode((world_size,))
 
 
 # -- reasons (REJECT, SHUTDOWN): a layout frozen across versions ------------------------------------

@@ -7,13 +7,18 @@ silently and can drop or replay messages across a reconnect, which would break
 the sequence-number invariant. Every wait below has a deadline.
 
 Protocol:
-  1. Each worker connects (retrying until its deadline) and proves it holds
-     the cluster secret (`auth`: CHALLENGE, HELLO with rank, world size, model
-     fingerprint, then PROOF). A connection that cannot is dropped and the
-     leader keeps waiting; a peer of another protocol version ends the start.
-  2. Once every rank 1..N-1 has proved itself and all fingerprints match, the
-     leader sends each one WELCOME with its own proof. Any mismatch:
-     REJECT(reason) to everyone and `HandshakeError` on both sides.
+  1. The roll call, before any rank joins the MLX group or loads a weight:
+     each worker connects (retrying until its deadline) and proves it holds
+     the cluster secret (`auth`: CHALLENGE, HELLO with rank and world size,
+     then PROOF). A connection that cannot is dropped and the leader keeps
+     waiting; a peer of another protocol version ends the start. Once every
+     rank 1..N-1 has proved itself the leader sends each one WELCOME with its
+     own proof. Any misfit: REJECT(reason) to everyone and `HandshakeError`
+     on both sides.
+  2. The start: each rank loads its share while its connection stays open
+     (so a rank that dies meanwhile is noticed at once, not at a deadline),
+     then sends LOADED with its model fingerprint and KV budget. Once every
+     rank has, with the same fingerprint, the leader sends START.
   3. The leader broadcasts PLAN frames (identical bytes to every worker, so
      leader->worker sequence numbers agree across ranks), HEARTBEAT when idle,
      SHUTDOWN at the end.
@@ -41,12 +46,12 @@ from meshlm.engine.plan import StepPlan
 from meshlm.transport import codec as wire
 from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joining, Refused, new_nonce,
                                   prove_worker)
-from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, ProtocolError, TokenIds, VersionMismatch,
-                                    Welcome)
+from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, Loaded, ProtocolError, TokenIds,
+                                    VersionMismatch, Welcome)
 from meshlm.transport.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
 from meshlm.step_times import check_totals
 
-__all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost",
+__all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost", "Loaded",
            "ProtocolError", "SplitBrain", "WorkerFailed", "WorkerLost"]
 
 log = logging.getLogger(__name__)
@@ -120,13 +125,15 @@ class ControlLeader:
                  timeout: float = DEFAULT_TIMEOUT, *, secret: ClusterSecret, fingerprint: str | None = None,
                  heartbeat_interval: float = 1.0, auth_timeout: float = AUTH_TIMEOUT,
                  max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
-        """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers`.
+        """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers` and
+        started by `start`.
 
         `secret`: only workers that prove they hold it are admitted. `fingerprint`:
-        the leader's model fingerprint; every worker must match it. None: workers
-        must only agree with each other. `timeout` bounds the handshake, every ack
-        wait and every send unless a call passes its own. `auth_timeout`: how long
-        one connection may take to prove itself before it is dropped.
+        the leader's model fingerprint (may be set once it has loaded, before
+        `start`); every worker must match it. None: workers must only agree with
+        each other. `timeout` bounds each round of the handshake, every ack wait
+        and every send unless a call passes its own. `auth_timeout`: how long one
+        connection may take to prove itself before it is dropped.
         """
         if world_size < 1:
             raise ValueError("world_size must be at least 1")
@@ -153,11 +160,9 @@ class ControlLeader:
     # -- handshake ------------------------------------------------------------------
 
     def wait_for_workers(self, timeout: float | None = None,
-                         before_welcome: Callable[[], None] | None = None,
                          gone: Callable[[], str | None] | None = None) -> dict[int, Hello]:
-        """Admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or bad ranks.
-        `before_welcome` runs once every rank is admitted (what the workers use once welcomed). `gone`:
-        why a rank will never come (a local worker that exited while loading), asked a few times a second.
+        """The roll call: admit ranks 1..N-1, then WELCOME them all. Raises HandshakeError naming missing or
+        bad ranks. `gone`: why a rank will never come (a local worker that exited), asked a few times a second.
 
         A connection that does not prove it holds the secret is dropped (with a
         warning naming its address) and the wait goes on; a peer of another
@@ -173,8 +178,6 @@ class ControlLeader:
                     if why is not None:
                         raise HandshakeError(why)
                     self._handshake_round(sel, admitted, deadline, GONE_POLL_S if gone is not None else None)
-                if before_welcome is not None:
-                    before_welcome()
                 self._welcome_all(admitted)
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")
@@ -183,6 +186,69 @@ class ControlLeader:
                 self._close_unadmitted(sel)
         self._listener.close()  # a static world: late or extra workers must not get in
         return {rank: c.hello for rank, c in admitted.items() if c.hello is not None}
+
+    def start(self, timeout: float | None = None, before_start: Callable[[], None] | None = None,
+              gone: Callable[[], str | None] | None = None) -> dict[int, Loaded]:
+        """Wait for every welcomed rank's LOADED, check all loaded the same model, then START them all.
+
+        A rank that hangs up meanwhile (it died loading) ends the wait at once; so does `gone` (as in
+        `wait_for_workers`). Raises HandshakeError (telling every rank why) naming the rank.
+        `before_start` runs once every rank has loaded (what the workers use once started).
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        loaded: dict[int, Loaded] = {}
+        with self._lock:
+            try:
+                while True:
+                    why = gone() if gone is not None else None
+                    if why is not None:
+                        raise HandshakeError(why)
+                    self._take_loaded(loaded)
+                    waiting = sorted(set(self._links) - set(loaded))
+                    if not waiting:
+                        break
+                    if remaining(deadline) == 0:
+                        raise HandshakeError(f"rank(s) {', '.join(map(str, waiting))} did not finish loading within "
+                                             f"{self.timeout if timeout is None else timeout:.0f} s of the leader")
+                    wake = time.monotonic() + min(remaining(deadline), GONE_POLL_S if gone is not None else 3600.0)
+                    for link in wait_readable([self._links[r] for r in waiting], wake):
+                        self._read_loading(self._rank_of(link), link)
+                if before_start is not None:
+                    before_start()
+                self._send_all(Kind.START, b"")
+            except BaseException as e:
+                self._abort(f"cluster start aborted: {e}")
+                raise
+        return loaded
+
+    def _take_loaded(self, loaded: dict[int, Loaded]) -> None:
+        for rank in sorted(set(self._links) - set(loaded)):
+            frame = self._frame(rank)
+            if frame is None:
+                continue
+            if frame.kind is not Kind.LOADED:
+                raise ProtocolError(f"rank {rank} sent {frame.kind.name} before LOADED")
+            try:
+                msg = wire.decode(Kind.LOADED, frame.payload)
+            except ProtocolError as e:
+                raise ProtocolError(f"rank {rank}: {e}") from None
+            if msg.kv_blocks < 0:
+                raise ProtocolError(f"rank {rank} says it holds {msg.kv_blocks} KV blocks")
+            expected = self.fingerprint if self.fingerprint is not None else \
+                next((m.fingerprint for m in loaded.values()), msg.fingerprint)
+            if msg.fingerprint != expected:
+                source = "the leader's" if self.fingerprint is not None else f"rank {min(loaded)}'s"
+                raise HandshakeError(f"rank {rank} loaded model fingerprint {msg.fingerprint!r} but {source} is "
+                                     f"{expected!r}: every rank must load the same model revision")
+            loaded[rank] = msg
+
+    def _read_loading(self, rank: int, link: Link) -> None:
+        try:
+            link.read_available()
+        except LinkClosed as e:
+            self._lose(rank)
+            raise HandshakeError(f"rank {rank} hung up before it had loaded its share ({e}; {link.peer}): its "
+                                 "process died or its host became unreachable, and its own log says why") from None
 
     def _handshake_round(self, sel: selectors.BaseSelector, admitted: dict[int, Candidate], deadline: float,
                          poll: float | None = None) -> None:
@@ -261,20 +327,7 @@ class ControlLeader:
             return f"worker claims rank {r}; worker ranks are 1..{self.world_size - 1}"
         if r in admitted:
             return f"two workers claim rank {r}"
-        expected = self._expected_fingerprint(admitted)
-        if expected is not None and hello.fingerprint != expected:
-            source = "the leader's" if self.fingerprint is not None else f"rank {min(admitted)}'s"
-            return (
-                f"rank {r} loaded model fingerprint {hello.fingerprint!r} but {source} is {expected!r}: "
-                "every rank must load the same model revision"
-            )
         return None
-
-    def _expected_fingerprint(self, admitted: dict[int, Candidate]) -> str | None:
-        if self.fingerprint is not None:
-            return self.fingerprint
-        first = admitted[min(admitted)].hello if admitted else None
-        return first.fingerprint if first is not None else None
 
     def _missing_message(self, admitted: dict[int, Candidate]) -> str:
         missing = [r for r in range(1, self.world_size) if r not in admitted]
@@ -286,11 +339,10 @@ class ControlLeader:
 
     def _welcome_all(self, admitted: dict[int, Candidate]) -> None:
         """WELCOME (seq 1) to every worker, each with the leader's proof for that worker's nonce."""
-        fingerprint = self._expected_fingerprint(admitted) or ""
         for rank in sorted(admitted):
             cand = admitted[rank]
             try:
-                cand.link.send(cand.welcome(self._secret, self.world_size, fingerprint), self.timeout)
+                cand.link.send(cand.welcome(self._secret, self.world_size), self.timeout)
             except LinkClosed as e:
                 self._lose(rank)
                 raise WorkerLost(rank, f"{e} ({cand.link.peer})") from None
@@ -545,23 +597,25 @@ class ControlLeader:
 
 
 class ControlWorker:
-    """A worker rank's end: connect and prove itself, then receive plans in order and ACK them.
+    """A worker rank's end: connect and prove itself (before loading), say it has loaded and wait for the
+    start, then receive plans in order and ACK them.
 
-    Loop:  while (plan := w.next_plan()) is not None: apply(plan); w.ack(plan.step_id, fp)
+    w.connect(); load(); w.start(fingerprint)
+    while (plan := w.next_plan()) is not None: apply(plan); w.ack(plan.step_id, fp)
     """
 
-    def __init__(self, leader_host: str, port: int, rank: int, fingerprint: str, timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, leader_host: str, port: int, rank: int, timeout: float = DEFAULT_TIMEOUT,
                  *, world_size: int, secret: ClusterSecret, connect_timeout: float | None = None,
-                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD, kv_blocks: int = 0) -> None:
+                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
         """`timeout`: longest silence from the leader (heartbeats included) before LeaderLost.
-        `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME;
-        make it at least the leader's handshake timeout. `secret`: proves this rank to the
-        leader, and the leader to this rank (no plan is accepted from a leader that cannot)."""
+        `connect_timeout` (default `timeout`): how long to retry connecting and wait for WELCOME, and
+        to wait for START once loaded; make it at least the leader's handshake timeout. `secret`:
+        proves this rank to the leader, and the leader to this rank (no plan is accepted from a
+        leader that cannot)."""
         if not 1 <= rank < world_size:
             raise ValueError(f"worker rank must be in 1..{world_size - 1}, got {rank}")
         self.leader_host, self.port = leader_host, port
-        self.rank, self.world_size, self.fingerprint = rank, world_size, fingerprint
-        self.kv_blocks = kv_blocks
+        self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_payload = max_payload
@@ -570,13 +624,13 @@ class ControlWorker:
         self._seq = 0  # worker -> leader sequence number
         self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
-    def connect(self) -> Welcome:
-        """Connect (retrying until the deadline), prove this rank, check the leader's proof. Raises HandshakeError."""
+    def connect(self, gone: Callable[[], str | None] | None = None) -> Welcome:
+        """The roll call: connect (retrying until the deadline), prove this rank, check the leader's proof.
+        Raises HandshakeError. `gone`: why the leader will never listen (asked between connection attempts)."""
         deadline = time.monotonic() + self.connect_timeout
-        self._link = Link(self._dial(deadline), wire.LEADER_KINDS, self.max_payload)
+        self._link = Link(self._dial(deadline, gone), wire.LEADER_KINDS, self.max_payload)
         try:
-            joining = Joining(Hello(self.rank, self.world_size, self.fingerprint, new_nonce(), self.kv_blocks),
-                              self._leader)
+            joining = Joining(Hello(self.rank, self.world_size, new_nonce()), self._leader)
             welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
         except LeaderLost as e:
             self.close()
@@ -589,9 +643,34 @@ class ControlWorker:
             raise HandshakeError(f"leader runs world size {welcome.world_size}, this rank expects {self.world_size}")
         return welcome
 
-    def _dial(self, deadline: float) -> socket.socket:
+    def start(self, fingerprint: str, kv_blocks: int = 0) -> None:
+        """Say this rank has loaded `fingerprint` and holds `kv_blocks` KV blocks, then wait for START
+        (the leader waits for every rank). Raises HandshakeError, with the leader's reason if it refused."""
+        deadline = time.monotonic() + self.connect_timeout
+        try:
+            self._send(Kind.LOADED, wire.encode(Loaded(fingerprint, kv_blocks)))
+            frame = self._link_or_raise().recv(deadline)
+        except LinkTimeout:
+            self.close()
+            raise HandshakeError(f"rank {self.rank}: no START from the leader within {self.connect_timeout:.0f} s "
+                                 "of loading") from None
+        except (LinkClosed, LeaderLost) as e:
+            self.close()
+            raise HandshakeError(f"rank {self.rank}: the leader hung up before the cluster started ({e})") from None
+        if frame.kind is Kind.REJECT:
+            self.close()
+            raise HandshakeError(f"leader rejected rank {self.rank}: {wire.decode_reason(frame.payload)}")
+        if frame.kind is not Kind.START:
+            self.close()
+            raise ProtocolError(f"rank {self.rank}: expected START or REJECT, got {frame.kind.name}")
+        wire.decode_empty(frame.payload, "START")
+
+    def _dial(self, deadline: float, gone: Callable[[], str | None] | None = None) -> socket.socket:
         delay, last = 0.02, "no attempt made"
         while True:
+            why = gone() if gone is not None else None
+            if why is not None:
+                raise HandshakeError(why)
             try:
                 sock = socket.create_connection((self.leader_host, self.port), timeout=max(remaining(deadline), 0.05))
                 tune(sock, max(self.timeout, 5.0))

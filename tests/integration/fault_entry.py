@@ -8,6 +8,7 @@ Kinds (ARG is a token id or a step id):
   skip_step STEP       a worker rank applies nothing at step STEP but acknowledges it (a split brain)
   stall_step STEP      a worker rank hangs at step STEP (only the watchdogs can end it)
   corrupt_activation STEP  a pipeline stage sends activation packets with an unknown dtype code from STEP on
+  stall_load SECONDS   the rank sleeps SECONDS before it loads its model (a slow disk)
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -66,11 +67,21 @@ def _plant(kind: str, arg: int) -> None:
         packet[stage_wire.HEADER.size + 1:stage_wire.HEADER.size + 5] = (99).to_bytes(4, "big")  # the dtype code
         self.send(bytes(packet), timeout)
 
+    from meshlm.model import loader
+
+    load_model = loader.load_model
+
+    def stalling_load(*args, **kw):
+        print(f"fault_entry: stalling the load for {arg} s", file=sys.stderr, flush=True)
+        time.sleep(arg)
+        return load_model(*args, **kw)
+
     patches = {"forward_raise": [(Runner, "launch", raising_launch)],
                "schedule_raise": [(Scheduler, "schedule", raising_schedule)],
                "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
                "stall_step": [(Runner, "prepare", stalling_prepare)],
-               "corrupt_activation": [(StageLink, "send_activation", corrupting_send)]}
+               "corrupt_activation": [(StageLink, "send_activation", corrupting_send)],
+               "stall_load": [(loader, "load_model", stalling_load)]}
     for cls, name, fn in patches[kind]:
         setattr(cls, name, fn)
 

@@ -195,7 +195,7 @@ class HandCluster:
 
     def start(self, model: Path, rank: int, *, secret: str | None = SECRET,
               launcher: tuple[str, ...] = ("-m", "meshlm"), env: dict[str, str] | None = None,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+              extra: tuple[str, ...] = (), layout: tuple[str, ...] = ("--tensor-parallel", "2")) -> subprocess.Popen:
         """`meshlm serve --rank r`, its secret in MESHLM_CLUSTER_SECRET as a user would set it; stderr to a file."""
         environ = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
         environ.update({"OPENBLAS_NUM_THREADS": "1", **(env or {})})
@@ -203,7 +203,7 @@ class HandCluster:
             environ["MESHLM_CLUSTER_SECRET"] = secret
         port = self.http if rank == 0 else free_port(avoid=self.ring)
         cmd = [sys.executable, *launcher, "serve", "--model", str(model), "--rank", str(rank), "--port", str(port),
-               "--hostfile", str(self.tmp / "hosts.json"), "--tensor-parallel", "2", "--ring-port", str(self.ring[0]),
+               "--hostfile", str(self.tmp / "hosts.json"), *layout, "--ring-port", str(self.ring[0]),
                "--control-port", str(self.control), "--kv-cache-dir", str(self.tmp / "kv"), "--max-model-len", "512",
                *extra]
         return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=self.log(rank).open("wb"))
@@ -341,7 +341,7 @@ def test_strangers_on_the_control_port_do_not_disturb_the_cluster(model, tmp_pat
     impostor_error: list[BaseException] = []
 
     def impostor() -> None:
-        w = ControlWorker("127.0.0.1", hc.control, 1, "whatever", 5.0, world_size=2, connect_timeout=120,
+        w = ControlWorker("127.0.0.1", hc.control, 1, 5.0, world_size=2, connect_timeout=120,
                           secret=ClusterSecret(WRONG_SECRET))
         try:
             w.connect()
@@ -479,9 +479,39 @@ def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_nam
     assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
 
 
+@pytest.mark.parametrize("layout, said", [
+    (("--tensor-parallel", "2"), "rank 0 could not load its share: [ring] connection to a peer was lost"),
+    (("--pipeline-parallel", "2"), "rank 1 hung up before it had loaded its share"),
+])
+def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_at_once(model, tmp_path, layout, said):
+    """Ranks started by hand or by `meshlm launch` (no parent to watch): rank 1 answers the roll call (and
+    joins the group), then is killed while it loads. A pipeline's leader sees its control connection,
+    open since the roll call, close (it used to wait for the handshake's 180 s); tensor-parallel rank 0,
+    whose sharded load ends in a collective, loses the peer there. Either ends the start at once and says
+    why in a sentence."""
+    hc = HandCluster.create(tmp_path)
+    stage_port = ("--stage-port", str(free_port(avoid=hc.ring)))
+    procs = [hc.start(model, 0, layout=layout, extra=stage_port),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, "stall_load", "3600"), env={"MESHLM_OPENBLAS": "0"},
+                      layout=layout, extra=stage_port)]
+    try:
+        assert wait_until(lambda: "stalling the load" in hc.log(1).read_text(), 60)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert procs[0].wait(20) == 2
+        assert time.monotonic() - t0 < 5
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log = hc.log(0).read_text()
+    assert said in log and "Traceback" not in log, log[-2000:]
+
+
 def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(model, tmp_path):
-    """Rank 0 killed as soon as its worker exists: the worker (which shares its output) stops waiting at the
-    start line instead of in MLX's join, and removes the cluster's directory rank 0 can no longer remove."""
+    """Rank 0 killed as soon as its worker exists: the worker (which shares its output) stops dialling rank
+    0 instead of waiting out its deadline, and removes the cluster's directory rank 0 can no longer remove."""
     leader = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port",
                                str(free_port()), "--tensor-parallel", "2", "--kv-cache-dir", str(tmp_path / "kv")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -13,7 +13,7 @@ import pytest
 from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk,
                                 NewSequence, StepPlan, TableUpdate, Trim)
 from meshlm.transport import codec
-from meshlm.transport.codec import (HEADER_SIZE, MESSAGE_TYPES, Ack, Challenge, Frame, FrameDecoder, Hello, Kind,
+from meshlm.transport.codec import (HEADER_SIZE, MESSAGE_TYPES, Ack, Challenge, Frame, FrameDecoder, Hello, Kind, Loaded,
                                     Proof, ProtocolError, VersionMismatch, Welcome, decode, decode_frame,
                                     decode_reason, encode, encode_frame, encode_reason, encode_reject, welcome_fields)
 
@@ -62,13 +62,14 @@ def test_every_plan_field_is_on_the_wire():
 
 
 def test_other_messages_round_trip():
-    for msg in (Hello(rank=3, world_size=4, fingerprint="sha256:abc/ünï", nonce=bytes(range(32))),
-                Welcome(world_size=4, fingerprint="x", mac=b"\xff" * 32), Challenge(b"n" * 32), Proof(b"m" * 32),
+    for msg in (Hello(rank=3, world_size=4, nonce=bytes(range(32))),
+                Welcome(world_size=4, mac=b"\xff" * 32), Challenge(b"n" * 32), Proof(b"m" * 32),
+                Loaded(fingerprint="sha256:abc/ünï", kv_blocks=2**40),
                 Ack(step_id=2**64 - 1, fingerprint=12345, error="KeyError: uid 3")):
         kind = next(k for k, t in MESSAGE_TYPES.items() if t is type(msg))
         assert decode(kind, encode(msg)) == msg
     assert decode_reason(encode_reason("bye \ud800")) == "bye \ud800"
-    assert welcome_fields(4, "x") != welcome_fields(4, "y") != welcome_fields(5, "x")
+    assert welcome_fields(4) != welcome_fields(5)
 
 
 PLAN = encode(StepPlan(4, new=(NewSequence(9, 2),), chunks=(Chunk(9, 2, (3, 4), LOGITS_LAST),), removed=(1,),
@@ -120,9 +121,11 @@ def test_unencodable_plans_raise_protocol_error(plan):
 
 
 @pytest.mark.parametrize("kind, data", [
-    (Kind.HELLO, encode(Hello(1, 2, "f", b"n" * 32)) + b"!"),
-    (Kind.HELLO, encode(Hello(1, 2, "f", b"n" * 32))[:-1]),
-    (Kind.WELCOME, welcome_fields(2, "f")),  # no mac
+    (Kind.HELLO, encode(Hello(1, 2, b"n" * 32)) + b"!"),
+    (Kind.HELLO, encode(Hello(1, 2, b"n" * 32))[:-1]),
+    (Kind.WELCOME, welcome_fields(2)),  # no mac
+    (Kind.LOADED, encode(Loaded("f", 3))[:-1]),
+    (Kind.LOADED, msgspec.msgpack.encode({"fingerprint": 7, "kv_blocks": 3})),  # a field of the wrong type
     (Kind.ACK, encode(Ack(1, 2))[:5]),
     (Kind.WELCOME, b""),
     (Kind.HEARTBEAT, b""),  # carries no message
@@ -267,16 +270,16 @@ def test_an_unreadable_reject_of_another_version_still_names_the_version():
 
 def test_nonces_and_macs_must_have_their_exact_size():
     for bad in (b"", b"x" * 31, b"x" * 33):
-        for make in (lambda b: Challenge(b), lambda b: Hello(1, 2, "f", b), lambda b: Welcome(2, "f", b),
+        for make in (lambda b: Challenge(b), lambda b: Hello(1, 2, b), lambda b: Welcome(2, b),
                      lambda b: Proof(b)):
             with pytest.raises(ValueError, match="must be 32 bytes"):
                 make(bad)
         # ...and a peer's payload with one of another size is refused on decoding.
-        forged = msgspec.msgpack.encode({"rank": 1, "world_size": 2, "fingerprint": "f", "nonce": bad})
+        forged = msgspec.msgpack.encode({"rank": 1, "world_size": 2, "nonce": bad})
         with pytest.raises(ProtocolError, match="32 bytes"):
             decode(Kind.HELLO, forged)
 
 
 def test_proofs_never_appear_in_a_repr():
-    assert "m" * 8 not in repr(Welcome(2, "f", b"m" * 32))
-    assert "n" * 8 not in repr(Hello(1, 2, "f", b"n" * 32))
+    assert "m" * 8 not in repr(Welcome(2, b"m" * 32))
+    assert "n" * 8 not in repr(Hello(1, 2, b"n" * 32))

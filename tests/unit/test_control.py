@@ -3,6 +3,7 @@ deadlines, failures, strangers and peers of another protocol version."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -81,7 +82,8 @@ class WorkerThread(threading.Thread):
                  secret: ClusterSecret = SECRET, **kw: float) -> None:
         super().__init__(daemon=True)
         kw.setdefault("timeout", TIMEOUT)
-        self.worker = ControlWorker("127.0.0.1", port, rank, fingerprint, world_size=world_size, secret=secret, **kw)
+        self.worker = ControlWorker("127.0.0.1", port, rank, world_size=world_size, secret=secret, **kw)
+        self.fingerprint = fingerprint
         self.on_plan = on_plan or (lambda w, p: w.ack(p.step_id, p.fingerprint))
         self.plans: list[StepPlan] = []
         self.error: BaseException | None = None
@@ -89,6 +91,7 @@ class WorkerThread(threading.Thread):
     def run(self) -> None:
         try:
             self.worker.connect()
+            self.worker.start(self.fingerprint)
             while (p := self.worker.next_plan()) is not None:
                 self.plans.append(p)
                 self.on_plan(self.worker, p)
@@ -96,6 +99,12 @@ class WorkerThread(threading.Thread):
             self.error = e
         finally:
             self.worker.close()
+
+
+def form(leader: ControlLeader, timeout: float | None = None, gone: Callable[[], str | None] | None = None) -> dict:
+    """Both rounds of the start: the roll call, then every rank's LOADED and START."""
+    leader.wait_for_workers(timeout, gone=gone)
+    return leader.start(timeout, gone=gone)
 
 
 @contextmanager
@@ -106,7 +115,7 @@ def cluster(world_size: int = 3, leader_kw: dict | None = None, **worker_kw: obj
     for w in workers:
         w.start()
     try:
-        leader.wait_for_workers()
+        form(leader)
         yield leader, workers
     finally:
         leader.shutdown(linger=1.0)
@@ -137,7 +146,7 @@ def test_hundred_plans_in_order_with_acks():
             seqs.append(leader.broadcast(p))
             acks = leader.collect_acks(p.step_id)
             assert acks == {1: Ack(p.step_id, p.fingerprint), 2: Ack(p.step_id, p.fingerprint)}
-        assert seqs == list(range(2, 102))  # seq 0 was CHALLENGE, seq 1 WELCOME
+        assert seqs == list(range(3, 103))  # seq 0 was CHALLENGE, seq 1 WELCOME, seq 2 START
     for w in workers:
         assert w.error is None
         assert w.plans == sent
@@ -189,7 +198,7 @@ def test_large_plan_with_200k_token_chunk():
 
 def test_world_size_one_has_no_workers():
     leader = ControlLeader(world_size=1, timeout=1.0, secret=SECRET)
-    assert leader.wait_for_workers() == {}
+    assert form(leader) == {}
     leader.broadcast(plan(0))
     assert leader.collect_acks(0) == {}
     leader.shutdown()
@@ -214,10 +223,10 @@ def test_heartbeats_keep_an_idle_worker_alive_past_its_timeout():
 
 def test_silent_leader_makes_worker_raise_leader_lost():
     leader = ControlLeader(world_size=2, timeout=TIMEOUT, secret=SECRET)
-    worker = ControlWorker("127.0.0.1", leader.port, 1, FP, 0.3, world_size=2, secret=SECRET)
-    t = threading.Thread(target=worker.connect, daemon=True)
+    worker = ControlWorker("127.0.0.1", leader.port, 1, 0.3, world_size=2, secret=SECRET)
+    t = threading.Thread(target=lambda: (worker.connect(), worker.start(FP)), daemon=True)
     t.start()
-    leader.wait_for_workers()
+    form(leader)
     t.join()
     t0 = time.monotonic()
     with pytest.raises(LeaderLost, match="not even a heartbeat"):
@@ -229,10 +238,10 @@ def test_silent_leader_makes_worker_raise_leader_lost():
 
 def test_closed_leader_is_noticed_at_once():
     leader = ControlLeader(world_size=2, timeout=TIMEOUT, secret=SECRET)
-    with ControlWorker("127.0.0.1", leader.port, 1, FP, TIMEOUT, world_size=2, secret=SECRET) as worker:
-        t = threading.Thread(target=worker.connect, daemon=True)
+    with ControlWorker("127.0.0.1", leader.port, 1, TIMEOUT, world_size=2, secret=SECRET) as worker:
+        t = threading.Thread(target=lambda: (worker.connect(), worker.start(FP)), daemon=True)
         t.start()
-        leader.wait_for_workers()
+        form(leader)
         t.join()
         leader.close()
         t0 = time.monotonic()
@@ -248,8 +257,9 @@ from meshlm.transport.auth import ClusterSecret
 from meshlm.transport.control import ControlWorker
 port, rank, world, codec.VERSION = map(int, sys.argv[1:5])  # VERSION: pretend to be another meshlm build
 secret = ClusterSecret(os.environ["MESHLM_CLUSTER_SECRET"])
-with ControlWorker("127.0.0.1", port, rank, "model@rev1", 10.0, world_size=world, secret=secret) as w:
+with ControlWorker("127.0.0.1", port, rank, 10.0, world_size=world, secret=secret) as w:
     w.connect()
+    w.start("model@rev1")
     while (plan := w.next_plan()) is not None:
         w.ack(plan.step_id, plan.fingerprint)
 """
@@ -278,7 +288,7 @@ def worker_processes(port: int, ranks: list[int]) -> Iterator[dict[int, subproce
 def test_sigkilled_worker_is_detected_during_a_step():
     leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     with worker_processes(leader.port, [1, 2]) as procs:
-        leader.wait_for_workers(timeout=10)
+        form(leader, timeout=10)
         leader.broadcast(plan(0))
         assert set(leader.collect_acks(0)) == {1, 2}
         procs[2].send_signal(signal.SIGKILL)
@@ -296,7 +306,7 @@ def test_sigkilled_worker_is_detected_during_a_step():
 def test_sigkilled_worker_is_detected_while_idle():
     leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, heartbeat_interval=0.05, secret=SECRET)
     with worker_processes(leader.port, [1, 2]) as procs:
-        leader.wait_for_workers(timeout=10)
+        form(leader, timeout=10)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(timeout=5)
         t0 = time.monotonic()
@@ -403,7 +413,7 @@ def test_fingerprint_mismatch_is_rejected_on_both_sides():
     workers = _start(leader.port, 3, [(1, FP), (2, "model@rev2")], connect_timeout=1.0)
     message = "rank 2 loaded model fingerprint 'model@rev2' but the leader's is 'model@rev1'"
     with pytest.raises(HandshakeError, match=message):
-        leader.wait_for_workers()
+        form(leader)
     _join(workers)
     assert isinstance(workers[1].error, HandshakeError)
     assert "leader rejected rank 2" in str(workers[1].error) and "same model revision" in str(workers[1].error)
@@ -418,7 +428,7 @@ def test_workers_must_agree_with_each_other_without_a_leader_fingerprint():
     either = (r"rank 2 loaded model fingerprint 'b' but rank 1's is 'a'"
               r"|rank 1 loaded model fingerprint 'a' but rank 2's is 'b'")
     with pytest.raises(HandshakeError, match=either):
-        leader.wait_for_workers()
+        form(leader)
     _join(workers)
 
 
@@ -427,7 +437,7 @@ def test_missing_rank_is_named_at_the_deadline():
     workers = _start(leader.port, 4, [(2, FP)])
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match=r"missing ranks \[1, 3\]"):
-        leader.wait_for_workers(timeout=0.5)
+        form(leader, timeout=0.5)
     assert time.monotonic() - t0 < 1.5
     _join(workers)
     assert "missing ranks [1, 3]" in str(workers[0].error)
@@ -445,7 +455,7 @@ def test_a_rank_that_will_never_come_ends_the_wait_at_once():
         return "rank 2 exited with status -9 before joining the cluster" if time.monotonic() - t0 > 0.3 else None
 
     with pytest.raises(HandshakeError, match="rank 2 exited with status -9"):
-        leader.wait_for_workers(timeout=60, gone=gone)
+        form(leader, timeout=60, gone=gone)
     assert time.monotonic() - t0 < 2 and len(asked) >= 2
     _join(workers)
     assert "rank 2 exited with status -9" in str(workers[0].error)  # the admitted rank is told why
@@ -462,8 +472,86 @@ def test_bad_rank_layouts_are_rejected(specs, world, message):
     leader = ControlLeader(world_size=world, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
     workers = _start(leader.port, 3, specs, connect_timeout=1.0)
     with pytest.raises(HandshakeError, match=message):
-        leader.wait_for_workers()
+        form(leader)
     _join(workers)
+
+
+LOADING_SCRIPT = """
+import os, sys, time
+from meshlm.transport.auth import ClusterSecret
+from meshlm.transport.control import ControlWorker
+port, rank, world = map(int, sys.argv[1:4])
+w = ControlWorker("127.0.0.1", port, rank, 10.0, world_size=world, secret=ClusterSecret(os.environ["MESHLM_CLUSTER_SECRET"]))
+w.connect()
+time.sleep(60)  # loading its share, until killed
+"""
+
+
+def test_a_rank_that_dies_while_loading_ends_the_start_at_once_naming_it():
+    """The roll call comes before the load and the connection stays open: a rank killed while loading is
+    noticed by its closed socket, not at the start's deadline, and the other ranks are told why."""
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           SECRET_ENV: SECRET_TEXT}
+    loading = subprocess.Popen([sys.executable, "-c", LOADING_SCRIPT, str(leader.port), "2", "3"], env=env)
+    try:
+        workers = _start(leader.port, 3, [(1, FP)])
+        leader.wait_for_workers(timeout=10)
+        loading.kill()
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match=r"rank 2 hung up before it had loaded its share .*its own log"):
+            leader.start(timeout=60)
+        assert time.monotonic() - t0 < 2
+    finally:
+        loading.kill()
+        loading.wait()
+    _join(workers)
+    assert "leader rejected rank 1: cluster start aborted: rank 2 hung up" in str(workers[0].error)
+
+
+def test_the_start_names_the_ranks_still_loading_at_its_deadline():
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
+    slow = ControlWorker("127.0.0.1", leader.port, 2, TIMEOUT, world_size=3, secret=SECRET)
+    connecting = threading.Thread(target=slow.connect, daemon=True)
+    connecting.start()
+    workers = _start(leader.port, 3, [(1, FP)])
+    leader.wait_for_workers()
+    connecting.join()
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError, match=r"rank\(s\) 2 did not finish loading within 1 s of the leader"):
+        leader.start(timeout=1.0)
+    assert 0.9 < time.monotonic() - t0 < 2
+    _join(workers)
+    slow.close()
+
+
+def test_the_start_returns_what_each_rank_loaded():
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
+    ranks = [ControlWorker("127.0.0.1", leader.port, r, TIMEOUT, world_size=3, secret=SECRET) for r in (1, 2)]
+    threads = [threading.Thread(target=lambda w=w: (w.connect(), w.start(FP, kv_blocks=5 + w.rank)), daemon=True)
+               for w in ranks]
+    for t in threads:
+        t.start()
+    assert set(leader.wait_for_workers()) == {1, 2}
+    assert leader.start() == {1: codec.Loaded(FP, 6), 2: codec.Loaded(FP, 7)}
+    for t in threads:
+        t.join(5)
+    leader.broadcast(plan(0))
+    for w in ranks:
+        assert w.next_plan() == plan(0)
+        w.ack(0, 0)
+    assert set(leader.collect_acks(0)) == {1, 2}
+    leader.shutdown(linger=0.5)
+    for w in ranks:
+        w.close()
+
+
+def test_a_worker_stops_dialling_once_its_leader_is_gone():
+    worker = ControlWorker("127.0.0.1", free_port(), 1, TIMEOUT, world_size=2, connect_timeout=30.0, secret=SECRET)
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError, match="rank 0 ended before the cluster formed"):
+        worker.connect(gone=lambda: "rank 0 ended before the cluster formed" if time.monotonic() - t0 > 0.2 else None)
+    assert time.monotonic() - t0 < 2
 
 
 def test_worker_retries_until_the_leader_binds():
@@ -471,7 +559,7 @@ def test_worker_retries_until_the_leader_binds():
     workers = _start(port, 2, [(1, FP)])
     time.sleep(0.3)
     leader = ControlLeader("127.0.0.1", port, 2, TIMEOUT, fingerprint=FP, secret=SECRET)
-    leader.wait_for_workers()
+    form(leader)
     leader.broadcast(plan(0))
     assert set(leader.collect_acks(0)) == {1}
     leader.shutdown()
@@ -480,7 +568,7 @@ def test_worker_retries_until_the_leader_binds():
 
 
 def test_unreachable_leader_fails_at_the_connect_deadline():
-    worker = ControlWorker("127.0.0.1", free_port(), 1, FP, TIMEOUT, world_size=2, connect_timeout=0.3,
+    worker = ControlWorker("127.0.0.1", free_port(), 1, TIMEOUT, world_size=2, connect_timeout=0.3,
                            secret=SECRET)
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="could not reach the leader"):
@@ -541,13 +629,13 @@ def _as_version(frame: bytes, version: int) -> bytes:
 def hello_frames(leader_nonce: bytes, secret: ClusterSecret, rank: int = 1, world: int = 2,
                  nonce: bytes = b"w" * 32) -> tuple[bytes, bytes]:
     """HELLO (seq 0) and PROOF (seq 1) as a worker holding `secret` writes them."""
-    hello = encode(Hello(rank, world, FP, nonce))
+    hello = encode(Hello(rank, world, nonce))
     proof = encode_frame(Kind.PROOF, 1, encode(Proof(hello_proof(secret, leader_nonce, hello))))
     return encode_frame(Kind.HELLO, 0, hello), proof
 
 
 class Waiting(threading.Thread):
-    """`leader.wait_for_workers()` in the background: the leader accepts only while it waits."""
+    """`form(leader)` in the background: the leader accepts only while it waits."""
 
     def __init__(self, leader: ControlLeader, timeout: float | None = None) -> None:
         super().__init__(daemon=True)
@@ -577,6 +665,7 @@ def _leader(world: int = 2, **kw: object) -> ControlLeader:
 
 
 def _serve_one_plan(leader: ControlLeader, workers: list[WorkerThread]) -> None:
+    leader.start()
     leader.broadcast(plan(0))
     assert set(leader.collect_acks(0)) == {w.worker.rank for w in workers}
     leader.shutdown()
@@ -596,14 +685,14 @@ def test_handshake_proves_both_sides_with_fresh_nonces():
     nonce = decode(Kind.CHALLENGE, challenge.payload).nonce
     for frame in hello_frames(nonce, SECRET):
         raw.send(frame)
-    assert waiting.outcome() == {1: Hello(1, 2, FP, b"w" * 32)}
+    assert waiting.outcome() == {1: Hello(1, 2, b"w" * 32)}
     welcome = raw.frame()
     assert (welcome.kind, welcome.seq) == (Kind.WELCOME, 1)
     got = decode(Kind.WELCOME, welcome.payload)
-    assert (got.world_size, got.fingerprint) == (2, FP)
+    assert got.world_size == 2
     # The leader's proof covers this worker's nonce and its own: only a holder of the secret could write it.
-    assert got.mac == welcome_proof(SECRET, b"w" * 32, nonce, welcome_fields(2, FP))
-    assert got.mac != welcome_proof(OTHER, b"w" * 32, nonce, welcome_fields(2, FP))
+    assert got.mac == welcome_proof(SECRET, b"w" * 32, nonce, welcome_fields(2))
+    assert got.mac != welcome_proof(OTHER, b"w" * 32, nonce, welcome_fields(2))
     leader.close()
     raw.close()
     # Every connection gets a fresh challenge, so a recorded HELLO and PROOF cannot be replayed.
@@ -657,7 +746,7 @@ def test_wrong_secret_alone_fails_at_the_deadline_naming_the_refused_peer():
     impostors = _start(leader.port, 2, [(1, FP)], secret=OTHER, connect_timeout=TIMEOUT)
     t0 = time.monotonic()
     with pytest.raises(HandshakeError) as info:
-        leader.wait_for_workers(timeout=1.0)
+        form(leader, timeout=1.0)
     assert 0.9 < time.monotonic() - t0 < 2.0
     message = str(info.value)
     assert re.search(r"missing ranks \[1\]; refused 1 connection\(s\): 127\.0\.0\.1:\d+: authentication failed",
@@ -672,7 +761,8 @@ def test_strangers_sending_garbage_or_nothing_do_not_disturb_the_handshake():
     strangers = [Raw.connect(leader.port) for _ in range(7)]
     silent, http, noise, quitter, forger, wrong_world, huge = strangers
     http.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 40)
-    huge.send(encode_frame(Kind.HELLO, 0, b"x" * (1 << 20)))  # refused at its header, never buffered
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the leader may hang up mid-frame
+        huge.send(encode_frame(Kind.HELLO, 0, b"x" * (1 << 20)))  # refused at its header, never buffered
     noise.send(bytes(random.Random(3).randrange(256) for _ in range(500)))
     quitter.send(hello_frames(b"x" * 32, SECRET)[0])  # HELLO, then gone before its PROOF
     quitter.close()
@@ -784,8 +874,8 @@ def leader_handshake(raw: Raw, secret: ClusterSecret = SECRET, nonce: bytes = b"
     raw.send(encode_frame(Kind.CHALLENGE, 0, encode(Challenge(nonce))))
     hello = decode(Kind.HELLO, raw.frame().payload)
     assert raw.frame().kind is Kind.PROOF
-    mac = welcome_proof(secret, hello.nonce, nonce, welcome_fields(2, FP))
-    raw.send(encode_frame(Kind.WELCOME, 1, encode(Welcome(2, FP, mac))))
+    mac = welcome_proof(secret, hello.nonce, nonce, welcome_fields(2))
+    raw.send(encode_frame(Kind.WELCOME, 1, encode(Welcome(2, mac))))
 
 
 def test_worker_refuses_a_leader_without_the_secret():
@@ -793,7 +883,7 @@ def test_worker_refuses_a_leader_without_the_secret():
         leader_handshake(raw, OTHER)
         raw.send(encode_frame(Kind.PLAN, 2, GOOD_PLAN))  # must never be applied
 
-    with fake_leader(impostor) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+    with fake_leader(impostor) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2,
                                                       secret=SECRET) as worker:
         with pytest.raises(HandshakeError, match="did not prove it holds the cluster secret"):
             worker.connect()
@@ -804,9 +894,9 @@ def test_worker_refuses_a_leader_without_the_secret():
 def test_worker_refuses_a_welcome_without_a_challenge():
     def eager(raw: Raw) -> None:
         raw.frame()
-        raw.send(encode_frame(Kind.WELCOME, 0, encode(Welcome(2, FP, b"\0" * 32))))
+        raw.send(encode_frame(Kind.WELCOME, 0, encode(Welcome(2, b"\0" * 32))))
 
-    with fake_leader(eager) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+    with fake_leader(eager) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2,
                                                    secret=SECRET) as worker:
         with pytest.raises(ProtocolError, match="expected CHALLENGE or REJECT, got WELCOME"):
             worker.connect()
@@ -822,7 +912,7 @@ def test_worker_of_another_version_fails_both_sides_at_once():
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match=rf"127\.0\.0\.1:\d+ speaks control protocol version "
                                                  rf"{codec.VERSION + 1}, this leader speaks {codec.VERSION}"):
-            leader.wait_for_workers()
+            form(leader)
         assert time.monotonic() - t0 < 5.0  # not the 10 s handshake timeout
         _, err = proc.communicate(timeout=5)
         assert time.monotonic() - t0 < 5.0
@@ -863,7 +953,7 @@ def test_leader_of_another_version_is_refused_at_once():
         heard.append(raw.frame())  # HELLO, sent before the worker read anything
         heard.append(raw.frame())  # the worker's REJECT, written in this leader's version
 
-    with fake_leader(newer) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+    with fake_leader(newer) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2,
                                                    connect_timeout=10.0, secret=SECRET) as worker:
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match=f"speaks control protocol version {codec.VERSION + 1}, "
@@ -883,7 +973,7 @@ def test_reject_from_an_older_leader_is_read_and_explained():
         raw.frame()
         raw.send(_as_version(codec.encode_reject(0, "protocol version 2, this build speaks 1"), 1))
 
-    with fake_leader(old) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+    with fake_leader(old) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2,
                                                  secret=SECRET) as worker:
         with pytest.raises(HandshakeError, match=r"\(control protocol version 1, this build speaks "
                                                  rf"{codec.VERSION}\) rejected rank 1: protocol version 2"):
@@ -927,7 +1017,7 @@ GOOD_PLAN = encode(plan(0))
     ],
 )
 def test_worker_refuses_bad_frames_from_the_leader(frames, message):
-    with misbehaving_leader(frames) as port, ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2,
+    with misbehaving_leader(frames) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2,
                                                            secret=SECRET) as worker:
         worker.connect()
         with pytest.raises(ProtocolError, match=message):
@@ -948,7 +1038,7 @@ AHEAD_PLAN = encode(StepPlan(0, chunks=(Chunk(1, 0, (0,), LOGITS_LAST),), ids_fo
 )
 def test_worker_refuses_ids_that_do_not_follow_their_plan(frames, message):
     with misbehaving_leader([encode_frame(Kind.PLAN, 2, AHEAD_PLAN), *frames]) as port, \
-            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+            ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2, secret=SECRET) as worker:
         worker.connect()
         ahead = worker.next_plan()
         assert ahead.ids_follow
@@ -958,7 +1048,7 @@ def test_worker_refuses_ids_that_do_not_follow_their_plan(frames, message):
 
 def test_a_leader_gone_before_the_ids_is_leader_lost():
     with misbehaving_leader([encode_frame(Kind.PLAN, 2, AHEAD_PLAN)]) as port, \
-            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+            ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2, secret=SECRET) as worker:
         worker.connect()
         ahead = worker.next_plan()
         with pytest.raises(LeaderLost):
@@ -967,7 +1057,7 @@ def test_a_leader_gone_before_the_ids_is_leader_lost():
 
 def test_ids_with_no_plan_waiting_are_refused():
     with misbehaving_leader([encode_frame(Kind.TOKENS, 2, encode(TokenIds(0, (5,))))]) as port, \
-            ControlWorker("127.0.0.1", port, 1, FP, 2.0, world_size=2, secret=SECRET) as worker:
+            ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2, secret=SECRET) as worker:
         worker.connect()
         with pytest.raises(ProtocolError, match="TOKENS frame with no plan waiting"):
             worker.next_plan()
@@ -994,7 +1084,7 @@ def fake_worker(leader: ControlLeader) -> Iterator[socket.socket]:
         (_corrupt(encode_frame(Kind.ACK, 2, encode(Ack(0, 0)))), "rank 1: checksum mismatch"),
         (encode_frame(Kind.ACK, 5, encode(Ack(0, 0))), "rank 1: sequence 5"),
         (encode_frame(Kind.ACK, 2, encode(Ack(7, 0))), "rank 1 acked step 7, expected step 0"),
-        (encode_frame(Kind.HELLO, 2, encode(Hello(1, 2, FP, b"w" * 32))), "rank 1 sent HELLO after"),
+        (encode_frame(Kind.HELLO, 2, encode(Hello(1, 2, b"w" * 32))), "rank 1 sent HELLO after"),
         (encode_frame(Kind.PROOF, 2, encode(Proof(b"m" * 32))), "rank 1 sent PROOF after the handshake"),
         (encode_frame(Kind.PLAN, 2, GOOD_PLAN), "rank 1: unexpected PLAN frame"),
     ],
@@ -1007,3 +1097,48 @@ def test_leader_refuses_bad_frames_from_a_worker(ack_frame, message):
         with pytest.raises(ProtocolError, match=message):
             leader.collect_acks(0)
     leader.close()
+
+
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (encode_frame(Kind.LOADED, 2, encode(codec.Loaded(FP, -1))), "rank 1 says it holds -1 KV blocks"),
+        (encode_frame(Kind.ACK, 2, encode(Ack(0, 0))), "rank 1 sent ACK before LOADED"),
+        (encode_frame(Kind.LOADED, 2, b"\x92"), "rank 1: invalid LOADED payload"),
+        (encode_frame(Kind.LOADED, 3, encode(codec.Loaded(FP, 1))), "rank 1: sequence 3"),
+    ],
+)
+def test_leader_refuses_a_bad_loaded_frame(frame, message):
+    leader = ControlLeader(world_size=2, timeout=2.0, fingerprint=FP, secret=SECRET)
+    with fake_worker(leader) as sock:
+        sock.sendall(frame)
+        with pytest.raises(ProtocolError, match=message):
+            leader.start()
+    leader.close()
+
+
+def test_worker_whose_leader_hangs_up_before_the_start_says_so_at_once():
+    def quitter(raw: Raw) -> None:
+        leader_handshake(raw)
+        assert raw.frame().kind is Kind.LOADED
+        raw.close()
+
+    with fake_leader(quitter) as port, ControlWorker("127.0.0.1", port, 1, 10.0, world_size=2,
+                                                     secret=SECRET) as worker:
+        worker.connect()
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match="rank 1: the leader hung up before the cluster started"):
+            worker.start(FP)
+        assert time.monotonic() - t0 < 2
+
+
+def test_worker_refuses_a_plan_in_place_of_the_start():
+    def eager(raw: Raw) -> None:
+        leader_handshake(raw)
+        raw.frame()
+        raw.send(encode_frame(Kind.PLAN, 2, GOOD_PLAN))
+
+    with fake_leader(eager) as port, ControlWorker("127.0.0.1", port, 1, 2.0, world_size=2, secret=SECRET) as worker:
+        worker.connect()
+        with pytest.raises(ProtocolError, match="expected START or REJECT, got PLAN"):
+            worker.start(FP)

@@ -1,0 +1,58 @@
+"""A local cluster's watches while it starts (meshlm/cluster/bootstrap.py): rank 0 on the workers it
+started, each worker on rank 0, its parent. Real child processes; no MLX."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshlm.cluster.bootstrap import LEADER_FILE, ClusterError, LocalCluster, exited, local_leader_gone
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_local_cluster_names_rank_0_beside_its_ring_file():
+    cluster = LocalCluster.create(3)
+    try:
+        assert len(json.loads(cluster.hostfile.read_text())) == 3
+        assert (cluster.hostfile.parent / LEADER_FILE).read_text() == str(os.getpid())
+        assert len(set(cluster.stage_addrs) | {cluster.control_addr}) == 4
+    finally:
+        for f in cluster.hostfile.parent.iterdir():
+            f.unlink()
+        cluster.hostfile.parent.rmdir()
+
+
+def test_the_first_worker_that_exited_is_named_with_its_status():
+    alive, dead = sleeper(), subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    try:
+        assert exited([alive]) is None
+        assert exited([alive, dead]) == "rank 2 exited with status 3 before joining the cluster (its own output says why)"
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_worker_of_a_live_rank_0_waits(tmp_path):
+    (tmp_path / LEADER_FILE).write_text(str(os.getppid()))  # this process's parent plays rank 0
+    assert local_leader_gone(tmp_path / "ring.json")() is None
+    assert tmp_path.exists()
+
+
+def test_a_worker_whose_rank_0_died_says_so_and_removes_the_directory(tmp_path):
+    # Not our parent: as if rank 0 had died, even before this worker looked, and it had been re-parented.
+    (tmp_path / LEADER_FILE).write_text(str(os.getppid() + 1))
+    assert local_leader_gone(tmp_path / "ring.json")() == "rank 0 ended before the cluster formed"
+    assert not tmp_path.exists()  # rank 0 cannot remove it now
+
+
+def test_a_worker_without_rank_0_named_is_refused(tmp_path):
+    with pytest.raises(ClusterError, match="a local worker is started by rank 0"):
+        local_leader_gone(tmp_path / "ring.json")
