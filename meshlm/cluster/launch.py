@@ -94,7 +94,8 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
         return 0
     _check_tools(cmds)
     procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
-    return _supervise(procs)
+    names = [h.ssh for h in hosts] if backend != "mpi" else ["mpirun"]
+    return _supervise(procs, names)
 
 
 def check_secret(hostfile: Hostfile) -> None:
@@ -116,8 +117,13 @@ def _check_tools(cmds: list[list[str]]) -> None:
             raise ClusterError(f"{tool} not found: it is needed to start a rank")
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
-    """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); wait for every rank."""
+POLL_S = 0.2
+
+
+def _supervise(procs: list[subprocess.Popen], names: list[str]) -> int:
+    """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); say at once when a worker
+    exits while the leader runs (the leader says what it means: a start that ends, or an unhealthy
+    cluster); wait for every rank."""
     leader = procs[0]
     forwarded: list[int] = []
 
@@ -128,7 +134,14 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    code = leader.wait()
+    told: set[int] = set()
+    while (code := leader.poll()) is None:
+        for rank, proc in enumerate(procs[1:], start=1):
+            status = proc.poll()
+            if status is not None and rank not in told:
+                told.add(rank)
+                log.warning("rank %d (%s) exited with status %d while the leader runs", rank, names[rank], status)
+        time.sleep(POLL_S)
     deadline = time.monotonic() + 10
     for proc in procs[1:]:
         try:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -164,3 +165,18 @@ def load_hostfile_from(entries: list[dict]):
     from meshlm.cluster.bootstrap import Hostfile
 
     return Hostfile(tuple(Host(e["ssh"], (e["ssh"],)) for e in entries), None)
+
+
+def test_a_worker_that_exits_is_reported_while_the_leader_runs(caplog):
+    from meshlm.cluster import launch
+
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(7)"])
+    worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(255)"])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert launch._supervise([leader, worker], ["localhost", "mac2.local"]) == 7
+    finally:  # _supervise forwards these to its leader
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert caplog.text.count("rank 1 (mac2.local) exited with status 255 while the leader runs") == 1
