@@ -83,7 +83,7 @@ def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> in
 def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
                   children: list[subprocess.Popen]) -> Leader:
     from meshlm.executor.pipeline import PipelineExecutor
-    from meshlm.transport.control import ControlError, ControlLeader, HandshakeError
+    from meshlm.transport.control import ControlError, ControlLeader
 
     p = topo.parallel
     port = int(p.control_addr.rsplit(":", 1)[1])
@@ -101,7 +101,7 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
                  layout.stage_of(0), HANDSHAKE_SECONDS)
         ready = control.start(timeout=HANDSHAKE_SECONDS, gone=gone)
         io = _join(topo, layout, server, spec)
-    except (HandshakeError, ControlError) as exc:
+    except ControlError as exc:  # HandshakeError among them: the message names the rank
         raise ClusterError(str(exc)) from None
     log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
     kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])

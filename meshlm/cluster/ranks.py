@@ -246,7 +246,7 @@ def _follow(config: ServeConfig, topo: Topology) -> int:
 
 
 def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
-    from meshlm.transport.control import ControlLeader, HandshakeError
+    from meshlm.transport.control import ControlError, ControlLeader
 
     p = topo.parallel
     port = int(p.control_addr.rsplit(":", 1)[1])
@@ -257,7 +257,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
              p.control_addr)
     try:
         control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
-    except HandshakeError as exc:  # the message says what to fix; a traceback would bury it
+    except ControlError as exc:  # the message says what to fix; a traceback would bury it
         raise ClusterError(str(exc)) from None
     loaded, rank, sums = _load(config, topo)
     control.fingerprint = _handshake_fingerprint(loaded, topo)
@@ -265,7 +265,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     try:
         # The sums' file exists from just before the workers are started (and join it) until they all have.
         ready = control.start(timeout=HANDSHAKE_SECONDS, before_start=sums.create if sums else None, gone=gone)
-    except HandshakeError as exc:
+    except ControlError as exc:  # a rank that died, refused or garbled its LOADED: named in the message
         if sums is not None:
             sums.remove_file()
         raise ClusterError(str(exc)) from None

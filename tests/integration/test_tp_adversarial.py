@@ -509,6 +509,39 @@ def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_a
     assert said in log and "Traceback" not in log, log[-2000:]
 
 
+FAKE_STAGE = """
+import sys
+from meshlm.transport import codec
+from meshlm.transport.auth import ClusterSecret
+from meshlm.transport.control import ControlWorker
+port, secret = int(sys.argv[1]), ClusterSecret(sys.argv[2])
+w = ControlWorker("127.0.0.1", port, 1, 10.0, world_size=2, secret=secret, connect_timeout=60)
+w.connect()
+w._send(codec.Kind.LOADED, codec.encode(codec.Loaded("whatever", -1)))  # a rank that lies about its KV
+w._link.sock.settimeout(30)
+while w._link.sock.recv(4096):  # the leader's REJECT, until it hangs up
+    pass
+"""
+
+
+def test_a_rank_whose_loaded_frame_is_garbage_ends_the_start_with_a_sentence(model, tmp_path):
+    """A proven rank (it holds the secret) that sends an impossible LOADED: the leader ends the start
+    naming it (status 2, no traceback), as for any other misfit."""
+    hc = HandCluster.create(tmp_path)
+    layout = ("--pipeline-parallel", "2")
+    leader = hc.start(model, 0, layout=layout, extra=("--stage-port", str(free_port(avoid=hc.ring))))
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_STAGE, str(hc.control), SECRET])
+    try:
+        assert leader.wait(60) == 2
+    finally:
+        for p in (leader, fake):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log = hc.log(0).read_text()
+    assert "rank 1 says it holds -1 KV blocks" in log and "Traceback" not in log, log[-2000:]
+
+
 def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(model, tmp_path):
     """Rank 0 killed as soon as its worker exists: the worker (which shares its output) stops dialling rank
     0 instead of waiting out its deadline, and removes the cluster's directory rank 0 can no longer remove."""
