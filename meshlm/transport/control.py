@@ -109,6 +109,17 @@ def _last_error_ack(link: Link) -> Ack | None:
     return None
 
 
+def _message(rank: int, frame: Frame, kind: Kind, out_of_turn: str):
+    """The message in `rank`'s `frame`, which must be of `kind` (else it was sent `out_of_turn`); any
+    problem is a ProtocolError naming the rank."""
+    if frame.kind is not kind:
+        raise ProtocolError(f"rank {rank} sent {frame.kind.name} {out_of_turn}")
+    try:
+        return wire.decode(kind, frame.payload)
+    except ProtocolError as e:
+        raise ProtocolError(f"rank {rank}: {e}") from None
+
+
 def _candidates(sel: selectors.BaseSelector) -> list[Candidate]:
     return [key.data for key in sel.get_map().values() if isinstance(key.data, Candidate)]
 
@@ -226,12 +237,7 @@ class ControlLeader:
             frame = self._frame(rank)
             if frame is None:
                 continue
-            if frame.kind is not Kind.LOADED:
-                raise ProtocolError(f"rank {rank} sent {frame.kind.name} before LOADED")
-            try:
-                msg = wire.decode(Kind.LOADED, frame.payload)
-            except ProtocolError as e:
-                raise ProtocolError(f"rank {rank}: {e}") from None
+            msg = _message(rank, frame, Kind.LOADED, "before LOADED")
             if msg.kv_blocks < 0:
                 raise ProtocolError(f"rank {rank} says it holds {msg.kv_blocks} KV blocks")
             expected = self.fingerprint if self.fingerprint is not None else \
@@ -469,12 +475,7 @@ class ControlLeader:
                     break
 
     def _check_ack(self, rank: int, frame: Frame) -> Ack:
-        if frame.kind is not Kind.ACK:
-            raise ProtocolError(f"rank {rank} sent {frame.kind.name} after the handshake")
-        try:
-            ack = wire.decode(Kind.ACK, frame.payload)
-        except ProtocolError as e:
-            raise ProtocolError(f"rank {rank}: {e}") from None
+        ack = _message(rank, frame, Kind.ACK, "after the handshake")
         if not self._pending[rank]:
             raise ProtocolError(f"rank {rank} acked step {ack.step_id}, but no plan is outstanding")
         step_id, fingerprint = self._pending[rank].popleft()
