@@ -122,8 +122,8 @@ POLL_S = 0.2
 
 def _supervise(procs: list[subprocess.Popen], names: list[str]) -> int:
     """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); say at once when a worker
-    exits while the leader runs (the leader says what it means: a start that ends, or an unhealthy
-    cluster); wait for every rank."""
+    fails while the leader runs (the leader says what it means: a start that ends, or an unhealthy
+    cluster; a worker the leader stopped exits 0, unreported); wait for every rank."""
     leader = procs[0]
     forwarded: list[int] = []
 
@@ -138,7 +138,7 @@ def _supervise(procs: list[subprocess.Popen], names: list[str]) -> int:
     while (code := leader.poll()) is None:
         for rank, proc in enumerate(procs[1:], start=1):
             status = proc.poll()
-            if status is not None and rank not in told:
+            if status and rank not in told:
                 told.add(rank)
                 log.warning("rank %d (%s) exited with status %d while the leader runs", rank, names[rank], status)
         time.sleep(POLL_S)

@@ -172,11 +172,13 @@ def test_a_worker_that_exits_is_reported_while_the_leader_runs(caplog):
 
     leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(7)"])
     worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(255)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"])  # as a worker the leader stops
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with caplog.at_level(logging.WARNING):
-            assert launch._supervise([leader, worker], ["localhost", "mac2.local"]) == 7
+            assert launch._supervise([leader, worker, stopped], ["localhost", "mac2.local", "mac3.local"]) == 7
     finally:  # _supervise forwards these to its leader
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert caplog.text.count("rank 1 (mac2.local) exited with status 255 while the leader runs") == 1
+    assert "mac3.local" not in caplog.text
