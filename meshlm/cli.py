@@ -80,6 +80,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--control-port", type=int, default=52100, help="leader's control port with --hostfile")
     g.add_argument("--ring-port", type=int, default=52000, help="first ring backend port with --hostfile")
     g.add_argument("--ring-hostfile", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--launch-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by meshlm launch
     g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
     g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
     g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
@@ -202,7 +203,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,
                                 stage_port=args.stage_port, context_parallel=args.context_parallel,
                                 cp_algorithm=args.cp_algorithm, cp_min_tokens=args.cp_min_tokens,
-                                cp_overlap=args.cp_overlap, local_all_reduce=args.local_all_reduce),
+                                cp_overlap=args.cp_overlap, local_all_reduce=args.local_all_reduce,
+                                launch_fd=args.launch_fd),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,

@@ -193,6 +193,42 @@ def local_leader_gone(ring_file: Path) -> Callable[[], str | None]:
     return gone
 
 
+def launch_reports(fd: int) -> Callable[[], str | None]:
+    """Rank 0's ear for `meshlm launch` (--launch-fd): a worker that launch saw fail, as the line launch wrote,
+    once it has; nothing while launch is silent or gone."""
+    os.set_blocking(fd, False)
+    os.set_inheritable(fd, False)  # not for anything this rank starts
+    heard = bytearray()
+
+    def gone() -> str | None:
+        try:
+            heard.extend(os.read(fd, 4096)[:4096 - len(heard)])
+        except OSError:  # nothing written yet (BlockingIOError), or not a pipe after all
+            pass
+        line, newline, _ = heard.partition(b"\n")
+        return f"{line.decode(errors='replace')} (reported by meshlm launch)" if newline else None
+
+    return gone
+
+
+def start_watch(children: Sequence[subprocess.Popen], launch_fd: int | None) -> Callable[[], str | None] | None:
+    """What rank 0 watches while its cluster starts, besides the control channel: the local workers it
+    started, and `meshlm launch`'s reports of the ones it started (which may never connect)."""
+    watches = ([lambda: exited(children)] if children else []) + \
+        ([launch_reports(launch_fd)] if launch_fd is not None else [])
+    if not watches:
+        return None
+
+    def gone() -> str | None:
+        for watch in watches:
+            why = watch()
+            if why is not None:
+                return why
+        return None
+
+    return gone
+
+
 def exited(children: Sequence[subprocess.Popen]) -> str | None:
     """Why the cluster cannot form: the first local worker (rank r is children[r - 1]) that has exited."""
     for r, child in enumerate(children, start=1):

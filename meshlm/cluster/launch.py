@@ -14,6 +14,7 @@ this process; ssh does not forward it, so remote ranks read the hostfile's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -93,9 +94,22 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
             print(shlex.join(cmd))
         return 0
     _check_tools(cmds)
-    procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
-    names = [h.ssh for h in hosts] if backend != "mpi" else ["mpirun"]
-    return _supervise(procs, names)
+    if backend == "mpi" or not is_here(hosts[0]):  # mpirun starts rank 0 itself; ssh passes no descriptor
+        procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
+        return _supervise(procs, [h.ssh for h in hosts] if backend != "mpi" else ["mpirun"])
+    # A leader here hears of a worker that fails while the cluster starts (one that never connects, say
+    # after ssh failed) at once, not at its roll call's deadline.
+    ear, mouth = os.pipe()
+    try:
+        procs = [subprocess.Popen(cmd) for cmd in reversed(cmds[1:])][::-1]
+        procs.insert(0, subprocess.Popen([*cmds[0], "--launch-fd", str(ear)], pass_fds=(ear,)))
+    finally:
+        os.close(ear)
+    os.set_blocking(mouth, False)
+    try:
+        return _supervise(procs, [h.ssh for h in hosts], report=mouth)
+    finally:
+        os.close(mouth)
 
 
 def check_secret(hostfile: Hostfile) -> None:
@@ -120,10 +134,11 @@ def _check_tools(cmds: list[list[str]]) -> None:
 POLL_S = 0.2
 
 
-def _supervise(procs: list[subprocess.Popen], names: list[str]) -> int:
+def _supervise(procs: list[subprocess.Popen], names: list[str], report: int | None = None) -> int:
     """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); say at once when a worker
-    fails while the leader runs (the leader says what it means: a start that ends, or an unhealthy
-    cluster; a worker the leader stopped exits 0, unreported); wait for every rank."""
+    fails while the leader runs, here and to the leader on `report` (the leader says what it means: a
+    start that ends, or an unhealthy cluster; a worker the leader stopped exits 0, unreported); wait for
+    every rank."""
     leader = procs[0]
     forwarded: list[int] = []
 
@@ -140,7 +155,11 @@ def _supervise(procs: list[subprocess.Popen], names: list[str]) -> int:
             status = proc.poll()
             if status and rank not in told:
                 told.add(rank)
-                log.warning("rank %d (%s) exited with status %d while the leader runs", rank, names[rank], status)
+                news = f"rank {rank} ({names[rank]}) exited with status {status} while the leader runs"
+                log.warning("%s", news)
+                if report is not None:
+                    with contextlib.suppress(OSError):  # a leader that no longer listens (or a full pipe)
+                        os.write(report, news.encode() + b"\n")
         time.sleep(POLL_S)
     deadline = time.monotonic() + 10
     for proc in procs[1:]:

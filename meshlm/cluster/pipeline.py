@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import subprocess
 
-from meshlm.cluster.bootstrap import ClusterError, exited
+from meshlm.cluster.bootstrap import ClusterError, start_watch
 from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
@@ -90,7 +90,7 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     server = _listen(topo, 0)
-    gone = (lambda: exited(children)) if children else None
+    gone = start_watch(children, p.launch_fd)
     log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,
              HANDSHAKE_SECONDS, p.world_size - 1, p.control_addr)
     try:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
-                                      exited, init_group, load_hostfile, local_leader_gone, ring_hostfile,
-                                      spawn_local_workers)
+                                      init_group, load_hostfile, local_leader_gone, ring_hostfile,
+                                      spawn_local_workers, start_watch)
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
@@ -252,7 +252,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     port = int(p.control_addr.rsplit(":", 1)[1])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
-    gone = (lambda: exited(children)) if children else None
+    gone = start_watch(children, p.launch_fd)
     log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
              p.control_addr)
     try:

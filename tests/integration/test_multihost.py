@@ -149,6 +149,30 @@ def test_context_parallel_across_two_namespaces_matches_single_process(two_hosts
     assert got == _single_process(model, prompts)
 
 
+@pytest.mark.parametrize("layout", [(), ("--pipeline-parallel", "2")], ids=["tp", "pp"])
+def test_a_worker_that_never_starts_ends_the_launch_at_once(two_hosts, tmp_path, layout):
+    """Rank 1's host cannot run it (here a namespace that does not exist, as an ssh that fails): it never
+    answers the roll call. `meshlm launch` sees it exit and tells the leader it started, which ends the
+    start at once, naming it, instead of at the roll call's 180 s deadline."""
+    from meshlm.model.demo import make_tiny
+
+    (a, ip_a), _ = two_hosts
+    model = make_tiny(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"secret": "multihost-test-secret-0123456789abcdef",
+                                    "hosts": [{"ssh": f"netns:{a}", "ips": [ip_a]},
+                                              {"ssh": "netns:meshlm-no-such-namespace", "ips": ["10.231.7.9"]}]}))
+    hostfile.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
+    launch = subprocess.run(
+        [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hostfile), "--", "serve", "--model", str(model),
+         *layout, "--host", ip_a, "--port", "8000", "--kv-cache-dir", str(tmp_path / "kv")],
+        capture_output=True, text=True, env=env, timeout=60)  # the roll call alone would wait 180 s
+    said = "rank 1 (netns:meshlm-no-such-namespace) exited with status"
+    assert launch.returncode == 2, launch.stderr[-2000:]
+    assert said in launch.stderr and "(reported by meshlm launch)" in launch.stderr, launch.stderr[-2000:]
+
+
 def _single_process_script() -> str:
     return """
 import json, sys

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from meshlm.cluster.bootstrap import LEADER_FILE, ClusterError, LocalCluster, exited, local_leader_gone
+from meshlm.cluster.bootstrap import (LEADER_FILE, ClusterError, LocalCluster, exited, launch_reports,
+                                      local_leader_gone, start_watch)
 
 
 def sleeper() -> subprocess.Popen:
@@ -56,3 +57,34 @@ def test_a_worker_whose_rank_0_died_says_so_and_removes_the_directory(tmp_path):
 def test_a_worker_without_rank_0_named_is_refused(tmp_path):
     with pytest.raises(ClusterError, match="a local worker is started by rank 0"):
         local_leader_gone(tmp_path / "ring.json")
+
+
+def test_rank_0_hears_launch_report_a_worker_only_once_a_whole_line_has_come():
+    ear, mouth = os.pipe()
+    try:
+        heard = launch_reports(ear)
+        assert heard() is None  # nothing yet: no wait either
+        os.write(mouth, b"rank 2 (mac3.local) exited with status 255 while the le")
+        assert heard() is None
+        os.write(mouth, b"ader runs\n")
+        assert heard() == "rank 2 (mac3.local) exited with status 255 while the leader runs (reported by meshlm launch)"
+        os.close(mouth)  # launch gone: what was heard stays
+        assert heard() is not None
+    finally:
+        os.close(ear)
+
+
+def test_rank_0_watches_its_children_and_launch_alike():
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    ear, mouth = os.pipe()
+    try:
+        assert start_watch([], None) is None
+        assert start_watch([dead], None)().startswith("rank 1 exited with status 3")
+        quiet = start_watch([], ear)
+        assert quiet() is None
+        os.write(mouth, b"rank 1 (b) exited with status 1 while the leader runs\n")
+        assert quiet().endswith("(reported by meshlm launch)")
+    finally:
+        os.close(ear)
+        os.close(mouth)
