@@ -196,8 +196,11 @@ def local_leader_gone(ring_file: Path) -> Callable[[], str | None]:
 def launch_reports(fd: int) -> Callable[[], str | None]:
     """Rank 0's ear for `meshlm launch` (--launch-fd): a worker that launch saw fail, as the line launch wrote,
     once it has; nothing while launch is silent or gone."""
-    os.set_blocking(fd, False)
-    os.set_inheritable(fd, False)  # not for anything this rank starts
+    try:
+        os.set_blocking(fd, False)
+        os.set_inheritable(fd, False)  # not for anything this rank starts
+    except OSError as exc:
+        raise ClusterError(f"--launch-fd {fd}: {exc.strerror} (meshlm launch sets it; do not pass it yourself)") from None
     heard = bytearray()
 
     def gone() -> str | None:

@@ -88,3 +88,8 @@ def test_rank_0_watches_its_children_and_launch_alike():
     finally:
         os.close(ear)
         os.close(mouth)
+
+
+def test_a_launch_descriptor_that_is_not_open_is_refused():
+    with pytest.raises(ClusterError, match="--launch-fd 987: Bad file descriptor"):
+        launch_reports(987)
