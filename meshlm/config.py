@@ -152,8 +152,8 @@ class ParallelConfig:
     # Tensor parallelism's sums through shared memory when every rank is on this machine
     # (transport/local_reduce.py). auto: where it applies (a loopback ring, the CPU, the module built)
     local_all_reduce: str = "auto"
-    # Rank 0 under `meshlm launch` on the launcher's machine: the pipe on which launch reports a worker that
-    # failed, so a start waiting for it ends at once (cluster/launch.py)
+    # Rank 0 under `meshlm launch`: the descriptor (its stdin) on which launch reports a worker that failed,
+    # so a start waiting for it ends at once (cluster/launch.py)
     launch_fd: int | None = None
 
     def __post_init__(self) -> None:

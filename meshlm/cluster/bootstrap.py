@@ -198,7 +198,6 @@ def launch_reports(fd: int) -> Callable[[], str | None]:
     once it has; nothing while launch is silent or gone."""
     try:
         os.set_blocking(fd, False)
-        os.set_inheritable(fd, False)  # not for anything this rank starts
     except OSError as exc:
         raise ClusterError(f"--launch-fd {fd}: {exc.strerror} (meshlm launch sets it; do not pass it yourself)") from None
     heard = bytearray()

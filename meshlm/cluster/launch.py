@@ -86,30 +86,23 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
         argv = rank_argv(serve_argv, path, backend, len(hosts), 0)[:-2]
         cmds = [["mpirun", "-np", str(len(hosts)), "--host", ",".join(h.ssh for h in hosts), *base, *argv]]
-    else:
-        cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r), cwd)
+    else:  # the leader's stdin is launch's line to it (ssh forwards it too): see _supervise
+        cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r)
+                             + (["--launch-fd", "0"] if r == 0 else []), cwd)
                 for r, h in enumerate(hosts)]
     if dry_run:
         for cmd in cmds:
             print(shlex.join(cmd))
         return 0
     _check_tools(cmds)
-    if backend == "mpi" or not is_here(hosts[0]):  # mpirun starts rank 0 itself; ssh passes no descriptor
-        procs = [subprocess.Popen(cmd) for cmd in reversed(cmds)][::-1]  # workers first, leader last
-        return _supervise(procs, [h.ssh for h in hosts] if backend != "mpi" else ["mpirun"])
-    # A leader here hears of a worker that fails while the cluster starts (one that never connects, say
-    # after ssh failed) at once, not at its roll call's deadline.
-    ear, mouth = os.pipe()
-    try:
-        procs = [subprocess.Popen(cmd) for cmd in reversed(cmds[1:])][::-1]
-        procs.insert(0, subprocess.Popen([*cmds[0], "--launch-fd", str(ear)], pass_fds=(ear,)))
-    finally:
-        os.close(ear)
-    os.set_blocking(mouth, False)
-    try:
-        return _supervise(procs, [h.ssh for h in hosts], report=mouth)
-    finally:
-        os.close(mouth)
+    if backend == "mpi":  # mpirun starts every rank itself
+        return _supervise([subprocess.Popen(cmds[0])], ["mpirun"])
+    # The leader hears of a worker that fails while the cluster starts (one that never connects, say after
+    # ssh failed) at once, not at its roll call's deadline: a line on its stdin, over ssh too.
+    procs = [subprocess.Popen(cmd) for cmd in reversed(cmds[1:])][::-1]  # workers first, leader last
+    procs.insert(0, subprocess.Popen(cmds[0], stdin=subprocess.PIPE))
+    os.set_blocking(procs[0].stdin.fileno(), False)
+    return _supervise(procs, [h.ssh for h in hosts], report=procs[0].stdin.fileno())
 
 
 def check_secret(hostfile: Hostfile) -> None:

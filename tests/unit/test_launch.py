@@ -79,7 +79,8 @@ def test_dry_run_prints_one_command_per_rank_or_one_mpirun(tmp_path):
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
     env = {**os.environ, SECRET_ENV: SECRET}
     ring = launch_cli(hosts, env=env).stdout.splitlines()
-    assert len(ring) == 2 and ring[0].endswith("--rank 0") and ring[1].endswith("--rank 1")
+    # The leader hears launch on its stdin (a worker that failed: cluster/launch.py, _supervise).
+    assert len(ring) == 2 and ring[0].endswith("--rank 0 --launch-fd 0") and ring[1].endswith("--rank 1")
     assert not any(SECRET in line for line in ring)  # the secret never goes on a command line
     mpi = launch_cli(hosts, "mpi", env).stdout.splitlines()
     assert len(mpi) == 1 and mpi[0].startswith("mpirun -np 2 --host localhost,localhost") and "--rank" not in mpi[0]
