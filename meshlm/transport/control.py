@@ -214,14 +214,13 @@ class ControlLeader:
                     why = gone() if gone is not None else None
                     if why is not None:
                         raise HandshakeError(why)
-                    self._take_loaded(loaded)
-                    waiting = sorted(set(self._links) - set(loaded))
+                    waiting = self._take_loaded(loaded)
                     if not waiting:
                         break
                     if remaining(deadline) == 0:
                         raise HandshakeError(f"rank(s) {', '.join(map(str, waiting))} did not finish loading within "
                                              f"{self.timeout if timeout is None else timeout:.0f} s of the leader")
-                    wake = time.monotonic() + min(remaining(deadline), GONE_POLL_S if gone is not None else 3600.0)
+                    wake = min([deadline] + ([time.monotonic() + GONE_POLL_S] if gone is not None else []))
                     for link in wait_readable([self._links[r] for r in waiting], wake):
                         self._read_loading(self._rank_of(link), link)
                 if before_start is not None:
@@ -232,10 +231,13 @@ class ControlLeader:
                 raise
         return loaded
 
-    def _take_loaded(self, loaded: dict[int, Loaded]) -> None:
+    def _take_loaded(self, loaded: dict[int, Loaded]) -> list[int]:
+        """Check each LOADED that has arrived into `loaded`; the ranks still loading."""
+        waiting = []
         for rank in sorted(set(self._links) - set(loaded)):
             frame = self._frame(rank)
             if frame is None:
+                waiting.append(rank)
                 continue
             msg = _message(rank, frame, Kind.LOADED, "before LOADED")
             if msg.kv_blocks < 0:
@@ -247,6 +249,7 @@ class ControlLeader:
                 raise HandshakeError(f"rank {rank} loaded model fingerprint {msg.fingerprint!r} but {source} is "
                                      f"{expected!r}: every rank must load the same model revision")
             loaded[rank] = msg
+        return waiting
 
     def _read_loading(self, rank: int, link: Link) -> None:
         try:
