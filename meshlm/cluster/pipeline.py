@@ -14,7 +14,7 @@ import logging
 import subprocess
 
 from meshlm.cluster.bootstrap import ClusterError, start_watch
-from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology
+from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ServeConfig
@@ -104,11 +104,10 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     except ControlError as exc:  # HandshakeError among them: the message names the rank
         raise ClusterError(str(exc)) from None
     log.info("all %d stages joined; model fingerprint %s", p.world_size, loaded.fingerprint)
-    kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])
     stages = {layout.rank_of(s): f"stage {s}, layers {a}..{b - 1}"
               for s, (a, b) in ((s, layout.layers(s)) for s in range(layout.stages))}
     executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages, stages=stages)
     leader = Leader(loaded, rank, executor, children=children,
-                    kv_blocks=kv_blocks)
+                    kv_blocks=smallest_kv_blocks(rank, ready))
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
     return leader

@@ -272,15 +272,20 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     log.info("all %d ranks joined; model fingerprint %s", p.world_size, loaded.fingerprint)
     if sums is not None:  # else the executor removes it once they have (its idle polls)
         sums.remove_file_once_joined(timeout=2.0)
-    # Every rank must hold every block the leader hands out: plan within the smallest budget.
-    kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])
-    if kv_blocks < rank.max_blocks:
-        log.info("KV blocks limited to %d by the smallest rank's --kv-cache-memory", kv_blocks)
     leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout, sums), children=children,
-                    kv_blocks=kv_blocks)
+                    kv_blocks=smallest_kv_blocks(rank, ready))
     # The probe notices a dead worker even while the engine thread is blocked in a collective.
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
     return leader
+
+
+def smallest_kv_blocks(rank: RankState, ready: dict) -> int:
+    """Every rank must hold every block the leader hands out: the least of the ranks' budgets (`ready`:
+    each worker's LOADED; 0 blocks there means it did not say)."""
+    kv_blocks = min([rank.max_blocks] + [r.kv_blocks for r in ready.values() if r.kv_blocks > 0])
+    if kv_blocks < rank.max_blocks:
+        log.info("KV blocks limited to %d by the smallest rank's --kv-cache-memory", kv_blocks)
+    return kv_blocks
 
 
 def _reap(children: list[subprocess.Popen], grace: float = 2.0) -> None:
