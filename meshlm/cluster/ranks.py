@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -192,14 +193,15 @@ def local_sum_group(config: ServeConfig, topo: Topology):
     return SharedMemoryGroup(path, p.rank, p.world_size, native, spin_us(p.world_size))
 
 
-def _load(config: ServeConfig, topo: Topology):
+def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
     """Join the group (every rank has answered the roll call, so all join together) and load this rank's
-    share."""
+    share. `peers`: the control connections whose hang-up ends the join (see init_group)."""
     from meshlm.model.loader import load_model
 
     p = topo.parallel
     sums = local_sum_group(config, topo)
-    group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS)
+    group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS, peers,
+                       cleanup=[topo.ring_file.parent] if topo.owns_ring_file else None)
     if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
         shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
     spec = RankSpec(layout=p.layout, rank=p.rank)
@@ -239,7 +241,7 @@ def _follow(config: ServeConfig, topo: Topology) -> int:
     from meshlm.executor.worker import answer_roll_call, run_worker
 
     control = answer_roll_call(topo.parallel, topo.secret, HANDSHAKE_SECONDS, topo.leader_gone)
-    loaded, rank, sums = _load(config, topo)
+    loaded, rank, sums = _load(config, topo, control.sockets())
     # Rank 0 creates the sums' file before it starts the cluster.
     return run_worker(topo.parallel, control, rank, _handshake_fingerprint(loaded, topo),
                       on_joined=sums.join if sums is not None else None)
@@ -259,7 +261,7 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
         control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
     except ControlError as exc:  # the message says what to fix; a traceback would bury it
         raise ClusterError(str(exc)) from None
-    loaded, rank, sums = _load(config, topo)
+    loaded, rank, sums = _load(config, topo, control.sockets())
     control.fingerprint = _handshake_fingerprint(loaded, topo)
     log.info("rank 0 has loaded its share: waiting up to %.0f s for the other ranks to load theirs", HANDSHAKE_SECONDS)
     try:

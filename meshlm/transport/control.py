@@ -396,6 +396,10 @@ class ControlLeader:
     def ranks(self) -> list[int]:
         return sorted(self._links)
 
+    def sockets(self) -> dict[int, socket.socket]:
+        """Each admitted worker's connection, watched for a hang-up while the MLX group forms (join_watch.py)."""
+        return {r: link.sock for r, link in self._links.items() if not link.closed}
+
     def broadcast(self, plan: StepPlan) -> int:
         """Send `plan` to every worker; returns its sequence number. Step ids must increase."""
         with self._lock:
@@ -646,6 +650,10 @@ class ControlWorker:
             self.close()
             raise HandshakeError(f"leader runs world size {welcome.world_size}, this rank expects {self.world_size}")
         return welcome
+
+    def sockets(self) -> dict[int, socket.socket]:
+        """The leader's connection, as rank 0's (see ControlLeader.sockets)."""
+        return {0: self._link.sock} if self._link is not None and not self._link.closed else {}
 
     def start(self, fingerprint: str, kv_blocks: int = 0) -> None:
         """Say this rank has loaded `fingerprint` and holds `kv_blocks` KV blocks, then wait for START

@@ -9,6 +9,7 @@ Kinds (ARG is a token id or a step id):
   stall_step STEP      a worker rank hangs at step STEP (only the watchdogs can end it)
   corrupt_activation STEP  a pipeline stage sends activation packets with an unknown dtype code from STEP on
   stall_load SECONDS   the rank sleeps SECONDS before it loads its model (a slow disk)
+  exit_before_join CODE  the rank exits with status CODE after the roll call, just before the MLX group's join
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -76,12 +77,21 @@ def _plant(kind: str, arg: int) -> None:
         time.sleep(arg)
         return load_model(*args, **kw)
 
+    import os
+
+    from meshlm.cluster import ranks
+
+    def exiting_join(*args, **kw):
+        print(f"fault_entry: exiting with status {arg} before the join", file=sys.stderr, flush=True)
+        os._exit(arg)
+
     patches = {"forward_raise": [(Runner, "launch", raising_launch)],
                "schedule_raise": [(Scheduler, "schedule", raising_schedule)],
                "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
                "stall_step": [(Runner, "prepare", stalling_prepare)],
                "corrupt_activation": [(StageLink, "send_activation", corrupting_send)],
-               "stall_load": [(loader, "load_model", stalling_load)]}
+               "stall_load": [(loader, "load_model", stalling_load)],
+               "exit_before_join": [(ranks, "init_group", exiting_join)]}
     for cls, name, fn in patches[kind]:
         setattr(cls, name, fn)
 

@@ -509,6 +509,56 @@ def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_a
     assert said in log and "Traceback" not in log, log[-2000:]
 
 
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_rank_whose_ring_port_is_taken_says_so_and_the_other_rank_ends_at_once(model, tmp_path, taken):
+    """Another process holds one rank's ring port (a cluster still running). That rank ends with a sentence
+    naming the cause (status 2, no traceback). The other is in the MLX group's join, which holds the GIL:
+    the join watcher sees the control connection close and ends it within seconds (it waited 180 s for
+    faulthandler, rank 1 did; rank 0 loses the peer in its load's collective)."""
+    hc = HandCluster.create(tmp_path)
+    with socket.create_server(("127.0.0.1", hc.ring[taken])):
+        procs = [hc.start(model, 0), hc.start(model, 1)]
+        try:
+            assert procs[taken].wait(60) == 2
+            t0 = time.monotonic()
+            other = procs[1 - taken].wait(30)
+            assert time.monotonic() - t0 < 10
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    log = hc.log(taken).read_text()
+    assert f"rank {taken} could not join the MLX group (ring)" in log and "another process holds" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
+    other_log = hc.log(1 - taken).read_text()
+    if taken == 0:  # rank 1 was in its join when rank 0 ended
+        assert other == -signal.SIGTERM
+        assert "rank 0 hung up while the ranks were joining the MLX group" in other_log, other_log[-2000:]
+    else:  # rank 0's join reached the port's holder; its load then lost the peer
+        assert other == 2 and "rank 0 could not load its share" in other_log, other_log[-2000:]
+
+
+def test_a_rank_that_exits_between_the_roll_call_and_the_join_ends_the_leaders_join(model, tmp_path):
+    """Rank 1 answers the roll call, then exits just before the MLX group's join; rank 0, already in its
+    join (no thread of it can run), is ended by the join watcher with the rank named, not after 180 s."""
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, "exit_before_join", "7"), env={"MESHLM_OPENBLAS": "0"})]
+    try:
+        assert procs[1].wait(60) == 7
+        t0 = time.monotonic()
+        assert procs[0].wait(30) == -signal.SIGTERM
+        assert time.monotonic() - t0 < 10
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log = hc.log(0).read_text()
+    assert "rank 1 hung up while the ranks were joining the MLX group" in log, log[-2000:]
+
+
 FAKE_STAGE = """
 import sys
 from meshlm.transport import codec
