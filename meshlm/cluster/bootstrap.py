@@ -240,16 +240,12 @@ def exited(children: Sequence[subprocess.Popen]) -> str | None:
     return None
 
 
-def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float,
-               peers: dict[int, socket.socket] | None = None, cleanup: list[Path] | None = None):
+def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float):
     """Join the MLX group as `cfg.rank` (env set here so a child sees the same); the process ends (status 1,
-    with the stack of the wait) if the group has not formed within `timeout` seconds, and at once (SIGTERM,
-    saying which rank) when one of `peers` (rank -> its control connection, open since the roll call) hangs
-    up meanwhile; `cleanup` is removed then. Raises ClusterError when this rank cannot join (its ring port
-    is taken)."""
+    with the stack of the wait) if the group has not formed within `timeout` seconds (the caller watches
+    for a rank that is gone meanwhile: join_watch.py). Raises ClusterError when this rank cannot join
+    (its ring port is taken)."""
     import mlx.core as mx
-
-    from meshlm.cluster.join_watch import JoinWatch
 
     os.environ["MLX_RANK"] = str(cfg.rank)
     if cfg.backend == "ring" and ring_file is not None:
@@ -260,11 +256,10 @@ def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float,
     log.info("joining the MLX group (%s) as rank %d of %d: this process ends if it has not formed within %.0f s",
              cfg.backend, cfg.rank, cfg.world_size, timeout)
     # The join cannot be interrupted and holds the GIL while it waits (rank 0 for ever for a rank that
-    # died): only faulthandler's own thread, and the watcher process, can end it.
+    # died): only faulthandler's own thread, and the caller's watcher process, can end it.
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
-        with JoinWatch(cfg.rank, peers or {}, cleanup):
-            group = mx.distributed.init(strict=True, backend=cfg.backend)
+        group = mx.distributed.init(strict=True, backend=cfg.backend)
     except RuntimeError as exc:
         hint = (": another process holds this rank's ring address (a cluster still running? choose another "
                 "--ring-port)" if "bind" in str(exc).lower() else "")

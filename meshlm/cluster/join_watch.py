@@ -1,13 +1,17 @@
-"""Ends a rank stuck in the MLX group's join once a rank it waits for has hung up.
+"""Ends a rank stuck in the MLX group's join, or in a sharded load's collective, once a rank it waits
+for is gone.
 
 `mx.distributed.init` cannot be interrupted and holds the GIL while it waits, so no thread of the
 joining process can notice that a peer died meanwhile (its ring port was taken, it crashed, it was
-killed): faulthandler's deadline (180 s, then a stack dump) was the only way out. The control
-connections opened at the roll call stay open through the join, and a rank that exits closes its end.
-A small child process (`main` below, started by `JoinWatch`) polls them. The first to close ends the
-joining rank: the child says which rank hung up, removes what the rank would have removed, and sends
-it SIGTERM (nothing that needs a drain has started). When the join returns or fails, `JoinWatch` closes
-the child's pipe and the child exits; so does a child whose rank died, as the pipe closes with it.
+killed): faulthandler's deadline (180 s, then a stack dump) was the only way out. A tensor-parallel
+load ends in a collective over the ring, which waits for ever for a host that vanished (no FIN, and
+MLX's sockets send no keepalives). The control connections opened at the roll call stay open through
+both, a rank that exits closes its end, and their keepalives (link.tune) fail within seconds when its
+host vanishes. A small child process (`main` below, started by `JoinWatch`) polls them. The first to
+close or fail ends the waiting rank: the child says which rank is gone, removes what the rank would
+have removed, and sends it SIGTERM (nothing that needs a drain has started). When the watched part
+ends, `JoinWatch` closes the child's pipe and the child exits; so does a child whose rank died, as the
+pipe closes with it.
 
 The child holds copies of the watched sockets, so it must not outlive the join: a peer would not see
 this rank hang up while it did.
@@ -28,14 +32,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+NOTICE_GRACE_SECONDS = 1.0  # a rank whose own collective fails at once ends itself, with its own sentence
 KILL_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL (a rank that ignores SIGTERM)
 
 
 class JoinWatch:
-    """`with JoinWatch(rank, {peer_rank: control_socket}, cleanup=[paths]): mx.distributed.init(...)`."""
+    """`with JoinWatch(rank, {peer_rank: control_socket}, "joining", cleanup=[paths]): mx.distributed.init(...)`;
+    `during` completes "rank r hung up while ..." in the message."""
 
-    def __init__(self, rank: int, peers: dict[int, socket.socket], cleanup: list[Path] | None = None) -> None:
-        self.rank, self.peers, self.cleanup = rank, peers, cleanup or []
+    def __init__(self, rank: int, peers: dict[int, socket.socket], during: str,
+                 cleanup: list[Path] | None = None) -> None:
+        self.rank, self.peers, self.during, self.cleanup = rank, peers, during, cleanup or []
         self._child: subprocess.Popen | None = None
         self._done: int | None = None  # the write end of the child's pipe
 
@@ -44,14 +51,15 @@ class JoinWatch:
             return self
         read, self._done = os.pipe()  # both ends non-inheritable: only `read` is passed on, below
         fds = {peer: sock.fileno() for peer, sock in self.peers.items()}
-        args = [str(os.getpid()), str(self.rank), str(read), *(f"{fd}:{peer}" for peer, fd in sorted(fds.items())),
+        args = [str(os.getpid()), str(self.rank), str(read), self.during,
+                *(f"{fd}:{peer}" for peer, fd in sorted(fds.items())),
                 *(f"rm:{p}" for p in self.cleanup)]
         try:
             self._child = subprocess.Popen([sys.executable, "-m", "meshlm.cluster.join_watch", *args],
                                            pass_fds=(read, *fds.values()), stdin=subprocess.DEVNULL)
         except OSError as exc:  # the join still ends at faulthandler's deadline
-            log.warning("cannot watch the other ranks during the join (%s): a rank that dies meanwhile is "
-                        "noticed only at the join's deadline", exc)
+            log.warning("cannot watch the other ranks while %s (%s): a rank that dies meanwhile may be "
+                        "noticed only at a deadline", self.during, exc)
             os.close(self._done)
             self._done = None
         finally:
@@ -71,14 +79,14 @@ class JoinWatch:
             self._child = None
 
 
-def _hung_up(sock: socket.socket) -> bool:
-    """Whether the peer closed its end (or the connection failed); False when data waits instead."""
+def _gone(sock: socket.socket) -> str | None:
+    """How the peer went: its end closed, or the connection failed; None when data waits instead."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return "hung up" if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" else None
     except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
+        return None
+    except OSError as exc:
+        return f"was lost ({exc.strerror or exc}: its host may be down or unreachable)"
 
 
 def _stop(parent: int) -> None:
@@ -94,13 +102,13 @@ def _stop(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`PARENT RANK DONE_FD FD:PEER... [rm:PATH...]`, as `JoinWatch` passes them."""
-    parent, rank, done = int(argv[0]), int(argv[1]), int(argv[2])
+    """`PARENT RANK DONE_FD DURING FD:PEER... [rm:PATH...]`, as `JoinWatch` passes them."""
+    parent, rank, done, during = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     socks = {int(fd): (int(peer), socket.socket(fileno=int(fd)))
-             for fd, peer in (a.split(":", 1) for a in argv[3:] if not a.startswith("rm:"))}
-    cleanup = [Path(a[3:]) for a in argv[3:] if a.startswith("rm:")]
+             for fd, peer in (a.split(":", 1) for a in argv[4:] if not a.startswith("rm:"))}
+    cleanup = [Path(a[3:]) for a in argv[4:] if a.startswith("rm:")]
     poller = select.poll()
-    poller.register(done, select.POLLIN)  # readable at EOF: the join has ended, or the rank has died
+    poller.register(done, select.POLLIN)  # readable at EOF: the watched part has ended, or the rank has died
     for fd in socks:
         poller.register(fd, select.POLLIN)
     while True:
@@ -108,11 +116,15 @@ def main(argv: list[str]) -> int:
             if fd == done:
                 return 0
             peer, sock = socks[fd]
-            if not _hung_up(sock):
+            how = _gone(sock)
+            if how is None:
                 poller.unregister(fd)  # a frame already (a rank that has joined and loaded): not ours to read
                 continue
-            print(f"meshlm: rank {peer} hung up while the ranks were joining the MLX group, so the group "
-                  f"cannot form: rank {rank} stops (rank {peer}'s own output says why)", file=sys.stderr, flush=True)
+            if select.select([done], [], [], NOTICE_GRACE_SECONDS)[0]:
+                return 0  # the rank got past it (a collective that failed, and said why): nothing to add
+            why = f" (rank {peer}'s own output says why)" if how == "hung up" else ""
+            print(f"meshlm: rank {peer} {how} while {during}, so the cluster cannot start: rank {rank} stops{why}",
+                  file=sys.stderr, flush=True)
             for path in cleanup:
                 shutil.rmtree(path, ignore_errors=True)
             _stop(parent)

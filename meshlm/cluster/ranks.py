@@ -29,6 +29,7 @@ from typing import Callable
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, local_leader_gone, ring_hostfile,
                                       spawn_local_workers, start_watch)
+from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
@@ -195,15 +196,23 @@ def local_sum_group(config: ServeConfig, topo: Topology):
 
 def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
     """Join the group (every rank has answered the roll call, so all join together) and load this rank's
-    share. `peers`: the control connections whose hang-up ends the join (see init_group)."""
+    share. `peers`: the other ranks' control connections; one that closes or fails meanwhile ends this
+    rank at once (join_watch.py), as neither the join nor a sharded load's collective can be interrupted."""
+    p = topo.parallel
+    sums = local_sum_group(config, topo)
+    cleanup = [topo.ring_file.parent] if topo.owns_ring_file else None
+    with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares", cleanup):
+        group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS)
+        if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
+            shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
+        loaded, rank = _load_share(config, topo, group, sums)
+    return loaded, rank, sums
+
+
+def _load_share(config: ServeConfig, topo: Topology, group, sums):
     from meshlm.model.loader import load_model
 
     p = topo.parallel
-    sums = local_sum_group(config, topo)
-    group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS, peers,
-                       cleanup=[topo.ring_file.parent] if topo.owns_ring_file else None)
-    if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
-        shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
     spec = RankSpec(layout=p.layout, rank=p.rank)
     budget = kv_budget_bytes(config.scheduler)
     if p.context:
@@ -213,14 +222,14 @@ def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
         loaded = load_model(config.model)
         ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm,
                            overlap=overlap_transfers(p))
-        return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring), None
+        return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring)
     try:
         loaded = load_model(config.model, tensor_group=group)
     except RuntimeError as exc:  # mlx-lm's sharded load ends in a collective: a rank lost while loading ends it
         log.debug("sharded load failed", exc_info=True)
         raise ClusterError(f"rank {p.rank} could not load its share: {exc} (if a rank died while loading, its own "
                            "log says why)") from None
-    return loaded, build_rank(loaded, config.model, config.cache, budget, spec, sum_group=sums), sums
+    return loaded, build_rank(loaded, config.model, config.cache, budget, spec, sum_group=sums)
 
 
 def overlap_transfers(p: ParallelConfig) -> bool:

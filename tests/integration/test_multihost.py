@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -186,3 +187,50 @@ for p in json.loads(sys.argv[2]):
     outs.append(tok.decode([int(i) for i in ids]))
 print(json.dumps(outs))
 """
+
+
+def test_a_host_that_vanishes_while_the_ranks_load_ends_the_start(two_hosts, tmp_path):
+    """Rank 1 joins the group, then is held before its load (the tests' stall_load fault) while rank 0
+    reaches the load's closing collective. Rank 1's host then vanishes: its link goes down, so nothing
+    closes any connection and MLX's ring would wait for ever. The keepalives of rank 0's control
+    connection fail instead, and the join watcher ends rank 0 within --step-timeout's liveness, naming
+    rank 1."""
+    from conftest import FAULT_ENTRY
+
+    from meshlm.model.demo import make_tiny
+
+    (a, ip_a), (b, ip_b) = two_hosts
+    model = make_tiny(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": f"netns:{a}", "ips": [ip_a]}, {"ssh": f"netns:{b}", "ips": [ip_b]}]))
+    env = {**os.environ, "MESHLM_CLUSTER_SECRET": "multihost-test-secret-0123456789abcdef",
+           "MESHLM_OPENBLAS": "0", "OPENBLAS_NUM_THREADS": "1"}
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    procs = []
+    for rank, ns, launcher in ((0, a, ("-m", "meshlm")), (1, b, (FAULT_ENTRY, "stall_load", "3600"))):
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, *launcher, "serve", "--model", str(model), "--rank", str(rank),
+             "--hostfile", str(hostfile), "--tensor-parallel", "2", "--step-timeout", "6",
+             "--kv-cache-dir", str(tmp_path / f"kv{rank}")],
+            env=env, stdout=subprocess.DEVNULL, stderr=logs[rank].open("wb")))
+    try:
+        deadline = time.monotonic() + 60
+        while "stalling the load" not in logs[1].read_text():
+            assert time.monotonic() < deadline and procs[1].poll() is None, logs[1].read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 reaches its load's collective
+        vb = subprocess.run(["ip", "-n", b, "-o", "link", "show", "type", "veth"], capture_output=True,
+                            text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
+        sh("ip", "-n", b, "link", "set", vb, "down")
+        t0 = time.monotonic()
+        code = procs[0].wait(60)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log = logs[0].read_text()
+    assert code == -signal.SIGTERM, log[-2000:]
+    assert took < 30, took
+    assert "rank 1 was lost (" in log and "its host may be down or unreachable" in log, log[-2000:]
