@@ -227,6 +227,14 @@ def finish(procs: list[subprocess.Popen], timeout: float = 30) -> None:
             p.wait()
 
 
+def kill_all(procs) -> None:
+    """Kill whatever still runs of `procs` and reap them all (a test's cleanup after its ranks have ended)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -501,10 +509,7 @@ def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_a
         assert procs[0].wait(20) == 2
         assert time.monotonic() - t0 < 5
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all(procs)
     log = hc.log(0).read_text()
     assert said in log and "Traceback" not in log, log[-2000:]
 
@@ -524,10 +529,7 @@ def test_a_rank_whose_ring_port_is_taken_says_so_and_the_other_rank_ends_at_once
             other = procs[1 - taken].wait(30)
             assert time.monotonic() - t0 < 10
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            kill_all(procs)
     log = hc.log(taken).read_text()
     assert f"rank {taken} could not join the MLX group (ring)" in log and "another process holds" in log, log[-2000:]
     assert "Traceback" not in log, log[-2000:]
@@ -552,10 +554,7 @@ def test_a_rank_that_exits_between_the_roll_call_and_the_join_ends_the_leaders_j
         assert procs[0].wait(30) == -signal.SIGTERM
         assert time.monotonic() - t0 < 10
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all(procs)
     log = hc.log(0).read_text()
     assert "rank 1 hung up while the ranks joined the MLX group and loaded their shares" in log, log[-2000:]
 
@@ -585,10 +584,7 @@ def test_a_rank_whose_loaded_frame_is_garbage_ends_the_start_with_a_sentence(mod
     try:
         assert leader.wait(60) == 2
     finally:
-        for p in (leader, fake):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all((leader, fake))
     log = hc.log(0).read_text()
     assert "rank 1 says it holds -1 KV blocks" in log and "Traceback" not in log, log[-2000:]
 
