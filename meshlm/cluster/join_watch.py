@@ -9,9 +9,10 @@ MLX's sockets send no keepalives). The control connections opened at the roll ca
 both, a rank that exits closes its end, and their keepalives (link.tune) fail within seconds when its
 host vanishes. A small child process (`main` below, started by `JoinWatch`) polls them. The first to
 close or fail ends the waiting rank: the child says which rank is gone, removes what the rank would
-have removed, and sends it SIGTERM (nothing that needs a drain has started). When the watched part
-ends, `JoinWatch` closes the child's pipe and the child exits; so does a child whose rank died, as the
-pipe closes with it.
+have removed, and sends it SIGTERM (nothing that needs a drain has started). Ctrl-C, which reaches the
+child too, ends the rank the same way: the rank itself would only see it once the join returned. When
+the watched part ends, `JoinWatch` closes the child's pipe and the child exits; so does a child whose
+rank died, as the pipe closes with it.
 
 The child holds copies of the watched sockets, so it must not outlive the join: a peer would not see
 this rank hang up while it did.
@@ -107,12 +108,26 @@ def main(argv: list[str]) -> int:
     socks = {int(fd): (int(peer), socket.socket(fileno=int(fd)))
              for fd, peer in (a.split(":", 1) for a in argv[4:] if not a.startswith("rm:"))}
     cleanup = [Path(a[3:]) for a in argv[4:] if a.startswith("rm:")]
+
+    def stop(message: str) -> int:
+        print(f"meshlm: {message}", file=sys.stderr, flush=True)
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+        _stop(parent)
+        return 0
+
     poller = select.poll()
     poller.register(done, select.POLLIN)  # readable at EOF: the watched part has ended, or the rank has died
     for fd in socks:
         poller.register(fd, select.POLLIN)
     while True:
-        for fd, _ in poller.poll():
+        try:
+            events = poller.poll()
+        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the rank cannot act on it now
+            if select.select([done], [], [], 0)[0]:
+                return 0
+            return stop(f"interrupted while {during}: rank {rank} stops")
+        for fd, _ in events:
             if fd == done:
                 return 0
             peer, sock = socks[fd]
@@ -123,12 +138,7 @@ def main(argv: list[str]) -> int:
             if select.select([done], [], [], NOTICE_GRACE_SECONDS)[0]:
                 return 0  # the rank got past it (a collective that failed, and said why): nothing to add
             why = f" (rank {peer}'s own output says why)" if how == "hung up" else ""
-            print(f"meshlm: rank {peer} {how} while {during}, so the cluster cannot start: rank {rank} stops{why}",
-                  file=sys.stderr, flush=True)
-            for path in cleanup:
-                shutil.rmtree(path, ignore_errors=True)
-            _stop(parent)
-            return 0
+            return stop(f"rank {peer} {how} while {during}, so the cluster cannot start: rank {rank} stops{why}")
 
 
 if __name__ == "__main__":

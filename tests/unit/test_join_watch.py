@@ -3,6 +3,8 @@ control connection to this test, enters `JoinWatch` and then blocks, as `mx.dist
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,13 +14,15 @@ from pathlib import Path
 import pytest
 
 RANK = """
-import socket, sys, time
+import signal, socket, sys, time
 from pathlib import Path
 from meshlm.cluster.join_watch import JoinWatch
 sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 with JoinWatch(1, {0: sock}, "the ranks joined", cleanup=[Path(sys.argv[2])]):
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # deaf to Ctrl-C, as MLX's join is (it holds the GIL)
     print("joining", flush=True)
     time.sleep(float(sys.argv[3]))  # the join
+    signal.signal(signal.SIGINT, previous)
 print("joined", flush=True)
 sys.stdin.read()  # the rest of the start: this test says when it ends
 """
@@ -27,7 +31,7 @@ sys.stdin.read()  # the rest of the start: this test says when it ends
 def _rank(listener: socket.socket, tmp_path: Path, join_seconds: float):
     proc = subprocess.Popen([sys.executable, "-c", RANK, str(listener.getsockname()[1]), str(tmp_path / "ring"),
                              str(join_seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     conn, _ = listener.accept()
     assert proc.stdout.readline() == "joining\n"
     return proc, conn
@@ -102,3 +106,37 @@ def test_a_rank_killed_during_its_join_takes_its_watcher_with_it(listener, tmp_p
     _end(proc)
     conn.settimeout(10)
     assert conn.recv(1) == b""  # at once, not when the watcher would have timed out
+
+
+def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_path):
+    """Ctrl-C reaches the rank's whole process group, its watcher included; the rank, in the join, cannot act
+    on it, so the watcher ends it, and says so (no traceback from the watcher)."""
+    proc, conn = _rank(listener, tmp_path, join_seconds=120)
+    try:
+        deadline = time.monotonic() + 20
+        while not _polling(_children(proc.pid)):  # a watcher still starting up would just die of it
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=20)
+    finally:
+        err = _end(proc)
+        conn.close()
+    assert proc.returncode == -signal.SIGTERM
+    assert "meshlm: interrupted while the ranks joined: rank 1 stops" in err and "Traceback" not in err, err
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _polling(pids: list[int]) -> bool:
+    """Whether one of `pids` waits in poll(2), as the watcher's loop does once it can take Ctrl-C (Linux)."""
+    for pid in pids:
+        try:
+            if "poll" in Path(f"/proc/{pid}/wchan").read_text():
+                return True
+        except OSError:
+            continue
+    return False
