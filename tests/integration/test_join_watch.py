@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import children
+
 RANK = """
 import signal, socket, sys, time
 from pathlib import Path
@@ -114,7 +116,7 @@ def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_
     proc, conn = _rank(listener, tmp_path, join_seconds=120)
     try:
         deadline = time.monotonic() + 20
-        while not _polling(_children(proc.pid)):  # a watcher still starting up would just die of it
+        while not _polling(children(proc.pid)):  # a watcher still starting up would just die of it
             assert time.monotonic() < deadline
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)
@@ -124,11 +126,6 @@ def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_
         conn.close()
     assert proc.returncode == -signal.SIGTERM
     assert "meshlm: interrupted while the ranks joined: rank 1 stops" in err and "Traceback" not in err, err
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def _polling(pids: list[int]) -> bool:
