@@ -146,6 +146,7 @@ class Constraint:
         self._words = (vocab_size + 31) // 32
         self._ahead: tuple[int, ...] = ()  # drafts the cached masks were computed along
         self._masks: list[tuple[mx.array, bool]] = []  # per position: (allowed, only EOS/end allowed)
+        self.error: str | None = None  # set when a token the grammar refuses was taken (`advance`)
 
     def prefetch(self, drafts: tuple[int, ...] = ()) -> None:
         """Compute the masks for the next token and along `drafts` (rows of a verified chunk)."""
@@ -176,12 +177,15 @@ class Constraint:
         return self.matcher.validate_tokens(list(drafts)) if drafts else 0
 
     def advance(self, tokens: list[int]) -> None:
-        """Consume the tokens a step took. A refused token cannot happen (it was masked); if it does,
-        the matcher stops and every later mask allows only ending."""
+        """Consume the tokens a step took. A refused token cannot happen (it was masked); should it, the
+        matcher stops, every later mask allows only ending, and `error` says why: the engine ends the
+        sequence with it rather than pass off text the grammar does not allow as constrained output."""
         self._ahead, self._masks = (), []
         for t in tokens:
             if not self.matcher.consume_token(t):
-                log.error("grammar refused sampled token %d: %s", t, self.matcher.get_error())
+                reason = (self.matcher.get_error() or "").splitlines()[0]
+                self.error = self.error or f"the grammar refused sampled token {t} ({reason})"
+                log.error("%s", self.error)
                 break
 
     def _mask(self) -> tuple[mx.array, bool]:

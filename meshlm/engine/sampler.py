@@ -75,12 +75,15 @@ def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (
         ids, bias = zip(*p.logit_bias)
         row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
     if state.banned and state.generated + len(ahead) < p.min_tokens and not ends:  # a complete grammar wins
-        row = row.at[mx.array(state.banned)].add(-float("inf"))
+        banned = row.at[mx.array(state.banned)].add(-float("inf"))
+        # So does a grammar that allows nothing but banned tokens: no token at all would be left.
+        row = banned if allowed is None else mx.where(banned.max() > -float("inf"), banned, row)
     if p.repetition_penalty != 1 and (counts or state.prompt_ids):
         ids = mx.array(sorted(state.prompt_ids | counts.keys()))
         picked = row[ids]
         scaled = mx.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-        row = row.at[ids].add(scaled - picked)
+        # A token the grammar or the ban made -inf stays so: its change would be -inf - -inf, NaN.
+        row = row.at[ids].add(mx.where(picked > -float("inf"), scaled - picked, 0.0))
     if counts and (p.presence_penalty != 0 or p.frequency_penalty != 0):
         ids = mx.array(list(counts.keys()))
         values = mx.array(list(counts.values()), dtype=mx.float32)

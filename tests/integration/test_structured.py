@@ -142,6 +142,24 @@ def test_completions_take_structured_outputs_regex_choice_and_grammar(client):
     assert json.loads(text({"json": schema})[0]) in ({"a": True}, {"a": False})
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_penalties_and_bans_do_not_unmask_forbidden_tokens(client, temperature):
+    """Every logit processor on top of a grammar: the repetition penalty once turned the forbidden
+    tokens of the prompt into NaN, which won, and a fuzzed request got "oooooooo" back with a 200 as
+    its JSON-schema output."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a"], "additionalProperties": False}
+    body = {"prompt": "hello, ok, oooo", "max_tokens": 24, "temperature": temperature, "seed": 1, "n": 2,
+            "repetition_penalty": 4, "presence_penalty": 1.5, "frequency_penalty": 1.0, "min_tokens": 3,
+            "logit_bias": {"5": 3.5, "7": -100}, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": schema}}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), schema)
+
+
 def test_constrained_and_free_rows_share_batches_with_logprobs_stops_and_seeds(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:

@@ -115,6 +115,42 @@ def test_min_tokens_yields_to_a_complete_grammar(grammars, tokenizer):
     assert sample(logits, [s])[0] == [EOS]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_repetition_penalty_keeps_forbidden_tokens_forbidden(grammars, tokenizer, temperature):
+    """A penalised token the grammar forbids stays at -inf: scaling -inf once gave NaN (-inf - -inf),
+    which greedy then picked, and a server returned "oooooooo" as JSON-schema output with a 200."""
+    o = tokenizer.encode("o", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=400, seed=0, grammar=grammars.from_regex("[ab]+"),
+                            temperature=temperature, repetition_penalty=4.0)
+    s = SeqSampling.create(params, prompt_ids=[o], eos_token_ids=frozenset({EOS}),
+                           constraint=grammars.constraint(params.grammar))
+    logits = mx.zeros((1, 520)).at[0, o].add(50.0)  # the model wants the penalised, forbidden "o"
+    for _ in range(5):
+        allowed = np.flatnonzero(np.array(s.constraint.allowed()[0]))
+        [tok], _ = sample(logits, [s])
+        assert tok in allowed and tok != o and s.constraint.error is None
+        if tok == EOS:
+            break
+
+
+def test_min_tokens_yields_when_it_would_ban_every_allowed_token(grammars, tokenizer):
+    """The grammar allows only "x", which the request also names a stop token; banning it until
+    min_tokens would leave no token at all: the grammar wins, as for a complete grammar."""
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    s = state(grammars, grammars.from_regex("x+"), temperature=1.0, min_tokens=5, stop_token_ids=(x,))
+    assert sample(mx.zeros((1, 520)), [s])[0] == [x]
+    assert s.constraint.error is None
+
+
+def test_a_refused_token_is_reported_not_swallowed(grammars, tokenizer):
+    """Should a token the mask forbids ever be taken, the constraint says so (the engine then ends the
+    sequence with an error) instead of carrying on with output the grammar does not allow."""
+    s = state(grammars, grammars.from_regex("[ab]+"))
+    o = tokenizer.encode("o", add_special_tokens=False)[0]
+    s.record([o])
+    assert "refused" in s.constraint.error and str(o) in s.constraint.error
+
+
 def test_compiled_grammars_are_cached(grammars):
     g = grammars.from_json_schema({"type": "object", "properties": {"q": {"type": "integer"}}})
     grammars.check(g)
