@@ -521,6 +521,7 @@ class Engine:
         sampled, logprobs, verified = self._sample(plan, result) if launched is None else self._read(launched)
         with self._lock:
             finished, taken = self.scheduler.update(plan, sampled)
+            finished = self._refused(taken) + finished  # the first finish of a sequence is the one told
             self._update_gauges()
         now = time.perf_counter()
         self.metrics.step_time.observe(now - t0 + result.launch_seconds)
@@ -539,6 +540,20 @@ class Engine:
             self._last_collect = now
         self.times.add("sample", time.perf_counter() - t0 - waited)
         return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
+
+    def _refused(self, taken: dict[int, list[int]]) -> list[Finished]:
+        """Under the lock: sequences whose grammar refused a token they took end with its error, the token
+        unshown. Every token is masked first, so this is a last line against a bug (a NaN in the sampler
+        once made one), not a path: the client is told, never handed unconstrained text as constrained."""
+        ended = []
+        for uid in list(taken):
+            t = self._tracked.get(uid)
+            error = t.sampling.constraint.error if t is not None and t.sampling.constraint is not None else None
+            if error is not None:
+                del taken[uid]
+                self.scheduler.finish(t.seq, FinishReason.ERROR)
+                ended.append(Finished(t.seq, FinishReason.ERROR, error))
+        return ended
 
     @contextlib.contextmanager
     def _emitting(self) -> Iterator[None]:
@@ -626,7 +641,7 @@ class Engine:
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for f in finished:
-            self._finish(f.seq.uid, f.reason)
+            self._finish(f.seq.uid, f.reason, f.error)
 
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> None:
         t = self._tracked.pop(uid, None)

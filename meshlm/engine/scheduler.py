@@ -35,6 +35,7 @@ class QueueFull(Exception):
 class Finished:
     seq: Sequence
     reason: FinishReason
+    error: str | None = None  # what the client is told when reason is ERROR
 
 
 @dataclass

@@ -10,6 +10,7 @@ Kinds (ARG is a token id or a step id):
   corrupt_activation STEP  a pipeline stage sends activation packets with an unknown dtype code from STEP on
   stall_load SECONDS   the rank sleeps SECONDS before it loads its model (a slow disk)
   exit_before_join CODE  the rank exits with status CODE after the roll call, just before the MLX group's join
+  unmasked_token TOKEN  the sampler ignores every grammar's mask and favours token id TOKEN (a sampler bug)
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -85,13 +86,21 @@ def _plant(kind: str, arg: int) -> None:
         print(f"fault_entry: exiting with status {arg} before the join", file=sys.stderr, flush=True)
         os._exit(arg)
 
+    from meshlm.engine import sampler
+
+    process_logits = sampler.process_logits
+
+    def unmasking_process_logits(row, state, ahead=(), allowed=None):
+        return process_logits(row, state, ahead).at[arg].add(1e4)
+
     patches = {"forward_raise": [(Runner, "launch", raising_launch)],
                "schedule_raise": [(Scheduler, "schedule", raising_schedule)],
                "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
                "stall_step": [(Runner, "prepare", stalling_prepare)],
                "corrupt_activation": [(StageLink, "send_activation", corrupting_send)],
                "stall_load": [(loader, "load_model", stalling_load)],
-               "exit_before_join": [(ranks, "init_group", exiting_join)]}
+               "exit_before_join": [(ranks, "init_group", exiting_join)],
+               "unmasked_token": [(sampler, "process_logits", unmasking_process_logits)]}
     for cls, name, fn in patches[kind]:
         setattr(cls, name, fn)
 

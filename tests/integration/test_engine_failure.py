@@ -91,3 +91,24 @@ def test_repeated_failures_exit_non_zero_for_a_supervisor(tiny_model, tmp_path):
         assert "exiting with status 70" in srv.log.read_text()
     finally:
         srv.stop()
+
+
+def test_a_token_the_grammar_refuses_ends_its_request_with_the_error(tiny_model, tmp_path):
+    """Should the sampler ever take a token the grammar forbids (here a planted bug makes it), the
+    request ends with the grammar's error instead of returning that text as constrained output; the
+    sequence alone ends: the engine and the other requests carry on."""
+    srv = faulty_server(tiny_model, tmp_path, "unmasked_token")
+    try:
+        body = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": "(ab)+"}}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert f"the grammar refused sampled token {POISON}" in r.json()["error"]["message"]
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "grammar refused" in events[-1]["error"]["message"]
+        assert not any(e.get("choices") and e["choices"][0].get("text") for e in events)  # nothing shown
+        assert httpx.get(srv.url + "/health").status_code == 200
+        ok = httpx.post(srv.url + "/v1/completions", json=NORMAL, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    finally:
+        srv.stop()
