@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (`SamplingParams.greedy`)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -54,7 +56,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE sampling is greedy in all but name, and dividing float32 logits by a
+        # temperature near 1e-38 overflows to inf: the draw was then NaN, and random. vLLM cuts at 1e-5 too.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class SeqStatus(enum.Enum):

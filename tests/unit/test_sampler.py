@@ -39,6 +39,17 @@ def chi2(counts: Counter, probs: list[float]) -> float:
     return sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-20, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    """Logits divided by ~1e-38 overflow float32 to inf and the draw was NaN, so random: a fuzzed request
+    with temperature 1e-38 got "!####" where greedy gives other text. Tiny temperatures decode greedily."""
+    logits = random_logits(6, seed=5)
+    want = mx.argmax(logits, axis=-1).tolist()
+    for seed in range(3):
+        states = [state(temperature=temperature, seed=seed) for _ in range(6)]
+        assert sample(logits, states)[0] == want
+
+
 @pytest.mark.parametrize("on_host", [False, True], ids=["mlx-argmax", "host-argmax"])
 def test_greedy_is_argmax_per_row(on_host):
     logits = random_logits(8)
