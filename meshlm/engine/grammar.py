@@ -183,7 +183,7 @@ class Constraint:
         self._ahead, self._masks = (), []
         for t in tokens:
             if not self.matcher.consume_token(t):
-                reason = (self.matcher.get_error() or "").splitlines()[0]
+                reason = next(iter((self.matcher.get_error() or "").splitlines()), "no reason given")
                 self.error = self.error or f"the grammar refused sampled token {t} ({reason})"
                 log.error("%s", self.error)
                 break
