@@ -10,9 +10,13 @@ both, a rank that exits closes its end, and their keepalives (link.tune) fail wi
 host vanishes. A small child process (`main` below, started by `JoinWatch`) polls them. The first to
 close or fail ends the waiting rank: the child says which rank is gone, removes what the rank would
 have removed, and sends it SIGTERM (nothing that needs a drain has started). Ctrl-C, which reaches the
-child too, ends the rank the same way: the rank itself would only see it once the join returned. When
-the watched part ends, `JoinWatch` closes the child's pipe and the child exits; so does a child whose
-rank died, as the pipe closes with it.
+child too, ends the rank the same way unless the rank ends first: in the join it would only see it
+once the join returned. When the watched part ends, `JoinWatch` closes the child's pipe and the child
+exits; so does a child whose rank died, as the pipe closes with it.
+
+The child starts with Ctrl-C ignored and takes it only once it watches, and `JoinWatch` enters the join
+only then: a Ctrl-C while the child's interpreter started once killed it with a traceback, and left
+every rank of a local cluster in the join until faulthandler's deadline.
 
 The child holds copies of the watched sockets, so it must not outlive the join: a peer would not see
 this rank hang up while it did.
@@ -20,6 +24,7 @@ this rank hang up while it did.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -28,13 +33,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-NOTICE_GRACE_SECONDS = 1.0  # a rank whose own collective fails at once ends itself, with its own sentence
+NOTICE_GRACE_SECONDS = 1.0  # a rank whose own collective fails at once (or that hears Ctrl-C) ends itself
 KILL_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL (a rank that ignores SIGTERM)
+READY_SECONDS = 10.0  # for the child to start watching; past it the rank goes on without waiting longer
 
 
 class JoinWatch:
@@ -50,14 +58,16 @@ class JoinWatch:
     def __enter__(self) -> JoinWatch:
         if not self.peers:
             return self
-        read, self._done = os.pipe()  # both ends non-inheritable: only `read` is passed on, below
+        read, self._done = os.pipe()  # all ends non-inheritable: only `read` and `said` are passed on, below
+        ready, said = os.pipe()
         fds = {peer: sock.fileno() for peer, sock in self.peers.items()}
-        args = [str(os.getpid()), str(self.rank), str(read), self.during,
+        args = [str(os.getpid()), str(self.rank), str(read), str(said), self.during,
                 *(f"{fd}:{peer}" for peer, fd in sorted(fds.items())),
                 *(f"rm:{p}" for p in self.cleanup)]
         try:
-            self._child = subprocess.Popen([sys.executable, "-m", "meshlm.cluster.join_watch", *args],
-                                           pass_fds=(read, *fds.values()), stdin=subprocess.DEVNULL)
+            with _ctrl_c_ignored():  # inherited through exec: the child's start-up cannot die of a Ctrl-C
+                self._child = subprocess.Popen([sys.executable, "-m", "meshlm.cluster.join_watch", *args],
+                                               pass_fds=(read, said, *fds.values()), stdin=subprocess.DEVNULL)
         except OSError as exc:  # the join still ends at faulthandler's deadline
             log.warning("cannot watch the other ranks while %s (%s): a rank that dies meanwhile may be "
                         "noticed only at a deadline", self.during, exc)
@@ -65,6 +75,16 @@ class JoinWatch:
             self._done = None
         finally:
             os.close(read)
+            os.close(said)
+        try:
+            # Until the child watches, this rank still hears Ctrl-C itself: it waits here, not in the join.
+            if self._child is not None and not select.select([ready], [], [], READY_SECONDS)[0]:
+                log.warning("the watcher of the other ranks did not start within %.0f s; going on", READY_SECONDS)
+        except BaseException:
+            self.__exit__()
+            raise
+        finally:
+            os.close(ready)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,6 +98,19 @@ class JoinWatch:
                 self._child.kill()
                 self._child.wait()
             self._child = None
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored meanwhile (only the main thread may change it; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _gone(sock: socket.socket) -> str | None:
@@ -103,11 +136,11 @@ def _stop(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`PARENT RANK DONE_FD DURING FD:PEER... [rm:PATH...]`, as `JoinWatch` passes them."""
-    parent, rank, done, during = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    """`PARENT RANK DONE_FD READY_FD DURING FD:PEER... [rm:PATH...]`, as `JoinWatch` passes them."""
+    parent, rank, done, ready, during = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     socks = {int(fd): (int(peer), socket.socket(fileno=int(fd)))
-             for fd, peer in (a.split(":", 1) for a in argv[4:] if not a.startswith("rm:"))}
-    cleanup = [Path(a[3:]) for a in argv[4:] if a.startswith("rm:")]
+             for fd, peer in (a.split(":", 1) for a in argv[5:] if not a.startswith("rm:"))}
+    cleanup = [Path(a[3:]) for a in argv[5:] if a.startswith("rm:")]
 
     def stop(message: str) -> int:
         print(f"meshlm: {message}", file=sys.stderr, flush=True)
@@ -120,12 +153,16 @@ def main(argv: list[str]) -> int:
     poller.register(done, select.POLLIN)  # readable at EOF: the watched part has ended, or the rank has died
     for fd in socks:
         poller.register(fd, select.POLLIN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignored (`_ctrl_c_ignored`)
+    os.write(ready, b"r")
+    os.close(ready)
     while True:
         try:
             events = poller.poll()
-        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the rank cannot act on it now
-            if select.select([done], [], [], 0)[0]:
-                return 0
+        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the rank, in the join, cannot act
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the grace short
+            if select.select([done], [], [], NOTICE_GRACE_SECONDS)[0]:
+                return 0  # the rank heard it (it was not in the join yet, or no longer) and ended itself
             return stop(f"interrupted while {during}: rank {rank} stops")
         for fd, _ in events:
             if fd == done:
