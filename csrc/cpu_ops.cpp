@@ -1042,36 +1042,64 @@ constexpr Micro512<W> MICRO_512[ROWS_512 + 1] = {
     gemm_micro_512x2<8, W>,  gemm_micro_512x2<9, W>,  gemm_micro_512x2<10, W>, gemm_micro_512x2<11, W>,
     gemm_micro_512x2<12, W>};
 
-// One row (a decode step of one sequence), eight panels (128 columns) at once: eight weight streams and
-// eight independent FMA chains where the pair kernel has two. Each column sums over k in the same order
-// as in every other kernel here, so a row's outputs are the same bits whatever its batch. No software
-// prefetch: with eight streams the hardware prefetchers do better alone. Measured in one process,
-// alternating with the pair kernel (2026-11-27, the AMD VM): a one-row decode step of the demo model
-// (16-bit panels) 11.8 -> 10.9 ms on two threads, 17.6 -> 15.3 on one; the 72M llama's float32 panels
-// 11.1 -> 10.7 ms on two threads; four panels at once gained about half as much on the demo model.
-constexpr int64_t ONE_ROW_PANELS = 8;
+// A few rows (a decode step of one to six sequences, a short speculative verify): NP panels at once, NP
+// weight streams and MR * NP independent FMA chains where the pair kernel has two streams, left to the
+// hardware prefetchers (no software prefetch: with this many streams they do better alone). Each column
+// sums over k in the same order as in every other kernel here, so a row's outputs are the same bits
+// whatever its batch. Measured in one process, alternating with the pair kernel through a scratch switch
+// (2026-11-27, the AMD VM; docs/BENCHMARKS.md): a one-row decode step of the demo model (16-bit panels)
+// 11.8 -> 10.9 ms on two threads, 17.6 -> 15.3 on one; the demo model's GEMMs at 2 and 3 rows 9 % and 8 %
+// faster on two threads (12 % and 14 % on one), at 4 and 6 rows 2-7 %.
+constexpr int64_t FEW_ROWS = 6;  // up to this many rows take `gemm_few_rows`; more, the pair kernel's passes
 
-template <typename W>
-void gemv_512x8(const float* __restrict x, const PanelOut<W>* o, int64_t K) {
-  const W *w0 = o[0].w, *w1 = o[1].w, *w2 = o[2].w, *w3 = o[3].w, *w4 = o[4].w, *w5 = o[5].w, *w6 = o[6].w,
-          *w7 = o[7].w;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+// Panels a few-row GEMM takes at once: eight for up to three rows (8 * 3 of the 32 registers accumulate),
+// four beyond.
+constexpr int64_t few_row_panels(int64_t rows) { return rows <= 3 ? 8 : 4; }
+
+template <int MR, int NP, typename W>
+void gemm_few_rows(const float* __restrict x, int64_t ldx, const PanelOut<W>* o, int64_t K) {
+  const W* w[NP];
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j) w[j] = o[j].w;
+  __m512 acc[MR * NP];  // fully unrolled below, so these stay in registers
+#pragma GCC unroll 32
+  for (int i = 0; i < MR * NP; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 v = _mm512_set1_ps(x[k]);
-    a0 = _mm512_fmadd_ps(v, load16(w0 + PANEL * k), a0);
-    a1 = _mm512_fmadd_ps(v, load16(w1 + PANEL * k), a1);
-    a2 = _mm512_fmadd_ps(v, load16(w2 + PANEL * k), a2);
-    a3 = _mm512_fmadd_ps(v, load16(w3 + PANEL * k), a3);
-    a4 = _mm512_fmadd_ps(v, load16(w4 + PANEL * k), a4);
-    a5 = _mm512_fmadd_ps(v, load16(w5 + PANEL * k), a5);
-    a6 = _mm512_fmadd_ps(v, load16(w6 + PANEL * k), a6);
-    a7 = _mm512_fmadd_ps(v, load16(w7 + PANEL * k), a7);
+    __m512 v[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) v[r] = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      __m512 panel = load16(w[j] + PANEL * k);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) acc[r * NP + j] = _mm512_fmadd_ps(v[r], panel, acc[r * NP + j]);
+    }
   }
-  const __m512 acc[ONE_ROW_PANELS] = {a0, a1, a2, a3, a4, a5, a6, a7};
-  for (int64_t j = 0; j < ONE_ROW_PANELS; ++j) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j) {
     __m512 bias = o[j].bias ? _mm512_loadu_ps(o[j].bias) : _mm512_setzero_ps();
-    _mm512_storeu_ps(o[j].c, _mm512_add_ps(acc[j], bias));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(o[j].c + r * o[j].ldc, _mm512_add_ps(acc[r * NP + j], bias));
   }
+}
+
+// Panels [p, p + few_row_panels(M)) of a GEMM of at most FEW_ROWS rows; false when fewer are left.
+template <typename W>
+bool packed_gemm_few_rows(const GemmArgs& g, int64_t p, int64_t p1) {
+  int64_t np = few_row_panels(g.M);
+  if (p + np > p1) return false;
+  PanelOut<W> o[8];
+  for (int64_t j = 0; j < np; ++j) o[j] = panel_out<W>(g, p + j);
+  switch (g.M) {
+    case 1: gemm_few_rows<1, 8, W>(g.x, g.K, o, g.K); break;
+    case 2: gemm_few_rows<2, 8, W>(g.x, g.K, o, g.K); break;
+    case 3: gemm_few_rows<3, 8, W>(g.x, g.K, o, g.K); break;
+    case 4: gemm_few_rows<4, 4, W>(g.x, g.K, o, g.K); break;
+    case 5: gemm_few_rows<5, 4, W>(g.x, g.K, o, g.K); break;
+    case 6: gemm_few_rows<6, 4, W>(g.x, g.K, o, g.K); break;
+    default: return false;
+  }
+  return true;
 }
 
 template <typename W>
@@ -1087,11 +1115,8 @@ template <typename W>
 void packed_gemm_panels_of(const GemmArgs& g, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
 #if MESHLM_AVX512
-    if (g.wide && g.M == 1 && p + ONE_ROW_PANELS <= p1) {
-      PanelOut<W> o[ONE_ROW_PANELS];
-      for (int64_t j = 0; j < ONE_ROW_PANELS; ++j) o[j] = panel_out<W>(g, p + j);
-      gemv_512x8<W>(g.x, o, g.K);
-      p += ONE_ROW_PANELS - 1;
+    if (g.wide && g.M <= FEW_ROWS && packed_gemm_few_rows<W>(g, p, p1)) {
+      p += few_row_panels(g.M) - 1;
       continue;
     }
     if (g.wide && p + 1 < p1) {
@@ -1158,10 +1183,10 @@ class GemmPool {
 
  private:
   static constexpr int64_t CHUNK = 2;  // panels per grab: one call of the 512-bit micro-kernel
-  // A one-row GEMM's grab is one call of its eight-panel kernel.
+  // A few-row GEMM's grab is one call of its kernel.
   static int64_t chunk(const GemmArgs& g) {
 #if MESHLM_AVX512
-    if (g.wide && g.M == 1) return ONE_ROW_PANELS;
+    if (g.wide && g.M <= FEW_ROWS) return few_row_panels(g.M);
 #endif
     return CHUNK;
   }

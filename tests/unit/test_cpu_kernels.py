@@ -418,24 +418,24 @@ def test_a_split_gemm_pairs_panels_across_its_outputs(rows, kernel_width):
 @pytest.mark.parametrize("panels", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, kernel_width):
-    """A decode step of one sequence has its own kernel (eight panels at once on 512-bit builds); each
-    column still sums in the same order, so a row's outputs do not depend on its batch. 21 panels: two
-    groups of eight, a pair and one left over; the split puts output boundaries inside the groups."""
+    """GEMMs of up to six rows (decode steps of a few sequences) have their own kernels on 512-bit builds,
+    eight or four panels at once; each column still sums in the same order, so a row's outputs do not
+    depend on its batch: every size from 1 to 7 rows gives the bits of a 13-row GEMM's rows. 21 panels:
+    groups of eight or four, a pair and one left over; the split puts output boundaries inside the groups."""
     NATIVE.set_gemm_threads(threads)
     try:
         w = mx.random.normal((96, 21 * 16)).astype(panels).astype(mx.float32)
         packed = mx.contiguous(w.reshape(96, 21, 16).transpose(1, 0, 2).astype(panels))
         b = mx.random.normal((21 * 16,))
-        x = mx.random.normal((5, 96))
-        alone = [NATIVE.packed_linear(x[i:i + 1], packed, b) for i in range(5)]
+        x = mx.random.normal((13, 96))
         batch = NATIVE.packed_linear(x, packed, b)
-        assert all(mx.array_equal(a[0], batch[i]).item() for i, a in enumerate(alone))
         assert mx.abs(batch - (x @ w + b)).max().item() < 1e-4
         sizes = [48, 160, 128]  # 3, 10 and 8 panels
-        split_alone = NATIVE.packed_linear_split(x[:1], packed, sizes, b)
         split_batch = NATIVE.packed_linear_split(x, packed, sizes, b)
-        assert all(mx.array_equal(a[0], s[0]).item() for a, s in zip(split_alone, split_batch))
-        assert mx.array_equal(mx.concatenate(split_alone, axis=1), alone[0]).item()
+        for rows in range(1, 8):
+            assert mx.array_equal(NATIVE.packed_linear(x[:rows], packed, b), batch[:rows]).item(), rows
+            split = NATIVE.packed_linear_split(x[:rows], packed, sizes, b)
+            assert all(mx.array_equal(a, s[:rows]).item() for a, s in zip(split, split_batch)), rows
     finally:
         NATIVE.set_gemm_threads(2)
 
