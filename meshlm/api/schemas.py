@@ -3,7 +3,8 @@
 Unknown fields are accepted and ignored, as OpenAI's own server does for
 `user`. Known OpenAI parameters that would change what the model generates and
 that meshlm does not implement are refused with a 400 naming them, never
-silently ignored. Ranges follow OpenAI's documentation where it gives one
+silently ignored; so are vLLM's extensions of that kind, unless given their
+default. vLLM's older `guided_*` names mean `structured_outputs`. Ranges follow OpenAI's documentation where it gives one
 (README.md lists them all).
 """
 
@@ -24,6 +25,14 @@ MAX_CHOICES = 1024  # structured_outputs.choice entries
 
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
+# vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
+_UNSUPPORTED_VLLM = ("prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "skip_special_tokens",
+                     "spaces_between_special_tokens", "chat_template", "add_generation_prompt",
+                     "continue_final_message")
+_VLLM_DEFAULTS = {"use_beam_search": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                  "add_generation_prompt": True, "continue_final_message": False}
+# vLLM's older names for `structured_outputs` (still sent by many clients): the same constraints.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _refuse(name: str, value: Any) -> Any:
@@ -64,11 +73,42 @@ class _Request(BaseModel):
     response_format: "ResponseFormat | None" = None
     structured_outputs: "StructuredOutputs | None" = None  # vLLM's extension (its current naming)
     modalities: list[str] | None = None
+    include_stop_str_in_output: StrictBool = False  # vLLM's extension
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    chat_template: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator(*_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, value: Any, info) -> Any:
         return _refuse(info.field_name, value)
+
+    @field_validator(*_UNSUPPORTED_VLLM)
+    @classmethod
+    def _unsupported_vllm(cls, value: Any, info) -> Any:
+        if value is None or (info.field_name in _VLLM_DEFAULTS and value == _VLLM_DEFAULTS[info.field_name]):
+            return value
+        raise ValueError(f"`{info.field_name}` is not supported by this server")
+
+    @model_validator(mode="after")
+    def _guided(self) -> "_Request":
+        """vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, as `structured_outputs`."""
+        given = {key: getattr(self, name) for name, key in _GUIDED.items() if getattr(self, name) is not None}
+        if not given:
+            return self
+        if self.structured_outputs is not None or len(given) > 1:
+            raise ValueError("give one constraint: structured_outputs or one guided_* parameter")
+        self.structured_outputs = StructuredOutputs.model_validate(given)
+        return self
 
     @field_validator("modalities")
     @classmethod

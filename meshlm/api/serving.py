@@ -111,6 +111,7 @@ class Serving:
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 logit_bias=bias, logprobs=req.logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
+                include_stop_str=req.include_stop_str_in_output,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
                 speculative=req.speculative, grammar=grammar,
             )

@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: chosen token plus top-k alternatives
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a matched stop string ends the text
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     ignore_eos: bool = False
     speculative: bool = True  # False: this request never speculates, whatever the server does

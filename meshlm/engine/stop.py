@@ -1,4 +1,4 @@
-"""Stop strings matched across token boundaries, never leaked into the output.
+"""Stop strings matched across token boundaries, never leaked into the output (unless asked for).
 
 Text that could still be the start of a stop string is held back until the
 next piece either completes the match (the stop string and everything after
@@ -46,8 +46,9 @@ class _Automaton:
 
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.automata = [_Automaton(s) for s in dict.fromkeys(stops) if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the matched stop string is shown too
         self.pending = ""  # received, not yet shown: at most the longest stop string's length
         self.stopped = False
 
@@ -64,7 +65,7 @@ class StopMatcher:
             if done:
                 self.stopped = True
                 end = base + i + 1
-                return self.pending[: end - max(len(a.pattern) for a in done)]
+                return self.pending[: end if self.include else end - max(len(a.pattern) for a in done)]
         held = max(a.state for a in self.automata)
         out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         return out

@@ -91,6 +91,23 @@ def test_stop_string_not_leaked(client):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
+    """vLLM's extension: once silently ignored (the stop string was cut), now honoured, streamed or not."""
+    req = {"prompt": "once upon a time", "max_tokens": 20, "temperature": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    stop = full[6:9]
+    want = full[: full.index(stop) + len(stop)]
+    body = {**req, "stop": [stop], "include_stop_str_in_output": True}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert got["text"] == want and got["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+    # vLLM's other extensions at their defaults change nothing, and are accepted
+    plain = client.post("/v1/completions", json={**req, "skip_special_tokens": True, "use_beam_search": False})
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == full
+
+
 def test_logprobs_chat(client):
     body = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 3}).json()
     content = body["choices"][0]["logprobs"]["content"]

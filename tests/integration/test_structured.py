@@ -193,6 +193,23 @@ def test_every_mix_of_sampling_parameters_keeps_output_in_the_grammar(client, se
                 valid(choice["text"])
 
 
+def test_vllm_guided_names_constrain_like_structured_outputs(client):
+    """guided_choice / guided_regex / guided_json (vLLM's older names, which many clients still send) were
+    silently ignored, so the output was unconstrained; they now mean structured_outputs."""
+    def texts(**kw) -> list[str]:
+        r = client.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 40, "temperature": 1.0,
+                                                  "seed": 5, "n": 3, **kw})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+
+    assert all(t in ("yes", "no") for t in texts(guided_choice=["yes", "no"]))
+    assert all(re.fullmatch("(ab|cd){1,4}", t) for t in texts(guided_regex="(ab|cd){1,4}"))
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    assert all(json.loads(t) in ({"a": True}, {"a": False}) for t in texts(guided_json=schema))
+    both = client.post("/v1/completions", json={"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}})
+    assert both.status_code == 400 and "one constraint" in both.json()["error"]["message"]
+
+
 def test_constrained_and_free_rows_share_batches_with_logprobs_stops_and_seeds(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:

@@ -135,3 +135,15 @@ def test_matching_cost_does_not_grow_with_the_stop_strings_length():
     short = min(cost(tuple(c * 2 for c in "wxyz")) for _ in range(3))
     long = min(cost(tuple(c * 999 + "!" for c in "wxyz")) for _ in range(3))
     assert long < 3 * short, (short, long)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_include_shows_the_stop_string_and_nothing_after_it(seed):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that completed first."""
+    rng = random.Random(seed)
+    stops = ("</s>", "ab#")
+    text = "".join(rng.choice(["a", "b", "<", "/", "s", "#", ">", " "]) for _ in range(30)) + "</s> after"
+    end = min(i + len(s) for s in stops if (i := text.find(s)) >= 0)
+    m = StopMatcher(stops, include=True)
+    shown = "".join(m.feed(piece) for piece in random_split(text, rng)) + m.flush()
+    assert shown == text[:end] and m.stopped
