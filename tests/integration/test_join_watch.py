@@ -115,18 +115,23 @@ def test_a_rank_killed_during_its_join_takes_its_watcher_with_it(listener, tmp_p
     assert conn.recv(1) == b""  # at once, not when the watcher would have timed out
 
 
-def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_path):
-    """Ctrl-C reaches the rank's whole process group, its watcher included; the rank, in the join, cannot act
-    on it, so the watcher ends it, and says so. The rank enters the join only once its watcher takes Ctrl-C,
-    so one sent the moment the join starts is not lost in the watcher's start-up (which once died of it,
-    with a traceback)."""
-    proc, conn = _rank(listener, tmp_path, join_seconds=120)
+def _ctrl_c(proc: subprocess.Popen, conn: socket.socket) -> tuple[subprocess.Popen, str]:
+    """Ctrl-C to the rank's process group the moment it enters the join; the rank once ended, its stderr."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=20)
     finally:
         err = _end(proc)
         conn.close()
+    return proc, err
+
+
+def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_path):
+    """Ctrl-C reaches the rank's whole process group, its watcher included; the rank, in the join, cannot act
+    on it, so the watcher ends it, and says so. The rank enters the join only once its watcher takes Ctrl-C,
+    so one sent the moment the join starts is not lost in the watcher's start-up (which once died of it,
+    with a traceback)."""
+    proc, err = _ctrl_c(*_rank(listener, tmp_path, join_seconds=120))
     assert proc.returncode == -signal.SIGTERM
     assert "meshlm: interrupted while the ranks joined: rank 1 stops" in err and "Traceback" not in err, err
 
@@ -134,12 +139,6 @@ def test_ctrl_c_during_the_join_ends_the_rank_that_cannot_hear_it(listener, tmp_
 def test_ctrl_c_that_the_rank_hears_itself_is_left_to_the_rank(listener, tmp_path):
     """Outside the join proper (its Python around it), the rank acts on Ctrl-C itself: the watcher, given
     a moment, sees the watched part end and leaves the rank's own exit alone."""
-    proc, conn = _rank(listener, tmp_path, join_seconds=120, ears="hears")
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=20)
-    finally:
-        err = _end(proc)
-        conn.close()
+    proc, err = _ctrl_c(*_rank(listener, tmp_path, join_seconds=120, ears="hears"))
     assert proc.returncode == 130, err
     assert "the rank heard Ctrl-C" in err and "interrupted while" not in err and "Traceback" not in err, err
