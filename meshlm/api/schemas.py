@@ -4,8 +4,8 @@ Unknown fields are accepted and ignored, as OpenAI's own server does for
 `user`. Known OpenAI parameters that would change what the model generates and
 that meshlm does not implement are refused with a 400 naming them, never
 silently ignored; so are vLLM's extensions of that kind, unless given their
-default. vLLM's older `guided_*` names mean `structured_outputs`. Ranges follow OpenAI's documentation where it gives one
-(README.md lists them all).
+default. vLLM's older `guided_*` names mean `structured_outputs`. Ranges follow
+OpenAI's documentation where it gives one (README.md lists them all).
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ def _ctrl_c_ignored() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # None: the handler was set outside Python, which can only be restored as the default
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def _gone(sock: socket.socket) -> str | None:
