@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from meshlm.api.errors import APIError, bad_request
 
@@ -40,11 +40,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body was whole: an ordinary 400, not an unhandled error
+        raise bad_request(f"the client closed the connection after {size} bytes of the request body") from None
     return b"".join(chunks)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import statistics
 import time
 
@@ -102,6 +103,21 @@ def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
         still_serving(srv)
     finally:
         srv.stop()
+
+
+def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
+    """A body cut short by the client closing its connection once logged an 'unhandled error' traceback
+    twice (starlette's ClientDisconnect): it is an ordinary 400 now, and the server serves on."""
+    before = server.log.read_text()
+    for cut in (0, 7):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n" + b'{"prompt": "hello"}'[:cut])
+            time.sleep(0.3)  # the server is reading the body
+    still_serving(server)  # a whole request since: the event loop has dealt with the two cut ones
+    time.sleep(0.5)
+    new = server.log.read_text()[len(before):]
+    assert "Traceback" not in new and "unhandled error" not in new, new[-2000:]
 
 
 def test_a_20_mb_prompt_is_answered_at_once(server):
