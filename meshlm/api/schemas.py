@@ -95,9 +95,9 @@ class _Request(BaseModel):
     @field_validator(*_UNSUPPORTED_VLLM)
     @classmethod
     def _unsupported_vllm(cls, value: Any, info) -> Any:
-        if value is None or (info.field_name in _VLLM_DEFAULTS and value == _VLLM_DEFAULTS[info.field_name]):
+        if info.field_name in _VLLM_DEFAULTS and value == _VLLM_DEFAULTS[info.field_name]:
             return value
-        raise ValueError(f"`{info.field_name}` is not supported by this server")
+        return _refuse(info.field_name, value)
 
     @model_validator(mode="after")
     def _guided(self) -> "_Request":
