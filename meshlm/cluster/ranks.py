@@ -58,7 +58,9 @@ class Topology:
     control_bind: str
     secret: ClusterSecret  # redacted in any repr
     memory_gb: tuple[float, ...] | None = None  # per rank, when the hostfile declares it (pipeline split)
-    owns_ring_file: bool = False  # written by this rank for itself: removed once its group is formed
+    # A hostfile rank's MLX ring entries, written to a private file only around its join (`_load`):
+    # written any earlier, every start that failed before the join left a directory in /tmp.
+    ring_hosts: list[list[str]] | None = None
     leader_gone: Callable[[], str | None] | None = None  # a local worker's watch on rank 0, its parent
 
 
@@ -82,15 +84,12 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     if len(hosts) != p.world_size:
         flag = "--pipeline-parallel" if p.pipeline else "--context-parallel" if p.context else "--tensor-parallel"
         raise ClusterError(f"hostfile lists {len(hosts)} ranks but {flag} is {p.world_size}")
-    ring = None
-    if not p.pipeline:  # stages talk over their own links, not an MLX group
-        ring = Path(tempfile.mkdtemp(prefix="meshlm-ring-")) / "ring.json"
-        ring.write_text(json.dumps(ring_hostfile(list(hosts), ports.ring_port)))
+    ring = None if p.pipeline else ring_hostfile(list(hosts), ports.ring_port)  # stages use their own links
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
     stages = p.stage_addrs or tuple(f"{h.ips[0]}:{p.stage_port + r}" for r, h in enumerate(hosts))
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
-    return Topology(replaced, ring, control.rsplit(":", 1)[0], secret, memory, owns_ring_file=ring is not None), None
+    return Topology(replaced, None, control.rsplit(":", 1)[0], secret, memory, ring_hosts=ring), None
 
 
 @dataclass
@@ -168,9 +167,9 @@ def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
     return StageLayout.create(num_layers, p.pipeline_parallel, p.pp_split, weights)
 
 
-def local_sum_group(config: ServeConfig, topo: Topology):
+def local_sum_group(config: ServeConfig, topo: Topology, ring_file: Path | None):
     """The SharedMemoryGroup tensor-parallel layers sum over (--local-all-reduce), or None for the MLX
-    group's own all-reduce. Read before the group forms: rank 0 removes its ring file then."""
+    group's own all-reduce. Read before the group forms: the ring file is removed then."""
     import mlx.core as mx
 
     from meshlm.transport.local_reduce import SharedMemoryGroup, group_path, native_module, ring_is_local, spin_us
@@ -180,7 +179,7 @@ def local_sum_group(config: ServeConfig, topo: Topology):
         return None
     native, status = native_module()
     why_not = (f"the {p.backend} backend" if p.backend != "ring"
-               else "not every rank is on this machine (a ring on loopback)" if not ring_is_local(topo.ring_file)
+               else "not every rank is on this machine (a ring on loopback)" if not ring_is_local(ring_file)
                else "the GPU sums with MLX's backend" if mx.default_device() != mx.cpu
                else "--no-cpu-kernels" if not config.model.cpu_kernels
                else f"the module is {status}" if native is None else None)
@@ -199,14 +198,25 @@ def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
     share. `peers`: the other ranks' control connections; one that closes or fails meanwhile ends this
     rank at once (join_watch.py), as neither the join nor a sharded load's collective can be interrupted."""
     p = topo.parallel
-    sums = local_sum_group(config, topo)
-    cleanup = [topo.ring_file.parent] if topo.owns_ring_file else None
-    with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares", cleanup):
-        group = init_group(p, topo.ring_file, HANDSHAKE_SECONDS)
-        if topo.owns_ring_file:  # MLX has read it; each start would otherwise leave a directory in /tmp
-            shutil.rmtree(topo.ring_file.parent, ignore_errors=True)
-        loaded, rank = _load_share(config, topo, group, sums)
+    ring_file, own = topo.ring_file, []
+    try:
+        if topo.ring_hosts is not None:
+            own = [Path(tempfile.mkdtemp(prefix="meshlm-ring-"))]
+            ring_file = own[0] / "ring.json"
+            ring_file.write_text(json.dumps(topo.ring_hosts))
+        sums = local_sum_group(config, topo, ring_file)
+        with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares", own):
+            group = init_group(p, ring_file, HANDSHAKE_SECONDS)
+            _remove(own)  # MLX has read it
+            loaded, rank = _load_share(config, topo, group, sums)
+    finally:
+        _remove(own)
     return loaded, rank, sums
+
+
+def _remove(directories: list[Path]) -> None:
+    for d in directories:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _load_share(config: ServeConfig, topo: Topology, group, sums):

@@ -198,7 +198,9 @@ class HandCluster:
               extra: tuple[str, ...] = (), layout: tuple[str, ...] = ("--tensor-parallel", "2")) -> subprocess.Popen:
         """`meshlm serve --rank r`, its secret in MESHLM_CLUSTER_SECRET as a user would set it; stderr to a file."""
         environ = {k: v for k, v in os.environ.items() if k != "MESHLM_CLUSTER_SECRET"}
-        environ.update({"OPENBLAS_NUM_THREADS": "1", **(env or {})})
+        scratch = self.scratch(rank)
+        scratch.mkdir(exist_ok=True)
+        environ.update({"OPENBLAS_NUM_THREADS": "1", "TMPDIR": str(scratch), **(env or {})})
         if secret is not None:
             environ["MESHLM_CLUSTER_SECRET"] = secret
         port = self.http if rank == 0 else free_port(avoid=self.ring)
@@ -210,6 +212,13 @@ class HandCluster:
 
     def log(self, rank: int) -> Path:
         return self.tmp / f"rank{rank}.log"
+
+    def scratch(self, rank: int) -> Path:
+        """The rank's TMPDIR: what a rank writes there for itself (its MLX ring file) must be gone when it ends."""
+        return self.tmp / f"tmp{rank}"
+
+    def left_behind(self, *ranks: int) -> list[str]:
+        return [f"rank {r}: {p.name}" for r in ranks for p in self.scratch(r).iterdir() if p.name.startswith("meshlm-")]
 
     @property
     def url(self) -> str:
@@ -411,6 +420,7 @@ def test_a_rank_with_the_wrong_secret_is_refused_and_the_leader_keeps_waiting(mo
         finish(procs)
     for log in (hc.log(0).read_text(), hc.log(1).read_text()):
         assert SECRET not in log and WRONG_SECRET not in log
+    assert not hc.left_behind(0, 1)  # neither rank reached the join: no ring file was ever written
 
 
 def test_a_rank_of_another_protocol_version_is_rejected_at_once(model, tmp_path):
@@ -432,6 +442,7 @@ def test_a_rank_of_another_protocol_version_is_rejected_at_once(model, tmp_path)
     # At once: the leader failed within seconds of starting to wait, not at its 180 s handshake deadline.
     waited = log_time(leader_log, "waiting up to 180 s") - log_time(leader_log, "ERROR meshlm")
     assert -10 < waited.total_seconds() <= 0
+    assert not hc.left_behind(0, 1)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -540,6 +551,7 @@ def test_a_rank_whose_ring_port_is_taken_says_so_and_the_other_rank_ends_at_once
     else:  # rank 0's join reached the port's holder; its load's collective or its watcher then lost rank 1
         assert (other == 2 and "rank 0 could not load its share" in other_log) or (
             other == -signal.SIGTERM and "rank 1 hung up while the ranks joined" in other_log), other_log[-2000:]
+    assert not hc.left_behind(0, 1)  # the rank that failed its join removed its ring file; the watcher, the other's
 
 
 def test_a_rank_that_exits_between_the_roll_call_and_the_join_ends_the_leaders_join(model, tmp_path):
@@ -557,6 +569,7 @@ def test_a_rank_that_exits_between_the_roll_call_and_the_join_ends_the_leaders_j
         kill_all(procs)
     log = hc.log(0).read_text()
     assert "rank 1 hung up while the ranks joined the MLX group and loaded their shares" in log, log[-2000:]
+    assert not hc.left_behind(0)  # rank 1's planted exit skips its cleanup, as a crash would
 
 
 FAKE_STAGE = """
