@@ -15,7 +15,15 @@ at these contexts the KV cache is a rounding error), so it cannot beat
   on one thread per core at once (numpy releases the GIL), best of a few runs; the bound uses the
   all-cores figure, since the server uses every core;
 - decode: `meshlm serve` on every core, one stream at a time, greedy, `ignore_eos`, --max-tokens
-  tokens after a short prompt; tokens/s = 1 / the median time between streamed tokens (TPOT).
+  tokens after a short prompt; tokens/s = 1 / the mean time between streamed tokens (TPOT).
+
+This VM's read bandwidth moves by half within minutes (32-49 GB/s on two threads in one session), so
+a bound read once, before the decode, compares the decode with a moment it did not run in. Each
+request is therefore paired with a read taken just before it (best of a few, the server idle), and
+the report gives both:
+- `fraction_of_bound_paired`: the median over requests of (its tokens/s) / (its read's bound);
+- `fraction_of_bound`: the median tokens/s against the best read of the whole run (start and pairs),
+  the stricter figure.
 
 The target: decode tokens/s >= 75 % of the bound.
 """
@@ -31,7 +39,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +47,7 @@ import _peer  # noqa: E402
 
 TARGET_FRACTION = 0.75
 GIB = 2**30
+PAIRED_READS = 4  # reads before each request, the best kept: ~1 s on two threads
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,16 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_bandwidth(threads: int, repeats: int = 12) -> float:
-    """Bytes/s read by `threads` threads each summing its own 1 GiB float32 array; the best of `repeats`."""
+def read_arrays(threads: int) -> list[Any]:
+    """One 1 GiB float32 array per reading thread, touched once so a read measures no page faults."""
     import numpy as np
 
-    arrays = [np.ones(GIB // 4, dtype=np.float32) for _ in range(threads)]
+    return [np.ones(GIB // 4, dtype=np.float32) for _ in range(threads)]
+
+
+def read_bandwidth(arrays: list[Any], repeats: int = 12) -> float:
+    """Bytes/s read by one thread per array, each summing its own, all at once; the best of `repeats`."""
     best = 0.0
     for _ in range(repeats):
-        barrier = threading.Barrier(threads + 1)
+        barrier = threading.Barrier(len(arrays) + 1)
 
-        def read(a: np.ndarray) -> None:
+        def read(a: Any) -> None:
             barrier.wait()
             a.sum()
 
@@ -71,7 +84,7 @@ def read_bandwidth(threads: int, repeats: int = 12) -> float:
         t0 = time.perf_counter()
         for w in workers:
             w.join()
-        best = max(best, threads * GIB / (time.perf_counter() - t0))
+        best = max(best, sum(a.nbytes for a in arrays) / (time.perf_counter() - t0))
     return best
 
 
@@ -98,10 +111,14 @@ def weight_bytes(model: str, meshlm_args: list[str]) -> dict[str, Any]:
             "parameters": len(params)}
 
 
-async def decode(url: str, model: str | None, requests: int, max_tokens: int) -> list[_peer.StreamResult]:
+async def decode(url: str, model: str | None, requests: int, max_tokens: int,
+                 before: Callable[[], None] | None = None) -> list[_peer.StreamResult]:
+    """`requests` single-stream requests one after another; `before` runs before each (a paired read)."""
     results = []
     async with _peer.async_client() as client:
         for i in range(requests):
+            if before is not None:
+                await asyncio.to_thread(before)
             payload = _peer.chat_payload(model, _peer.make_prompt(i, 8), max_tokens, ignore_eos=True)
             results.append(await _peer.stream_chat(client, url, payload, retries=1))
     return results
@@ -118,31 +135,41 @@ def main(argv: list[str] | None = None) -> int:
     }
     with _peer.recording(report):
         print("[bandwidth] measuring", file=sys.stderr, flush=True)
-        one, every = read_bandwidth(1), read_bandwidth(cores)
+        every_core = read_arrays(cores)
+        one, every = read_bandwidth(every_core[:1]), read_bandwidth(every_core)
         report["read_bandwidth_gb_s"] = {"one_thread": round(one / 1e9, 2), f"{cores}_threads": round(every / 1e9, 2)}
         print("[weights] loading", file=sys.stderr, flush=True)
         report["weights"] = weights = weight_bytes(args.model, args.meshlm_args.split())
-        bound = every / weights["bytes"]
-        report["bound_tokens_per_s"] = round(bound, 2)
+        paired: list[float] = []
         server = _peer.start_meshlm(args.model, extra_args=args.meshlm_args.split())
         try:
             server.wait_ready(args.ready_timeout)
             name = _peer.served_model_id(server.url)
             asyncio.run(decode(server.url, name, 1, 16))  # warm-up
-            results = asyncio.run(decode(server.url, name, args.requests, args.max_tokens))
+            results = asyncio.run(decode(server.url, name, args.requests, args.max_tokens,
+                                         before=lambda: paired.append(read_bandwidth(every_core, PAIRED_READS))))
         finally:
             server.stop()
-        tpots = [sum(r.itls) / len(r.itls) for r in results if r.ok and r.itls]
-        if not tpots:
+        pairs = [(bw, sum(r.itls) / len(r.itls)) for bw, r in zip(paired, results) if r.ok and r.itls]
+        if not pairs:
             report["error"] = "no request streamed tokens: " + "; ".join(str(r.error) for r in results)
             print(json.dumps(report, indent=2))
             return 1
-        tpot = statistics.median(tpots)
+        best = max([every, *paired])
+        report["read_bandwidth_gb_s"]["best_of_run"] = round(best / 1e9, 2)
+        bound = best / weights["bytes"]
+        report["bound_tokens_per_s"] = round(bound, 2)
+        tpot = statistics.median(t for _, t in pairs)
         report["decode"] = {"tpot_ms_median": round(tpot * 1e3, 2), "tokens_per_s": round(1 / tpot, 2),
-                            "requests_ok": len(tpots)}
+                            "requests_ok": len(pairs)}
+        report["paired"] = [{"read_gb_s": round(bw / 1e9, 2), "tpot_ms": round(t * 1e3, 2),
+                             "fraction": round((1 / t) / (bw / weights["bytes"]), 3)} for bw, t in pairs]
         fraction = (1 / tpot) / bound
+        paired_fraction = statistics.median(p["fraction"] for p in report["paired"])
         report["fraction_of_bound"] = round(fraction, 3)
-        report["target"] = {"fraction_of_bound": TARGET_FRACTION, "met": fraction >= TARGET_FRACTION}
+        report["fraction_of_bound_paired"] = round(paired_fraction, 3)
+        report["target"] = {"fraction_of_bound": TARGET_FRACTION, "met_paired": paired_fraction >= TARGET_FRACTION,
+                            "met_against_best_read": fraction >= TARGET_FRACTION}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
