@@ -83,6 +83,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--launch-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by meshlm launch
     g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
     g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
+    g.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds each round of a cluster's start may take: every rank answering the roll call, the "
+                        "MLX group's join, every rank loaded after the leader (a rank that has not is named)")
     g.add_argument("--ibv-devices", default=None, help="jaccl: devices file (MLX_IBV_DEVICES)")
     g.add_argument("--jaccl-coordinator", default=None, help="jaccl: host:port (MLX_JACCL_COORDINATOR)")
     g.add_argument("--local-all-reduce", default="auto", choices=AUTO_ON_OFF,
@@ -197,7 +200,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
                           args.ssd_cache_gb, args.ssd_ttl_days),
         parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,
-                                args.step_timeout, args.worker_timeout, ibv_devices=args.ibv_devices,
+                                args.step_timeout, args.worker_timeout, start_timeout=args.start_timeout,
+                                ibv_devices=args.ibv_devices,
                                 jaccl_coordinator=args.jaccl_coordinator, pipeline_parallel=args.pipeline_parallel,
                                 pp_split=_ints(args.pp_split, "--pp-split"),
                                 stage_addrs=tuple(args.stage_addrs.split(",")) if args.stage_addrs else None,

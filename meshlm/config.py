@@ -136,6 +136,9 @@ class ParallelConfig:
     step_timeout: float = 60.0  # a forward outliving this is ended by the watchdog
     worker_timeout: float = 5.0  # a worker hearing nothing (not even a heartbeat) this long exits
     heartbeat_interval: float = 0.5
+    # Each round of a cluster's start: every rank answering the roll call, the MLX group's join, every
+    # rank loaded after the leader (a big model on a slow disk may need more)
+    start_timeout: float = 180.0
     ibv_devices: str | None = None  # jaccl: MLX_IBV_DEVICES
     jaccl_coordinator: str | None = None  # jaccl: MLX_JACCL_COORDINATOR host:port
     pipeline_parallel: int = 1  # stages, each a rank holding a range of layers (cluster/stages.py)
@@ -182,6 +185,8 @@ class ParallelConfig:
         if self.backend == "jaccl" and (self.tensor_parallel > 1 or self.context) and not (self.ibv_devices and self.jaccl_coordinator):
             raise ValueError("the jaccl backend needs --ibv-devices (MLX_IBV_DEVICES) and --jaccl-coordinator "
                              "(MLX_JACCL_COORDINATOR host:port); see docs/DISTRIBUTED.md")
+        if not 0 < self.start_timeout < 1e7:
+            raise ValueError(f"--start-timeout must be a number of seconds > 0, got {self.start_timeout}")
         if self.heartbeat_interval >= self.worker_timeout:
             raise ValueError("heartbeat interval must be shorter than the worker timeout")
 

@@ -14,7 +14,7 @@ import logging
 import subprocess
 
 from meshlm.cluster.bootstrap import ClusterError, start_watch
-from meshlm.cluster.ranks import HANDSHAKE_SECONDS, Leader, Topology, smallest_kv_blocks
+from meshlm.cluster.ranks import Leader, Topology, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ServeConfig
@@ -60,9 +60,9 @@ def _join(topo: Topology, layout: StageLayout, server, spec: ActivationSpec) -> 
     try:
         if stage < layout.stages - 1:
             addr = p.stage_addrs[layout.rank_of(stage + 1)]
-            nxt = stage_link.connect(addr, topo.secret, stage, stage + 1, HANDSHAKE_SECONDS, liveness)
+            nxt = stage_link.connect(addr, topo.secret, stage, stage + 1, p.start_timeout, liveness)
         if stage > 0:
-            prev = stage_link.accept(server, topo.secret, stage, stage - 1, HANDSHAKE_SECONDS, liveness)
+            prev = stage_link.accept(server, topo.secret, stage, stage - 1, p.start_timeout, liveness)
     finally:
         if server is not None:
             server.close()
@@ -75,7 +75,7 @@ def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> in
 
     p = topo.parallel
     server = _listen(topo, p.rank) if layout.stage_of(p.rank) > 0 else None
-    control = answer_roll_call(p, topo.secret, HANDSHAKE_SECONDS, topo.leader_gone)
+    control = answer_roll_call(p, topo.secret, p.start_timeout, topo.leader_gone)
     loaded, rank, spec = _load_stage(config, topo, layout)
     return run_worker(p, control, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec))
 
@@ -92,14 +92,14 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     server = _listen(topo, 0)
     gone = start_watch(children, p.launch_fd)
     log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,
-             HANDSHAKE_SECONDS, p.world_size - 1, p.control_addr)
+             p.start_timeout, p.world_size - 1, p.control_addr)
     try:
-        control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
+        control.wait_for_workers(timeout=p.start_timeout, gone=gone)
         loaded, rank, spec = _load_stage(config, topo, layout)
         control.fingerprint = loaded.fingerprint
         log.info("stage %d has loaded its layers: waiting up to %.0f s for the other stages to load theirs",
-                 layout.stage_of(0), HANDSHAKE_SECONDS)
-        ready = control.start(timeout=HANDSHAKE_SECONDS, gone=gone)
+                 layout.stage_of(0), p.start_timeout)
+        ready = control.start(timeout=p.start_timeout, gone=gone)
         io = _join(topo, layout, server, spec)
     except ControlError as exc:  # HandshakeError among them: the message names the rank
         raise ClusterError(str(exc)) from None

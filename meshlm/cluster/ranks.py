@@ -41,9 +41,6 @@ from meshlm.transport.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_SECONDS = 180.0  # each round of the start: every rank present; every rank loaded, after the leader
-
-
 @dataclass(frozen=True)
 class ClusterPorts:
     control_port: int = 52100
@@ -206,7 +203,7 @@ def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
             ring_file.write_text(json.dumps(topo.ring_hosts))
         sums = local_sum_group(config, topo, ring_file)
         with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares", own):
-            group = init_group(p, ring_file, HANDSHAKE_SECONDS)
+            group = init_group(p, ring_file, p.start_timeout)
             _remove(own)  # MLX has read it
             loaded, rank = _load_share(config, topo, group, sums)
     finally:
@@ -233,12 +230,7 @@ def _load_share(config: ServeConfig, topo: Topology, group, sums):
         ring = RingContext(ContextSplit(p.context_parallel, p.rank, config.cache.block_size), group, p.cp_algorithm,
                            overlap=overlap_transfers(p))
         return loaded, build_rank(loaded, config.model, config.cache, budget, spec, ring)
-    try:
-        loaded = load_model(config.model, tensor_group=group)
-    except RuntimeError as exc:  # mlx-lm's sharded load ends in a collective: a rank lost while loading ends it
-        log.debug("sharded load failed", exc_info=True)
-        raise ClusterError(f"rank {p.rank} could not load its share: {exc} (if a rank died while loading, its own "
-                           "log says why)") from None
+    loaded = load_model(config.model, tensor_group=group)  # no collective: the LOADED handshake is the barrier
     return loaded, build_rank(loaded, config.model, config.cache, budget, spec, sum_group=sums)
 
 
@@ -259,7 +251,7 @@ def _handshake_fingerprint(loaded, topo: Topology) -> str:
 def _follow(config: ServeConfig, topo: Topology) -> int:
     from meshlm.executor.worker import answer_roll_call, run_worker
 
-    control = answer_roll_call(topo.parallel, topo.secret, HANDSHAKE_SECONDS, topo.leader_gone)
+    control = answer_roll_call(topo.parallel, topo.secret, topo.parallel.start_timeout, topo.leader_gone)
     loaded, rank, sums = _load(config, topo, control.sockets())
     # Rank 0 creates the sums' file before it starts the cluster.
     return run_worker(topo.parallel, control, rank, _handshake_fingerprint(loaded, topo),
@@ -274,18 +266,18 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
     control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     gone = start_watch(children, p.launch_fd)
-    log.info("waiting up to %.0f s for ranks 1..%d on control port %s", HANDSHAKE_SECONDS, p.world_size - 1,
+    log.info("waiting up to %.0f s for ranks 1..%d on control port %s", p.start_timeout, p.world_size - 1,
              p.control_addr)
     try:
-        control.wait_for_workers(timeout=HANDSHAKE_SECONDS, gone=gone)
+        control.wait_for_workers(timeout=p.start_timeout, gone=gone)
     except ControlError as exc:  # the message says what to fix; a traceback would bury it
         raise ClusterError(str(exc)) from None
     loaded, rank, sums = _load(config, topo, control.sockets())
     control.fingerprint = _handshake_fingerprint(loaded, topo)
-    log.info("rank 0 has loaded its share: waiting up to %.0f s for the other ranks to load theirs", HANDSHAKE_SECONDS)
+    log.info("rank 0 has loaded its share: waiting up to %.0f s for the other ranks to load theirs", p.start_timeout)
     try:
         # The sums' file exists from just before the workers are started (and join it) until they all have.
-        ready = control.start(timeout=HANDSHAKE_SECONDS, before_start=sums.create if sums else None, gone=gone)
+        ready = control.start(timeout=p.start_timeout, before_start=sums.create if sums else None, gone=gone)
     except ControlError as exc:  # a rank that died, refused or garbled its LOADED: named in the message
         if sums is not None:
             sums.remove_file()

@@ -14,7 +14,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_lm_load
-from mlx_lm.utils import sharded_load
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
@@ -191,12 +190,20 @@ class StageSlice:
 
 
 def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = None) -> LoadedModel:
-    """Load the whole model; with `tensor_group` only this rank's shard (mlx-lm's sharded_load); with
-    `stage` only that stage's weights (loaded lazily, the rest never read)."""
+    """Load the whole model; with `tensor_group` only this rank's shard; with `stage` only that stage's
+    weights (loaded lazily, the rest never read).
+
+    A shard is loaded as mlx-lm's sharded_load does (lazily, then the model's own `shard`), but without
+    its closing all_sum: that barrier waited for ever for a rank stopped or stalled while loading (its
+    kernel still answers the keepalives). The control plane's LOADED handshake is the barrier instead,
+    with a deadline and the late rank's name (cluster/ranks.py)."""
     path = resolve_path(cfg.path)
     check_supported(json.loads((path / "config.json").read_text()))
     if tensor_group is not None:
-        model, tokenizer = sharded_load(str(path), tensor_group=tensor_group)
+        model, tokenizer = mlx_lm_load(str(path), lazy=True)
+        if not hasattr(model, "shard"):
+            raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
+        model.shard(tensor_group)
         if shard_vocab_head(model, tensor_group):
             log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
     else:

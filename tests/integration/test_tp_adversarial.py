@@ -498,15 +498,14 @@ def test_a_worker_that_dies_before_the_cluster_forms_ends_the_start_with_its_nam
     assert "rank 1 exited with status -9 before joining the cluster" in out, out[-2000:]
 
 
-@pytest.mark.parametrize("layout, said", [
-    (("--tensor-parallel", "2"), "rank 0 could not load its share: [ring] connection to a peer was lost"),
-    (("--pipeline-parallel", "2"), "rank 1 hung up before it had loaded its share"),
-])
-def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_at_once(model, tmp_path, layout, said):
+LAYOUTS = [("--tensor-parallel", "2"), ("--pipeline-parallel", "2")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_at_once(model, tmp_path, layout):
     """Ranks started by hand or by `meshlm launch` (no parent to watch): rank 1 answers the roll call (and
-    joins the group), then is killed while it loads. A pipeline's leader sees its control connection,
-    open since the roll call, close (it used to wait for the handshake's 180 s); tensor-parallel rank 0,
-    whose sharded load ends in a collective, loses the peer there. Either ends the start at once and says
+    joins the group), then is killed while it loads. The leader sees its control connection, open since the
+    roll call, close (a pipeline's used to wait for the handshake's 180 s), ends the start at once and says
     why in a sentence."""
     hc = HandCluster.create(tmp_path)
     stage_port = ("--stage-port", str(free_port(avoid=hc.ring)))
@@ -522,14 +521,35 @@ def test_a_rank_started_from_a_hostfile_that_dies_while_loading_ends_the_start_a
     finally:
         kill_all(procs)
     log = hc.log(0).read_text()
-    assert said in log and "Traceback" not in log, log[-2000:]
+    assert "rank 1 hung up before it had loaded its share" in log and "Traceback" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rank_stalled_while_loading_is_named_at_the_start_deadline(model, tmp_path, layout):
+    """Rank 1 joins, then stalls in its load (a stopped process or a hung disk: its kernel still answers
+    the keepalives, so nothing closes). The leader loads its own share and names rank 1 once
+    --start-timeout has passed. A tensor-parallel leader used to wait for ever in mlx-lm's sharded load's
+    closing all_sum."""
+    hc = HandCluster.create(tmp_path)
+    extra = ("--stage-port", str(free_port(avoid=hc.ring)), "--start-timeout", "6")
+    procs = [hc.start(model, 0, layout=layout, extra=extra),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, "stall_load", "3600"), env={"MESHLM_OPENBLAS": "0"},
+                      layout=layout, extra=extra)]
+    try:
+        assert wait_until(lambda: "stalling the load" in hc.log(1).read_text(), 60)
+        assert procs[0].wait(30) == 2
+    finally:
+        kill_all(procs)
+    log = hc.log(0).read_text()
+    assert "rank(s) 1 did not finish loading within 6 s of the leader" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
 
 
 @pytest.mark.parametrize("taken", [0, 1])
 def test_a_rank_whose_ring_port_is_taken_says_so_and_the_other_rank_ends_at_once(model, tmp_path, taken):
     """Another process holds one rank's ring port (a cluster still running). That rank ends with a sentence
     naming the cause (status 2, no traceback). The other is in the MLX group's join (which holds the GIL)
-    or its load's collective: the join watcher sees the control connection close and ends it within
+    or waits for its LOADED: the join watcher, or that wait, sees the control connection close and ends it within
     seconds (rank 1 waited 180 s for faulthandler)."""
     hc = HandCluster.create(tmp_path)
     with socket.create_server(("127.0.0.1", hc.ring[taken])):
@@ -548,8 +568,8 @@ def test_a_rank_whose_ring_port_is_taken_says_so_and_the_other_rank_ends_at_once
     if taken == 0:  # rank 1 was in its join when rank 0 ended
         assert other == -signal.SIGTERM
         assert "rank 0 hung up while the ranks joined the MLX group and loaded their shares" in other_log, other_log[-2000:]
-    else:  # rank 0's join reached the port's holder; its load's collective or its watcher then lost rank 1
-        assert (other == 2 and "rank 0 could not load its share" in other_log) or (
+    else:  # rank 0's join reached the port's holder; its LOADED wait or its watcher then lost rank 1
+        assert (other == 2 and "rank 1 hung up before it had loaded its share" in other_log) or (
             other == -signal.SIGTERM and "rank 1 hung up while the ranks joined" in other_log), other_log[-2000:]
     assert not hc.left_behind(0, 1)  # the rank that failed its join removed its ring file; the watcher, the other's
 
