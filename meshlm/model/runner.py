@@ -23,7 +23,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from meshlm.engine.plan import Chunk, StepPlan, batch_fingerprint
+from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, StepPlan, batch_fingerprint
 from meshlm.step_times import StepTimes
 from meshlm.kv.store import BlockData, KVStore
 from meshlm.model.adapt import ModelParts
@@ -253,10 +253,18 @@ class Runner:
         for uid in removed:
             if uid not in self.seqs:
                 raise SplitBrain(f"{step}: removes uid {uid}, which this rank does not hold")
+        # Named twice, a uid would be removed twice (a KeyError half-way through) or run twice at the same
+        # positions; a negative cached length would run at negative positions (RoPE, KV slots) unchecked.
+        for what, uids in (("removes", plan.removed), ("adds", [n.uid for n in plan.new]),
+                           ("runs", [c.uid for c in plan.chunks])):
+            if len(set(uids)) != len(uids):
+                raise SplitBrain(f"{step}: {what} a uid twice")
         ranks = self.ring.split.ranks if self.ring is not None else 0
         for n in plan.new:
             if n.uid in self.seqs and n.uid not in removed:
                 raise SplitBrain(f"{step}: uid {n.uid} is new but this rank already holds it")
+            if n.cached_len < 0:
+                raise SplitBrain(f"{step}: uid {n.uid} is new with {n.cached_len} cached positions")
             if n.holder != -1 and not 0 <= n.holder < ranks:
                 raise SplitBrain(f"{step}: uid {n.uid} is to be held whole by rank {n.holder}, "
                                  f"outside this layout's {ranks} context-parallel ranks")
@@ -266,6 +274,8 @@ class Runner:
             raise SplitBrain(f"{step}: a block id outside 0..{plan.num_blocks - 1}")
         if any(not 0 <= c.tokens <= self.block_size for c in plan.copies):
             raise SplitBrain(f"{step}: a block copy of more tokens than a block holds")
+        if any(c.logits not in (LOGITS_NONE, LOGITS_LAST, LOGITS_ALL) for c in plan.chunks):
+            raise SplitBrain(f"{step}: a chunk asks for logits of an unknown kind")
         self._check_vocab(step, [t for c in plan.chunks for t in c.token_ids])
 
     def _check_vocab(self, step: str, ids) -> None:

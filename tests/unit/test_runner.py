@@ -267,6 +267,14 @@ def test_fingerprint_mismatch_raises_split_brain(path):
     (StepPlan(1, num_blocks=10**9), "budget"),
     (StepPlan(1, new=(NewSequence(9, 0, 1),), chunks=(Chunk(9, 0, (1, 2), LOGITS_LAST),),
               tables=(TableUpdate(9, (1,)),), num_blocks=2), "held whole by rank 1"),  # no context parallelism
+    # These once ran: at negative positions, or removing a uid twice (a KeyError half-way through the plan).
+    (StepPlan(1, new=(NewSequence(9, -4),), chunks=(Chunk(9, -4, (1, 2), LOGITS_LAST),),
+              tables=(TableUpdate(9, (1,)),), num_blocks=2), "-4 cached positions"),
+    (StepPlan(1, removed=(7, 7), num_blocks=1), "removes a uid twice"),
+    (StepPlan(1, new=(NewSequence(9, 0), NewSequence(9, 0)), num_blocks=1), "adds a uid twice"),
+    (StepPlan(1, chunks=(Chunk(7, 3, (9,), LOGITS_LAST), Chunk(7, 3, (9,), LOGITS_LAST)), num_blocks=1),
+     "runs a uid twice"),
+    (StepPlan(1, chunks=(Chunk(7, 3, (9,), 5),), num_blocks=1), "logits of an unknown kind"),
 ])
 def test_plans_that_do_not_fit_are_refused_before_touching_arrays(path, plan, words):
     rank = make_rank(path)
