@@ -40,7 +40,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-NOTICE_GRACE_SECONDS = 1.0  # a rank whose own collective fails at once (or that hears Ctrl-C) ends itself
+# A rank whose own collective fails at once (or that hears Ctrl-C) ends itself within this. 1 s was once
+# too short for a rank that heard Ctrl-C on a loaded 2-core VM (the CI): it was SIGTERMed on its way out.
+NOTICE_GRACE_SECONDS = 2.0
 KILL_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL (a rank that ignores SIGTERM)
 READY_SECONDS = 10.0  # for the child to start watching; past it the rank goes on without waiting longer
 
