@@ -77,7 +77,8 @@ def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> in
     server = _listen(topo, p.rank) if layout.stage_of(p.rank) > 0 else None
     control = answer_roll_call(p, topo.secret, p.start_timeout, topo.leader_gone)
     loaded, rank, spec = _load_stage(config, topo, layout)
-    return run_worker(p, control, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec))
+    return run_worker(p, control, rank, loaded.fingerprint, lambda: _join(topo, layout, server, spec),
+                      local=topo.leader_gone is not None)
 
 
 def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,

@@ -255,7 +255,7 @@ def _follow(config: ServeConfig, topo: Topology) -> int:
     loaded, rank, sums = _load(config, topo, control.sockets())
     # Rank 0 creates the sums' file before it starts the cluster.
     return run_worker(topo.parallel, control, rank, _handshake_fingerprint(loaded, topo),
-                      on_joined=sums.join if sums is not None else None)
+                      on_joined=sums.join if sums is not None else None, local=topo.leader_gone is not None)
 
 
 def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Callable
 
 import mlx.core as mx
@@ -27,6 +29,8 @@ from meshlm.transport.control import ControlError, ControlWorker, LeaderLost
 log = logging.getLogger(__name__)
 
 EXIT_SHUTDOWN, EXIT_LEADER_LOST, EXIT_STEP_FAILED, EXIT_DEADLINE = 0, 3, 4, 5
+# A local worker given SIGINT/SIGTERM waits this long for rank 0 to stop it (rank 0 drains for up to 2 s).
+FOLLOW_SECONDS = 15.0
 
 
 def _hard_exit(message: str) -> None:
@@ -51,16 +55,19 @@ def answer_roll_call(cfg: ParallelConfig, secret: ClusterSecret, start_timeout: 
 
 
 def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fingerprint: str,
-               join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None) -> int:
+               join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None,
+               local: bool = False) -> int:
     """Say this rank has loaded, wait for the start, then serve plans until the cluster ends.
     `join_stages`: a pipeline stage's links to its neighbours, formed once the cluster has started;
     `on_joined`: called once it has (joining the shared-memory sums, whose file the leader makes before
-    it starts the cluster)."""
+    it starts the cluster); `local`: rank 0 started this process (`_leave_stopping_to_rank_0`)."""
     try:
         control.start(fingerprint, rank.max_blocks)
     except ControlError as exc:  # another model, or the leader gave up: the message says what to fix
         raise ClusterError(str(exc)) from None
     log.info("rank %d started by the leader at %s", cfg.rank, cfg.control_addr)
+    if local:
+        _leave_stopping_to_rank_0(cfg.rank)
     io = None
     try:
         if on_joined is not None:
@@ -78,6 +85,31 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
         if io is not None:
             io.close()
         rank.flush(timeout=2)
+
+
+def _leave_stopping_to_rank_0(rank: int) -> None:
+    """A worker that rank 0 started shares its process group, so the terminal's Ctrl-C (or a service
+    manager's SIGTERM to the group) reaches every rank at once. Rank 0 then drains and stops its ranks
+    itself; a worker that ended at the signal made that orderly stop a failure (rank 0: 'worker rank 1
+    lost', status 70, and the worker's KeyboardInterrupt traceback). Here the signal only arms a
+    deadline: were rank 0 hung, the worker still ends FOLLOW_SECONDS later. (Before the cluster has
+    started, the default actions stand: the join watcher and the start's own checks rely on them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    armed: list[int] = []
+
+    def on_signal(sig: int, _frame) -> None:
+        if armed:
+            return
+        armed.append(sig)
+        log.info("rank %d: %s: rank 0 stops the cluster; this rank ends by itself if it has not within %.0f s",
+                 rank, signal.Signals(sig).name, FOLLOW_SECONDS)
+        timer = threading.Timer(FOLLOW_SECONDS, os._exit, args=(128 + sig,))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
 
 
 def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io: StageIO | None = None) -> int:

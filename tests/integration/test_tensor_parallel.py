@@ -7,13 +7,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ServerProcess, children, stream_then
+from conftest import ServerProcess, children, free_port, stream_then
 
 pytestmark = pytest.mark.slow
 
@@ -193,6 +194,42 @@ def test_kill_leader_makes_workers_exit(tp2):
     tp2.proc.kill()
     tp2.proc.wait()
     assert wait_until(lambda: not alive(worker), 10)
+
+
+@pytest.mark.parametrize("layout, sig", [(("--tensor-parallel", "2"), signal.SIGINT),
+                                         (("--pipeline-parallel", "2"), signal.SIGTERM)])
+def test_a_signal_to_the_whole_process_group_is_an_orderly_stop(tp_model, tmp_path, layout, sig):
+    """The terminal's Ctrl-C (or a service manager's SIGTERM to the group) reaches rank 0 and the workers it
+    started at once. Rank 0 drains and stops them: status 0. A worker that ended at the signal itself made
+    that stop a failure (rank 0: 'worker rank 1 lost', status 70; the worker: a KeyboardInterrupt traceback)."""
+    port, log = free_port(), tmp_path / "group.log"
+    cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(port), "--kv-cache-dir",
+           str(tmp_path / "kv"), "--max-model-len", "512", *layout]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _healthy(url), 120), log.read_text()[-3000:]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        workers = children(proc.pid)
+        os.killpg(proc.pid, sig)
+        assert proc.wait(20) == 0, log.read_text()[-3000:]
+        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "lost" not in text and "Traceback" not in text and "ERROR" not in text, text[-3000:]
+    assert f"rank 1: {sig.name}: rank 0 stops the cluster" in text, text[-3000:]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_sigterm_on_leader_stops_every_rank_within_5s(tp2):
