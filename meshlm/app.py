@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 import uvicorn
 
+from meshlm.api import listener
 from meshlm.api.body import BodyLimits
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
@@ -121,6 +123,16 @@ def load_grammars(loaded: LoadedModel) -> Grammars | None:
 
 def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
     fatal = FatalExit()
+    # Rank 0 serves HTTP: its socket is bound before anything loads (api/listener.py).
+    sock = listener.bind(config.server.host, config.server.port) if config.parallel.rank == 0 else None
+    try:
+        _serve(config, fatal, sock, argv, ports)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(config: ServeConfig, fatal: FatalExit, sock: socket.socket | None, argv: list[str] | None, ports) -> None:
     if not config.parallel.distributed:
         # Before the model loads: a missing secret is a start-up error.
         secret = disagg.secret() if config.disagg.enabled else None
@@ -131,7 +143,7 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
         engine = build_engine(config, loaded, LocalExecutor(rank), rank, on_fatal=fatal, received=received)
         service = disagg.enable(config, loaded, rank, engine, received, secret)
         try:
-            run_http(config, loaded, engine, fatal)
+            run_http(config, loaded, engine, fatal, sock)
         finally:
             if service is not None:
                 service.close()
@@ -144,16 +156,16 @@ def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> Non
         engine = build_engine(config, leader.loaded, leader.executor, leader.rank, watchdog=leader.watchdog,
                               on_fatal=fatal, kv_blocks=leader.kv_blocks)
         leader.fail = engine.fail
-        run_http(config, leader.loaded, engine, fatal)
+        run_http(config, leader.loaded, engine, fatal, sock)
     finally:
         leader.close()
     fatal.exit()
 
 
-def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: FatalExit) -> None:
-    """Serve until SIGINT/SIGTERM, then drain: in-flight requests get a grace period to finish,
-    the rest end with an error event, and the engine stops its ranks. An engine that failed for
-    good (`fatal`) ends the process with a non-zero status."""
+def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: FatalExit, sock: socket.socket) -> None:
+    """Serve on `sock` (bound by `listener.bind`) until SIGINT/SIGTERM, then drain: in-flight requests get a
+    grace period to finish, the rest end with an error event, and the engine stops its ranks. An engine
+    that failed for good (`fatal`) ends the process with a non-zero status."""
     s = config.server
     defaults = SamplingDefaults.resolve(loaded.generation_defaults, s.default_temperature, s.default_top_p)
     log.info("sampling defaults for requests that omit them: %s", defaults.describe())
@@ -161,12 +173,13 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults)
     app = create_app(serving, limits=BodyLimits(s.max_request_bytes))
     engine.start()
-    log.info("serving %s on http://%s:%d/v1", loaded.name, config.server.host, config.server.port)
-    server = _DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                            log_level=config.server.log_level, timeout_graceful_shutdown=1), engine)
+    host, port = config.server.host, sock.getsockname()[1]  # --port 0: the one the system chose
+    log.info("serving %s on http://%s:%d/v1", loaded.name, f"[{host}]" if ":" in host else host, port)
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=config.server.log_level,
+                                            timeout_graceful_shutdown=1), engine)
     fatal.server = server
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.stop()
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -192,3 +196,40 @@ def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path)
     finally:
         srv.stop()
     assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
+
+
+@pytest.mark.parametrize("where, words", [
+    ("taken", ["cannot listen on 127.0.0.1:", "Address already in use", "choose another --port"]),
+    ("unresolvable", ["--host 'no-such-host.invalid' is not an address this machine can listen on"]),
+])
+def test_a_port_taken_or_a_bad_host_fails_in_a_sentence_before_the_model_loads(tiny_model, tmp_path, where, words):
+    """uvicorn bound its port only once the model had loaded: minutes into a big start, then its own
+    `[Errno 98]` line and status 3. The socket is now bound first."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        where_args = (["--port", str(taken.getsockname()[1])] if where == "taken"
+                      else ["--host", "no-such-host.invalid"])
+        r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(tiny_model), "--kv-cache-dir",
+                            str(tmp_path / "kv"), *where_args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stderr, r.stderr[-2000:]
+    assert "loaded" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_port_0_serves_on_a_free_port_and_says_which(tiny_model, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(tiny_model), "--port", "0",
+                             "--kv-cache-dir", str(tmp_path / "kv")], stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "no 'serving ... on' line"
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
