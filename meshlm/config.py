@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _check_positive(flag: str, value: float, limit: float = 1e7) -> None:
+    """A duration or size flag: a number > 0 and below `limit` (NaN and infinity are neither)."""
+    if not 0 < value < limit:
+        raise ValueError(f"{flag} must be a number > 0 (and below {limit:g}), got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "demo"  # a HF-layout directory, or "demo" for SmolLM2-135M-Instruct
@@ -30,6 +36,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.served_name is not None and not self.served_name.strip():
+            raise ValueError("--served-model-name must not be empty")
 
 
 AUTO_ON_OFF = ("auto", "on", "off")  # --async-scheduling, --cp-overlap, --local-all-reduce
@@ -71,8 +79,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.ssd_cache_gb <= 0 or self.ssd_ttl_days <= 0:
-            raise ValueError("ssd_cache_gb and ssd_ttl_days must be positive")
+        _check_positive("--ssd-cache-gb", self.ssd_cache_gb)
+        _check_positive("--ssd-ttl-days", self.ssd_ttl_days)
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
@@ -185,8 +193,9 @@ class ParallelConfig:
         if self.backend == "jaccl" and (self.tensor_parallel > 1 or self.context) and not (self.ibv_devices and self.jaccl_coordinator):
             raise ValueError("the jaccl backend needs --ibv-devices (MLX_IBV_DEVICES) and --jaccl-coordinator "
                              "(MLX_JACCL_COORDINATOR host:port); see docs/DISTRIBUTED.md")
-        if not 0 < self.start_timeout < 1e7:
-            raise ValueError(f"--start-timeout must be a number of seconds > 0, got {self.start_timeout}")
+        for flag, seconds in (("--step-timeout", self.step_timeout), ("--worker-timeout", self.worker_timeout),
+                              ("--start-timeout", self.start_timeout), ("heartbeat interval", self.heartbeat_interval)):
+            _check_positive(flag, seconds)
         if self.heartbeat_interval >= self.worker_timeout:
             raise ValueError("heartbeat interval must be shorter than the worker timeout")
 
@@ -226,6 +235,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.max_tokens_default < 1:
+            raise ValueError(f"--max-tokens-default must be >= 1, got {self.max_tokens_default}")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
@@ -265,8 +276,7 @@ class DisaggConfig:
                 raise ValueError(f"--prefill-peer takes HOST:PORT, got {peer!r}")
         if self.min_tokens < 1:
             raise ValueError("--disagg-min-tokens must be >= 1")
-        if self.timeout <= 0:
-            raise ValueError("--prefill-timeout must be positive")
+        _check_positive("--prefill-timeout", self.timeout)
 
     @property
     def enabled(self) -> bool:

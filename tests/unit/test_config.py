@@ -1,0 +1,37 @@
+"""`meshlm serve`'s flags parsed into the typed config: a value that cannot mean anything is refused there,
+in a sentence naming the flag, before anything starts (each of these once started a server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlm import cli
+
+
+def parse(*flags: str):
+    return cli.serve_config(cli.build_parser().parse_args(["serve", "--model", "demo", *flags]))
+
+
+def test_the_defaults_parse():
+    config = parse()
+    assert config.parallel.start_timeout == 180.0 and config.server.max_tokens_default >= 1
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--step-timeout", "0"), "--step-timeout must be a number > 0"),
+    (("--step-timeout", "-1"), "--step-timeout must be a number > 0"),
+    (("--step-timeout", "nan"), "--step-timeout must be a number > 0"),
+    (("--worker-timeout", "nan"), "--worker-timeout must be a number > 0"),
+    (("--worker-timeout", "inf"), "--worker-timeout must be a number > 0"),
+    (("--start-timeout", "0"), "--start-timeout must be a number > 0"),
+    (("--ssd-cache-gb", "nan"), "--ssd-cache-gb must be a number > 0"),  # was "cannot convert float NaN"
+    (("--ssd-ttl-days", "nan"), "--ssd-ttl-days must be a number > 0"),
+    (("--ssd-ttl-days", "-1"), "--ssd-ttl-days must be a number > 0"),
+    (("--max-tokens-default", "0"), "--max-tokens-default must be >= 1"),
+    (("--max-tokens-default", "-1"), "--max-tokens-default must be >= 1"),
+    (("--served-model-name", " "), "--served-model-name must not be empty"),
+    (("--prefill-peer", "127.0.0.1:9", "--prefill-timeout", "nan"), "--prefill-timeout must be a number > 0"),
+])
+def test_meaningless_values_are_refused_naming_the_flag(flags, words):
+    with pytest.raises(ValueError, match=words):
+        parse(*flags)
