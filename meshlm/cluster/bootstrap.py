@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -95,8 +96,7 @@ def load_hostfile(path: str | Path) -> Hostfile:
     try:
         data = json.loads(Path(path).read_text())
         entries, secret = (data["hosts"], data.get("secret")) if isinstance(data, dict) else (data, None)
-        hosts = tuple(Host(str(h["ssh"]), tuple(h.get("ips") or [h["ssh"]]), _memory(h.get("memory_gb")))
-                      for h in entries)
+        hosts = tuple(_host(h) for h in entries)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ClusterError(f"cannot read hostfile {path}: {exc} (expected {HOSTFILE_FORMS})") from None
     if not hosts:
@@ -104,10 +104,30 @@ def load_hostfile(path: str | Path) -> Hostfile:
     return Hostfile(hosts, _hostfile_secret(path, secret))
 
 
+def _host(entry: object) -> Host:
+    if not isinstance(entry, dict):
+        raise ValueError(f'each host is an object {{"ssh": ..., "ips": [...]}}, got {entry!r}')
+    ssh = _name(entry.get("ssh"), '"ssh"')
+    ips = entry.get("ips") or [ssh]  # mlx.launch's default: the ssh name is the address too
+    if not isinstance(ips, list):
+        raise ValueError(f'"ips" of {ssh} must be a list of addresses, got {ips!r}')
+    return Host(ssh, tuple(_name(ip, f'an "ips" entry of {ssh}') for ip in ips), _memory(entry.get("memory_gb")))
+
+
+def _name(value: object, what: str) -> str:
+    """A host name or address as ssh and the sockets take it. One that starts with '-' would be read by ssh
+    as an option (`-oProxyCommand=...` runs a command here), and whitespace or control characters are in
+    no name."""
+    if not isinstance(value, str) or not value or value.startswith("-") or any(c.isspace() or ord(c) < 32
+                                                                                  for c in value):
+        raise ValueError(f"{what} must be a host name or address (no leading '-', no spaces), got {value!r}")
+    return value
+
+
 def _memory(value: object) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f'"memory_gb" must be a positive number, got {value!r}')
     return float(value)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import logging
 import os
 import signal
@@ -110,6 +111,33 @@ def test_a_readable_hostfile_with_a_secret_is_warned_about(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         load_hostfile(path)
     assert "other users can read it: chmod 600" in caplog.text and SECRET not in caplog.text
+
+
+@pytest.mark.parametrize("entries, words", [
+    # ssh would read the name as an option: -oProxyCommand runs a command on the launching machine
+    ([{"ssh": "-oProxyCommand=touch /tmp/x", "ips": ["10.0.0.1"]}], "\"ssh\" must be a host name"),
+    ([{"ssh": "a b"}], "\"ssh\" must be a host name"),
+    ([{"ssh": ""}], "\"ssh\" must be a host name"),
+    ([{"ssh": 7}], "\"ssh\" must be a host name"),
+    ([{"ssh": "a", "ips": ["10.0.0.1 "]}], "an \"ips\" entry of a must be a host name"),
+    ([{"ssh": "a", "ips": ["-x"]}], "an \"ips\" entry of a must be a host name"),
+    ([{"ssh": "a", "ips": "10.0.0.1"}], "\"ips\" of a must be a list"),
+    ([{"ssh": "a", "memory_gb": 1e400}], "\"memory_gb\" must be a positive number, got inf"),
+    ([1, 2], "each host is an object"),
+])
+def test_a_hostfile_entry_that_is_no_host_is_refused_naming_it(tmp_path, entries, words):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(entries))
+    with pytest.raises(ClusterError, match=re.escape(words)):
+        load_hostfile(path)
+
+
+def test_hostfile_names_in_every_form_ssh_takes_are_read(tmp_path):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": "user@mac1.local"}, {"ssh": "netns:b", "ips": ["fe80::1%eth0"]},
+                                {"ssh": "c", "ips": []}]))
+    assert [(h.ssh, h.ips) for h in load_hostfile(path).hosts] == [
+        ("user@mac1.local", ("user@mac1.local",)), ("netns:b", ("fe80::1%eth0",)), ("c", ("c",))]
 
 
 def test_a_cluster_without_a_secret_is_refused_saying_how_to_set_one(tmp_path):
