@@ -231,11 +231,15 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 def _demo_model(args: argparse.Namespace) -> None:
     from meshlm.model.demo import export_demo, make_tiny
 
-    if args.tiny:
-        out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads, vocab=args.vocab,
-                        seed=args.seed, max_position=args.max_position, dtype=args.dtype, tied=args.tied)
-    else:
-        out = export_demo(args.out, args.dtype)
+    try:
+        if args.tiny:
+            out = make_tiny(args.out, args.model_type, args.layers, args.hidden, args.heads, args.kv_heads,
+                            vocab=args.vocab, seed=args.seed, max_position=args.max_position, dtype=args.dtype,
+                            tied=args.tied)
+        else:
+            out = export_demo(args.out, args.dtype)
+    except OSError as exc:  # OUT is a file, unwritable, on a full disk: the sentence, not a traceback
+        raise ValueError(f"cannot write the model to {args.out}: {exc.strerror or exc}") from None
     print(out)
 
 

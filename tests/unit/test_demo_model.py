@@ -83,6 +83,18 @@ def test_the_cli_writes_a_tiny_model_with_a_tied_head_vocab_and_dtype(tmp_path):
     assert "lm_head.weight" not in weights and weights["model.embed_tokens.weight"].shape == (1024, 32)
 
 
+def test_the_cli_says_in_a_sentence_when_it_cannot_write_the_model(tmp_path):
+    import subprocess
+    import sys
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    r = subprocess.run([sys.executable, "-m", "meshlm", "demo-model", "--tiny", str(taken), "--layers", "1",
+                        "--hidden", "32", "--heads", "2", "--kv-heads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot write the model to {taken}: File exists" in r.stderr, r.stderr[-500:]
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", [300, 2048])
 def test_tiny_vocab_size(tmp_path, vocab):
