@@ -34,14 +34,21 @@ class ClusterError(RuntimeError):
 
 
 def check_shardable(model_path: Path, n: int) -> None:
-    from mlx_lm.utils import _get_classes, load_config
+    from mlx_lm.utils import _get_classes
 
-    config = load_config(model_path)
+    from meshlm.model.adapt import check_supported
+    from meshlm.model.loader import read_config
+
+    config = read_config(model_path)
+    check_supported(config)  # a model_type mlx-lm knows, before asking it for the class
     model_class, _ = _get_classes(config)
     if not callable(getattr(model_class, "shard", None)):
         raise ClusterError(f"model type {config.get('model_type')!r} has no shard(): mlx-lm cannot split it for TP")
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads") or config.get(
+        "num_attention_heads")
+    if not all(isinstance(h, int) and h > 0 for h in (heads, kv_heads)):
+        raise ClusterError(f"{model_path / 'config.json'}: num_attention_heads {heads!r} and num_key_value_heads "
+                           f"{kv_heads!r} must be positive integers")
     if heads % n or kv_heads % n:
         raise ClusterError(f"--tensor-parallel {n} must divide the attention heads ({heads}) and KV heads "
                            f"({kv_heads}) of {model_path.name}")

@@ -152,11 +152,12 @@ def _end_worker(code: int, children: list) -> None:
 
 def stage_layout(config: ServeConfig, topo: Topology | None) -> StageLayout:
     """Layers per stage: --pp-split, else in proportion to the hostfile's memory_gb, else even."""
-    from meshlm.model.loader import resolve_path
+    from meshlm.model.loader import read_config, resolve_path
 
     p = config.parallel
-    model_config = json.loads((resolve_path(config.model.path) / "config.json").read_text())
-    num_layers = int(model_config["num_hidden_layers"])
+    num_layers = read_config(resolve_path(config.model.path)).get("num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{config.model.path}: config.json's num_hidden_layers is {num_layers!r}, not a layer count")
     weights = None
     if topo is not None and topo.memory_gb is not None:
         layout = StageLayout.create(num_layers, p.pipeline_parallel)  # only its rank <-> stage map is used

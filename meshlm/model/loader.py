@@ -42,6 +42,17 @@ class LoadedModel:
     generation_defaults: dict  # sampling keys of generation_config.json (temperature, top_p, ...), maybe empty
 
 
+def read_config(path: Path) -> dict:
+    """A model directory's config.json; a file that is not a JSON object is a ValueError naming it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path / 'config.json'} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object")
+    return config
+
+
 def resolve_path(path: str, dtype: str = "float32") -> Path:
     if path == "demo":
         from meshlm.model.demo import demo_model_dir
@@ -198,19 +209,24 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     kernel still answers the keepalives). The control plane's LOADED handshake is the barrier instead,
     with a deadline and the late rank's name (cluster/ranks.py)."""
     path = resolve_path(cfg.path)
-    check_supported(json.loads((path / "config.json").read_text()))
-    if tensor_group is not None:
-        model, tokenizer = mlx_lm_load(str(path), lazy=True)
-        if not hasattr(model, "shard"):
-            raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
-        model.shard(tensor_group)
-        if shard_vocab_head(model, tensor_group):
-            log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
-    else:
-        model, tokenizer = mlx_lm_load(str(path), lazy=stage is not None)
+    config = read_config(path)
+    check_supported(config)
+    try:
+        if tensor_group is not None:
+            model, tokenizer = mlx_lm_load(str(path), lazy=True)
+            if not hasattr(model, "shard"):
+                raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
+            model.shard(tensor_group)
+            if shard_vocab_head(model, tensor_group):
+                log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
+        else:
+            model, tokenizer = mlx_lm_load(str(path), lazy=stage is not None)
+    except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
+        raise ValueError(f"cannot load the weights in {path}: {exc}") from None
+    except (TypeError, KeyError) as exc:  # mlx-lm's ModelArgs: a config.json without a field the model needs
+        raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
     if stage is not None:
         keep_stage(model, stage)
-    config = json.loads((path / "config.json").read_text())
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
     fingerprint, what = model_fingerprint(path), f"dtype {dtype}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -296,3 +297,22 @@ def test_demo_export_matches_gguf_weights(smol):
     top = mx.argsort(-ref_logprobs)[:20]
     # Same weights, dequantized vs quantized matmul: only rounding differs.
     assert mx.abs(logprobs - ref_logprobs)[top].max().item() < 0.1
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda d: (d / "config.json").write_text("{"), "config.json is not readable JSON"),
+    (lambda d: (d / "config.json").write_text("[1]"), "config.json is not a JSON object"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
+     "cannot load the weights in"),  # a download cut short: was a RuntimeError traceback
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "hidden_size"})),
+     "missing 1 required positional argument: 'hidden_size'"),  # was a TypeError traceback
+])
+def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, break_it, words):
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    break_it(model)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_model(ModelConfig(str(model)))
