@@ -79,8 +79,9 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     if max_len < 2:
         raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
     if max_len > loaded.context_length:  # served (long-context runs use it), but say so, as vLLM refuses it
-        log.warning("max model len %d (--max-model-len) is beyond the model's own context (%d positions): positions past it were "
-                    "never trained, and output there may be garbage", max_len, loaded.context_length)
+        log.warning("max model len %d (--max-model-len) is beyond the model's own context (%d positions): "
+                    "positions past it were never trained, and output there may be garbage", max_len,
+                    loaded.context_length)
     log.info("KV budget: %d blocks of %d tokens (%d bytes each); max model len %d", kv_blocks,
              rank.block_size, rank.store.shape.block_bytes, max_len)
     stats = CacheStats()  # one set of counters across engine restarts

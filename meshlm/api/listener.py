@@ -9,6 +9,7 @@ the log then names).
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -31,6 +32,6 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        hint = " (another server there? choose another --port)" if exc.errno == 98 else ""
+        hint = " (another server there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
     return sock

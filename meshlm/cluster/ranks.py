@@ -194,7 +194,8 @@ def local_sum_group(config: ServeConfig, topo: Topology, ring_file: Path | None)
 def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
     """Join the group (every rank has answered the roll call, so all join together) and load this rank's
     share. `peers`: the other ranks' control connections; one that closes or fails meanwhile ends this
-    rank at once (join_watch.py), as neither the join nor a sharded load's collective can be interrupted."""
+    rank at once (join_watch.py), as the join cannot be interrupted. (The load has no collective: a rank
+    that never loads is named at the LOADED handshake's deadline, --start-timeout.)"""
     p = topo.parallel
     ring_file, own = topo.ring_file, []
     try:

@@ -91,7 +91,8 @@ def test_the_cli_says_in_a_sentence_when_it_cannot_write_the_model(tmp_path):
     taken = tmp_path / "a-file"
     taken.write_text("not a directory")
     r = subprocess.run([sys.executable, "-m", "meshlm", "demo-model", "--tiny", str(taken), "--layers", "1",
-                        "--hidden", "32", "--heads", "2", "--kv-heads", "1"], capture_output=True, text=True, timeout=120)
+                        "--hidden", "32", "--heads", "2", "--kv-heads", "1"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"cannot write the model to {taken}: File exists" in r.stderr, r.stderr[-500:]
     assert "Traceback" not in r.stderr
 
