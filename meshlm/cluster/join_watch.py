@@ -156,18 +156,27 @@ def main(argv: list[str]) -> int:
     poller.register(done, select.POLLIN)  # readable at EOF: the watched part has ended, or the rank has died
     for fd in socks:
         poller.register(fd, select.POLLIN)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignored (`_ctrl_c_ignored`)
+    # Ctrl-C reaches the whole process group; the rank, in the join, cannot act on it. It is taken as a
+    # flag plus a byte on a pipe the poll watches, not as KeyboardInterrupt: that was raised wherever this
+    # loop happened to be (once between `ready` and the poll, on a loaded CI machine: a traceback, and no
+    # watcher), and a second Ctrl-C could cut the grace short.
+    interrupted: list[int] = []
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGINT, lambda sig, _frame: interrupted.append(sig))  # started ignored (`_ctrl_c_ignored`)
+    poller.register(wake_read, select.POLLIN)
     os.write(ready, b"r")
     os.close(ready)
     while True:
-        try:
-            events = poller.poll()
-        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the rank, in the join, cannot act
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the grace short
+        if interrupted:
             if select.select([done], [], [], NOTICE_GRACE_SECONDS)[0]:
                 return 0  # the rank heard it (it was not in the join yet, or no longer) and ended itself
             return stop(f"interrupted while {during}: rank {rank} stops")
-        for fd, _ in events:
+        for fd, _ in poller.poll():
+            if fd == wake_read:
+                os.read(wake_read, 512)
+                continue
             if fd == done:
                 return 0
             peer, sock = socks[fd]
