@@ -211,20 +211,18 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     path = resolve_path(cfg.path)
     config = read_config(path)
     check_supported(config)
-    try:
-        if tensor_group is not None:
-            model, tokenizer = mlx_lm_load(str(path), lazy=True)
-            if not hasattr(model, "shard"):
-                raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
-            model.shard(tensor_group)
-            if shard_vocab_head(model, tensor_group):
-                log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
-        else:
-            model, tokenizer = mlx_lm_load(str(path), lazy=stage is not None)
+    try:  # lazily for a shard or a stage: only their weights are then read
+        model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
         raise ValueError(f"cannot load the weights in {path}: {exc}") from None
     except (TypeError, KeyError) as exc:  # mlx-lm's ModelArgs: a config.json without a field the model needs
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
+    if tensor_group is not None:
+        if not hasattr(model, "shard"):
+            raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
+        model.shard(tensor_group)
+        if shard_vocab_head(model, tensor_group):
+            log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
     if stage is not None:
         keep_stage(model, stage)
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
