@@ -186,6 +186,7 @@ class Engine:
         self._failing = threading.RLock()  # the engine thread and the watchdog may fail it at once
         self._failures: list[float] = []  # monotonic times of recent failures (crash-loop detection)
         self._restart_at: float | None = None
+        self._given_up = False  # failed for good: later failures (the watchdog's) only end requests
         self._on_fatal = on_fatal or (lambda reason: None)
         self.speculator = (Speculator(speculative, self.metrics, max_model_len, draft)
                            if speculative is not None and speculative.enabled else None)
@@ -689,7 +690,7 @@ class Engine:
                 seqs.append(seq)
             for seq in seqs:
                 self._finish(seq.uid, FinishReason.ERROR, error=message)
-            if recover:
+            if recover and not self._given_up:
                 self._recover_or_give_up(message)
 
     def _recover_or_give_up(self, message: str) -> None:
@@ -709,6 +710,7 @@ class Engine:
             problem = f"{len(self._failures)} engine failures within {CRASH_LOOP_SECONDS:.0f} s, the last: {message}"
         self.error = problem
         self._restart_at = None
+        self._given_up = True
         log.error("engine failed for good: %s", problem)
         self._on_fatal(problem)
 
