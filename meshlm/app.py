@@ -9,7 +9,6 @@ import time
 
 import uvicorn
 
-from meshlm.api import listener
 from meshlm.api.body import BodyLimits
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
@@ -125,19 +124,11 @@ def load_grammars(loaded: LoadedModel) -> Grammars | None:
         return None
 
 
-def serve(config: ServeConfig, argv: list[str] | None = None, ports=None) -> None:
+def serve(config: ServeConfig, sock: socket.socket | None, start=None) -> None:
+    """Serve until stopped. `sock`: rank 0's HTTP socket, bound before anything loads (api/listener.py);
+    `start`: a cluster's ClusterStart (cluster/ranks.py), None for one process. Worker ranks never return."""
     fatal = FatalExit()
-    # Rank 0 serves HTTP: its socket is bound before anything loads (api/listener.py).
-    sock = listener.bind(config.server.host, config.server.port) if config.parallel.rank == 0 else None
-    try:
-        _serve(config, fatal, sock, argv, ports)
-    finally:
-        if sock is not None:
-            sock.close()
-
-
-def _serve(config: ServeConfig, fatal: FatalExit, sock: socket.socket | None, argv: list[str] | None, ports) -> None:
-    if not config.parallel.distributed:
+    if start is None:
         # Before the model loads: a missing secret is a start-up error.
         secret = disagg.secret() if config.disagg.enabled else None
         loaded = load_model(config.model)
@@ -153,9 +144,9 @@ def _serve(config: ServeConfig, fatal: FatalExit, sock: socket.socket | None, ar
                 service.close()
         fatal.exit()
         return
-    from meshlm.cluster.ranks import ClusterPorts, start_cluster
+    from meshlm.cluster.ranks import start_cluster
 
-    leader = start_cluster(config, argv or [], ports or ClusterPorts())  # worker ranks never return
+    leader = start_cluster(config, start)  # worker ranks never return
     try:
         engine = build_engine(config, leader.loaded, leader.executor, leader.rank, watchdog=leader.watchdog,
                               on_fatal=fatal, kv_blocks=leader.kv_blocks)

@@ -243,6 +243,25 @@ def _demo_model(args: argparse.Namespace) -> None:
     print(out)
 
 
+def _serve(config: ServeConfig, argv: list[str], ports) -> None:
+    """Rank 0 binds its HTTP port before anything loads (api/listener.py); a local cluster's other ranks
+    start before this process imports the serving stack, and import theirs meanwhile (begin_cluster)."""
+    from meshlm.api import listener
+    from meshlm.cluster.ranks import begin_cluster, start_cluster
+
+    sock = listener.bind(config.server.host, config.server.port) if config.parallel.rank == 0 else None
+    try:
+        with begin_cluster(config, argv, ports) as start:
+            if start is not None and config.parallel.rank != 0:
+                start_cluster(config, start)  # a worker rank needs no HTTP stack, and never returns
+            from meshlm.app import serve
+
+            serve(config, sock, start)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -260,10 +279,9 @@ def main(argv: list[str] | None = None) -> None:
             from meshlm.platform import maybe_reexec_with_openblas
 
             maybe_reexec_with_openblas(argv)
-            from meshlm.app import serve
             from meshlm.cluster.ranks import ClusterPorts
 
-            serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
+            _serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
         elif args.command == "launch":
             from meshlm.cluster.launch import launch
 

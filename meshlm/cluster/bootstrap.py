@@ -34,16 +34,13 @@ class ClusterError(RuntimeError):
 
 
 def check_shardable(model_path: Path, n: int) -> None:
-    from mlx_lm.utils import _get_classes
-
+    """What config.json says about a tensor-parallel split, checked before any rank starts. (Every supported
+    model type's mlx-lm class has a `shard`; the loader checks the class itself.)"""
     from meshlm.model.adapt import check_supported
     from meshlm.model.loader import read_config
 
     config = read_config(model_path)
-    check_supported(config)  # a model_type mlx-lm knows, before asking it for the class
-    model_class, _ = _get_classes(config)
-    if not callable(getattr(model_class, "shard", None)):
-        raise ClusterError(f"model type {config.get('model_type')!r} has no shard(): mlx-lm cannot split it for TP")
+    check_supported(config)
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads") or config.get(
         "num_attention_heads")
     if not all(isinstance(h, int) and h > 0 for h in (heads, kv_heads)):

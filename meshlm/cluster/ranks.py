@@ -13,6 +13,7 @@ from a hostfile read MESHLM_CLUSTER_SECRET, else the hostfile's "secret".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, local_leader_gone, ring_hostfile,
@@ -113,12 +114,34 @@ class Leader:
         _reap(self.children)
 
 
-def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> Leader:
-    """Form the cluster. Rank 0 gets its Leader back; every other rank serves plans here until the
-    cluster ends, then exits the process with its worker status."""
+@dataclass
+class ClusterStart:
+    """A cluster as far as it goes before this rank imports the serving stack: its topology, and on rank 0 of
+    a local cluster the other ranks it started, which import theirs meanwhile on their own cores."""
+
+    topo: Topology
+    local: LocalCluster | None = None
+    children: list[subprocess.Popen] = field(default_factory=list)
+
+    def abandon(self) -> None:
+        """This rank failed before `start_cluster` took the start over: end the ranks it started."""
+        _reap(self.children, grace=0.0)
+        if self.local is not None:
+            shutil.rmtree(self.local.hostfile.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def begin_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> Iterator[ClusterStart | None]:
+    """Check what can be checked before any rank starts, resolve the topology and start a local cluster's
+    other ranks; None when `config` is one process. Rank 0 used to start them only once it had imported
+    mlx-lm, transformers and the HTTP stack itself (~1.3 s), which they then imported in turn: a local
+    cluster took ~3.1 s to serve a tiny model against ~1.7 s for one process."""
+    p = config.parallel
+    if not p.distributed:
+        yield None
+        return
     from meshlm.model.loader import resolve_path
 
-    p = config.parallel
     if p.pipeline:
         stage_layout(config, None)  # a split that does not fit the model fails here, before any rank starts
     else:
@@ -126,7 +149,23 @@ def start_cluster(config: ServeConfig, argv: list[str], ports: ClusterPorts) -> 
         if not p.context:  # context-parallel ranks hold the whole model
             check_shardable(resolve_path(config.model.path), p.tensor_parallel)
     topo, local = resolve_topology(p, ports)
-    children = spawn_local_workers(argv, local, p.world_size, topo.secret) if local else []
+    start = ClusterStart(topo, local, spawn_local_workers(argv, local, p.world_size, topo.secret) if local else [])
+    try:
+        yield start
+    except BaseException:
+        start.abandon()
+        raise
+
+
+def start_cluster(config: ServeConfig, start: ClusterStart) -> Leader:
+    """Form the cluster `begin_cluster` began. Rank 0 gets its Leader back; every other rank serves plans here
+    until the cluster ends, then exits the process with its worker status."""
+    p = config.parallel
+    topo, local, children = start.topo, start.local, start.children
+    if p.rank != 0:
+        # Loading needs mlx-lm (with transformers, ~0.9 s): imported now, while rank 0 imports its serving
+        # stack, not after the roll call, when every rank would wait for this one.
+        import mlx_lm.utils  # noqa: F401
     try:
         if p.pipeline:
             from meshlm.cluster.pipeline import follow_stage, lead_pipeline

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load as mlx_lm_load
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
@@ -208,6 +207,10 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     its closing all_sum: that barrier waited for ever for a rank stopped or stalled while loading (its
     kernel still answers the keepalives). The control plane's LOADED handshake is the barrier instead,
     with a deadline and the late rank's name (cluster/ranks.py)."""
+    # Imported here: mlx-lm imports transformers (~0.9 s), which reading a config.json before a cluster's
+    # ranks start (cluster/ranks.py) does not need.
+    from mlx_lm.utils import load as mlx_lm_load
+
     path = resolve_path(cfg.path)
     config = read_config(path)
     check_supported(config)

@@ -93,3 +93,31 @@ def test_rank_0_watches_its_children_and_launch_alike():
 def test_a_launch_descriptor_that_is_not_open_is_refused():
     with pytest.raises(ClusterError, match="--launch-fd 987: Bad file descriptor"):
         launch_reports(987)
+
+
+BEGIN = """
+import sys
+from meshlm.cli import build_parser, serve_config
+from meshlm.cluster.ranks import ClusterPorts, begin_cluster
+
+argv = sys.argv[1:]
+config = serve_config(build_parser().parse_args(argv))
+with begin_cluster(config, argv[1:], ClusterPorts()) as start:
+    heavy = [m for m in ("mlx_lm", "transformers", "fastapi", "uvicorn") if m in sys.modules]
+    print(len(start.children), heavy, start.local.hostfile.parent.is_dir())
+    start.abandon()
+    print(start.local.hostfile.parent.exists(), [p.poll() is None for p in start.children])
+"""
+
+
+@pytest.mark.parametrize("layout", ["--tensor-parallel", "--pipeline-parallel", "--context-parallel"])
+def test_rank_0_starts_its_ranks_before_it_imports_mlx_lm_or_the_http_stack(tmp_path, layout):
+    """The ranks import theirs (~1.3 s) meanwhile on their own cores: started after rank 0's, they doubled
+    a local cluster's start. A rank 0 that fails before forming the cluster ends the ranks it started."""
+    from meshlm.model.demo import make_tiny
+
+    model = make_tiny(tmp_path / "m", "llama", layers=2, hidden=32, heads=2, kv_heads=2)
+    out = subprocess.run([sys.executable, "-c", BEGIN, "serve", "--model", str(model), layout, "2"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1 [] True", "False [False]"]
