@@ -747,8 +747,16 @@ class UntouchedZeros : public CpuOnly {
   const char* name() const override { return "MeshlmUntouchedZeros"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // each is its own buffer
   void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    // Asked of the system first: MLX's CPU allocator counts a failed malloc's size as active memory for
+    // good (and hands back a null buffer). A refused 4 PiB pool left the process "over its memory limit"
+    // for ever, and MLX's eval then spun, holding the GIL, whenever a task was pending: the test run hung.
+    void* probe = std::malloc(out.nbytes());
+    if (probe == nullptr) {
+      throw std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
+    }
+    std::free(probe);
     auto data = mx::allocator::malloc(out.nbytes());
-    if (data.buffer().ptr() == nullptr) {  // MLX's CPU allocator hands back a null buffer rather than throwing
+    if (data.buffer().ptr() == nullptr) {  // refused between the two: the count is off, the error is not
       throw std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
     }
     out.set_data(std::move(data));
