@@ -65,7 +65,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # ~120 servers start per run: a coarse poll adds up
         self.stop()
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
 

@@ -253,7 +253,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) 
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     raise AssertionError("cluster not healthy in time")
 
 
