@@ -192,8 +192,8 @@ class _DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, args=(grace,), name="meshlm-drain", daemon=True).start()
 
     def _drain(self, grace: float) -> None:
-        self.engine.drain(grace)
-        time.sleep(0.2)  # let the error events reach the clients before connections close
+        if self.engine.drain(grace):
+            time.sleep(0.2)  # let the error events reach the clients before connections close
         # Not super().handle_exit: uvicorn would re-raise the signal once serving ends, and its default
         # action would kill the process before the engine stops (the SSD tier's pending writes lost).
         self.should_exit = True

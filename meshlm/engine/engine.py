@@ -732,14 +732,17 @@ class Engine:
         """What /health reports: None when serving."""
         return self.error or ("server shutting down" if self._draining else None)
 
-    def drain(self, grace: float) -> None:
-        """Refuse new requests, give running ones `grace` seconds, then end the rest with an error."""
+    def drain(self, grace: float) -> bool:
+        """Refuse new requests, give running ones `grace` seconds, then end the rest with an error; True
+        when some were ended that way."""
         self._draining = True
         deadline = time.monotonic() + grace
         while self._tracked and time.monotonic() < deadline:
             time.sleep(0.05)
         if self._tracked:
             self._fail("server shutting down", recover=False)
+            return True
+        return False
 
     def fail(self, message: str) -> None:
         """End every in-flight request with an error, from any thread (the watchdog's too)."""
