@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshlm.config import (AUTO_ON_OFF, DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
+from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
 
@@ -292,3 +293,6 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, ClusterError) as exc:
         log.error("%s", exc)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before serving began (once serving, it is an orderly stop)
+        log.error("interrupted")
+        end_process(130)

@@ -225,6 +225,31 @@ def test_a_signal_to_the_whole_process_group_is_an_orderly_stop(tp_model, tmp_pa
     assert f"rank 1: {sig.name}: rank 0 stops the cluster" in text, text[-3000:]
 
 
+def test_ctrl_c_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model, tmp_path):
+    """Ctrl-C before serving began (rank 0 waiting at the roll call, its worker importing or answering) used
+    to print a KeyboardInterrupt traceback from every rank. Each says 'interrupted' and exits 130, and the
+    local cluster's directory goes with them."""
+    log, tmp = tmp_path / "start.log", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(free_port()),
+           "--kv-cache-dir", str(tmp_path / "kv"), "--tensor-parallel", "2"]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    try:
+        assert wait_until(lambda: "waiting up to" in log.read_text(), 60, step=0.02), log.read_text()[-3000:]
+        workers = children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(20) == 130, log.read_text()[-3000:]
+        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
+    assert not list(tmp.iterdir())
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=1).status_code == 200
