@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -196,6 +197,28 @@ def test_kill_leader_makes_workers_exit(tp2):
     assert wait_until(lambda: not alive(worker), 10)
 
 
+@contextlib.contextmanager
+def process_group(cmd: list[str], log: Path, **env: str):
+    """`cmd` in a process group of its own (a terminal's), killed with whatever it started if a test fails."""
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **env})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> int:
+    """Send `sig` to the whole group (as Ctrl-C does); rank 0's status, once every worker it started is gone."""
+    workers = children(proc.pid)
+    os.killpg(proc.pid, sig)
+    code = proc.wait(20)
+    assert all(wait_until(lambda: not alive(w), 10) for w in workers)
+    return code
+
+
 @pytest.mark.parametrize("layout, sig", [(("--tensor-parallel", "2"), signal.SIGINT),
                                          (("--pipeline-parallel", "2"), signal.SIGTERM)])
 def test_a_signal_to_the_whole_process_group_is_an_orderly_stop(tp_model, tmp_path, layout, sig):
@@ -205,46 +228,31 @@ def test_a_signal_to_the_whole_process_group_is_an_orderly_stop(tp_model, tmp_pa
     port, log = free_port(), tmp_path / "group.log"
     cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(port), "--kv-cache-dir",
            str(tmp_path / "kv"), "--max-model-len", "512", *layout]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    try:
+    with process_group(cmd, log) as proc:
         url = f"http://127.0.0.1:{port}"
         assert wait_until(lambda: _healthy(url), 120), log.read_text()[-3000:]
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
-        workers = children(proc.pid)
-        os.killpg(proc.pid, sig)
-        assert proc.wait(20) == 0, log.read_text()[-3000:]
-        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        assert signal_group(proc, sig) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "lost" not in text and "Traceback" not in text and "ERROR" not in text, text[-3000:]
     assert f"rank 1: {sig.name}: rank 0 stops the cluster" in text, text[-3000:]
 
 
 def test_ctrl_c_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model, tmp_path):
-    """Ctrl-C before serving began (rank 0 waiting at the roll call, its worker importing or answering) used
-    to print a KeyboardInterrupt traceback from every rank. Each says 'interrupted' and exits 130, and the
-    local cluster's directory goes with them."""
+    """Ctrl-C before serving began (here while both ranks import: rank 0 starts its worker first) used to
+    print a KeyboardInterrupt traceback from every rank. Each says 'interrupted' and exits 130, and the
+    local cluster's directory goes with them. (Inside the MLX join the join watcher ends the ranks instead:
+    test_join_watch.py.)"""
     log, tmp = tmp_path / "start.log", tmp_path / "tmp"
     tmp.mkdir()
     cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(free_port()),
            "--kv-cache-dir", str(tmp_path / "kv"), "--tensor-parallel", "2"]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "TMPDIR": str(tmp)})
-    try:
-        assert wait_until(lambda: "waiting up to" in log.read_text(), 60, step=0.02), log.read_text()[-3000:]
-        workers = children(proc.pid)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(20) == 130, log.read_text()[-3000:]
-        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with process_group(cmd, log, TMPDIR=str(tmp)) as proc:
+        # Each rank logs its BLAS (found or not) before it imports mlx-lm; rank 0 then imports for ~1.3 s
+        # before its roll call, and the join comes after that.
+        assert wait_until(lambda: log.read_text().count("OpenBLAS") == 2, 60, step=0.01), log.read_text()
+        assert signal_group(proc, signal.SIGINT) == 130, log.read_text()[-3000:]
     text = log.read_text()
     assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
     assert not list(tmp.iterdir())
