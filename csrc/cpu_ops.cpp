@@ -750,15 +750,14 @@ class UntouchedZeros : public CpuOnly {
     // Asked of the system first: MLX's CPU allocator counts a failed malloc's size as active memory for
     // good (and hands back a null buffer). A refused 4 PiB pool left the process "over its memory limit"
     // for ever, and MLX's eval then spun, holding the GIL, whenever a task was pending: the test run hung.
+    auto refused = [&out]() {
+      return std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
+    };
     void* probe = std::malloc(out.nbytes());
-    if (probe == nullptr) {
-      throw std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
-    }
+    if (probe == nullptr) throw refused();
     std::free(probe);
     auto data = mx::allocator::malloc(out.nbytes());
-    if (data.buffer().ptr() == nullptr) {  // refused between the two: the count is off, the error is not
-      throw std::runtime_error("untouched_zeros: cannot reserve " + std::to_string(out.nbytes()) + " bytes");
-    }
+    if (data.buffer().ptr() == nullptr) throw refused();  // refused between the two: the count is off, not the error
     out.set_data(std::move(data));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([p = out.data<char>(), n = out.nbytes()]() { zero_untouched(p, n); });
