@@ -121,3 +121,15 @@ def test_rank_0_starts_its_ranks_before_it_imports_mlx_lm_or_the_http_stack(tmp_
                          capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["1 [] True", "False [False]"]
+
+
+def test_every_supported_model_type_has_mlx_lms_tensor_parallel_split():
+    """check_shardable no longer asks mlx-lm for the model class before any rank starts (that imports
+    transformers, ~0.9 s, on rank 0's critical path); this is what made the question redundant."""
+    from mlx_lm.utils import _get_classes
+
+    from meshlm.model.adapt import SUPPORTED_TYPES
+
+    for model_type in SUPPORTED_TYPES:
+        model_class, _ = _get_classes({"model_type": model_type})
+        assert callable(getattr(model_class, "shard", None)), model_type
