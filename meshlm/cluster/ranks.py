@@ -126,6 +126,10 @@ class ClusterStart:
     def abandon(self) -> None:
         """This rank failed before `start_cluster` took the start over: end the ranks it started."""
         _reap(self.children, grace=0.0)
+        self.remove_directory()
+
+    def remove_directory(self) -> None:
+        """A local cluster's directory (its ring file, rank 0's pid): done with once every rank has joined."""
         if self.local is not None:
             shutil.rmtree(self.local.hostfile.parent, ignore_errors=True)
 
@@ -161,7 +165,7 @@ def start_cluster(config: ServeConfig, start: ClusterStart) -> Leader:
     """Form the cluster `begin_cluster` began. Rank 0 gets its Leader back; every other rank serves plans here
     until the cluster ends, then exits the process with its worker status."""
     p = config.parallel
-    topo, local, children = start.topo, start.local, start.children
+    topo, children = start.topo, start.children
     if p.rank != 0:
         # Loading needs mlx-lm (with transformers, ~0.9 s): imported now, while rank 0 imports its serving
         # stack, not after the roll call, when every rank would wait for this one.
@@ -180,8 +184,7 @@ def start_cluster(config: ServeConfig, start: ClusterStart) -> Leader:
         _reap(children)
         raise
     finally:
-        if local is not None:  # every local rank has joined (or the cluster failed): its ring file is read
-            shutil.rmtree(local.hostfile.parent, ignore_errors=True)
+        start.remove_directory()  # every local rank has joined (or the cluster failed): its ring file is read
 
 
 def _end_worker(code: int, children: list) -> None:
