@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml Makefile scripts/install-blas.sh scripts/build_native.p
 serve: install
 	$(BIN)/meshlm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# Two workers, a test file each at a time: the suite's integration half leaves ~40 % of two cores idle
+# (servers starting, deadlines running out), and a file's module-scoped servers stay on one worker.
 test: install
-	$(BIN)/python -m pytest -q -rs --durations=15 tests
+	$(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile tests
 
 bench: install
 	$(BIN)/python benchmarks/serve.py --model $(MODEL) --streams 1,16 --peer mlx-lm
