@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import glob
+import importlib
 import logging
 import os
+import resource
 import sys
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,36 @@ GLIBC_MALLOC_TUNING = {
     "MALLOC_MMAP_THRESHOLD_": str(1 << 34),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
 }
+
+
+# What mlx-lm raises the soft open-file limit to when imported (a model with many weight files).
+MLX_LM_OPEN_FILES = 2048
+
+
+def import_mlx_lm(name: str = "mlx_lm.utils") -> ModuleType:
+    """Import an mlx-lm module without letting mlx-lm set this process's open-file limit.
+
+    mlx_lm.utils calls setrlimit(RLIMIT_NOFILE, (2048, 4096)) when it is first imported. Where the hard
+    limit is below 4096 that raises, and the server could not start ("not allowed to raise maximum
+    limit"); where the limits are higher it lowers both, the hard one for good, and the server then
+    holds ~2,000 client connections at most. So its import runs with that call ignored, and the soft
+    limit is raised to MLX_LM_OPEN_FILES only where the hard limit allows, never lowered."""
+    set_limit = resource.setrlimit
+
+    def keep_open_file_limit(which: int, limits: tuple[int, int]) -> None:
+        if which != resource.RLIMIT_NOFILE:
+            set_limit(which, limits)
+
+    resource.setrlimit = keep_open_file_limit
+    try:
+        module = importlib.import_module(name)
+    finally:
+        resource.setrlimit = set_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MLX_LM_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MLX_LM_OPEN_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return module
 
 
 def find_openblas() -> str | None:

@@ -23,9 +23,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlx_lm.tool_parsers import json_tools
-
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
+from meshlm.platform import import_mlx_lm
+
+json_tools = import_mlx_lm("mlx_lm.tool_parsers.json_tools")
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ neither the network nor the 500 MB export.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.model.gguf import DTYPES, export_gguf, gguf_path, write_hf_tokenizer, write_json
+from meshlm.platform import import_mlx_lm
 
 DEMO_NAME = "smollm2-135m-instruct"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
@@ -245,7 +245,7 @@ def _readable_rows(tok: Tokenizer, vocab_size: int) -> mx.array:
 
 
 def _tiny_weights(config: dict, seed: int, readable: mx.array) -> dict[str, mx.array]:
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    arch = import_mlx_lm(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     if config["tie_word_embeddings"]:

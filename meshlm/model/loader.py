@@ -17,7 +17,7 @@ import mlx.nn as nn
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
 from meshlm.model.vocab_parallel import shard_vocab_head
-from meshlm.platform import default_device_is_gpu, resolve_dtype
+from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     with a deadline and the late rank's name (cluster/ranks.py)."""
     # Imported here: mlx-lm imports transformers (~0.9 s), which reading a config.json before a cluster's
     # ranks start (cluster/ranks.py) does not need.
-    from mlx_lm.utils import load as mlx_lm_load
+    mlx_lm_load = import_mlx_lm("mlx_lm.utils").load
 
     path = resolve_path(cfg.path)
     config = read_config(path)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, children
 
 pytestmark = pytest.mark.slow
 
@@ -233,3 +233,25 @@ def test_port_0_serves_on_a_free_port_and_says_which(tiny_model, tmp_path):
         proc.communicate(timeout=30)
     assert proc.returncode == 0
 
+
+
+def open_file_limits(pid: int) -> tuple[int, int]:
+    line = next(x for x in open(f"/proc/{pid}/limits") if x.startswith("Max open files"))
+    return tuple(int(v) for v in line.split()[3:5])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(), ("--tensor-parallel", "2")], ids=["one-process", "tp2"])
+def test_a_hard_open_file_limit_below_mlx_lms_4096_is_kept_and_served(tiny_model, tmp_path, layout):
+    """mlx_lm.utils sets the limit to (2048, 4096) when imported: under a lower hard limit the server could
+    not start ("not allowed to raise maximum limit", status 2); above it, every rank's limit was cut."""
+    srv = ServerProcess(tiny_model, *layout, log_dir=tmp_path,
+                        entry=["prlimit", "--nofile=1000:1000", sys.executable, "-m", "meshlm"])
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        ranks = [srv.proc.pid, *children(srv.proc.pid)]
+        assert len(ranks) == (2 if layout else 1)
+        assert [open_file_limits(pid) for pid in ranks] == [(1000, 1000)] * len(ranks)
+    finally:
+        srv.stop()
