@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -10,6 +11,7 @@ import time
 import uvicorn
 
 from meshlm.api.body import BodyLimits
+from meshlm.api.connections import HeadDeadlineProtocol
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
 from meshlm.api.serving import SamplingDefaults, Serving
@@ -166,12 +168,13 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     log.info("sampling defaults for requests that omit them: %s", defaults.describe())
     prompts = PromptBuilder(loaded.tokenizer, loaded.vocab_size, engine.max_model_len)
     serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults)
-    app = create_app(serving, limits=BodyLimits(s.max_request_bytes))
+    app = create_app(serving, limits=BodyLimits(s.max_request_bytes, stall_seconds=s.client_timeout))
     engine.start()
     host, port = config.server.host, sock.getsockname()[1]  # --port 0: the one the system chose
     log.info("serving %s on http://%s:%d/v1", loaded.name, f"[{host}]" if ":" in host else host, port)
+    protocol = functools.partial(HeadDeadlineProtocol, head_timeout=s.client_timeout)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=config.server.log_level,
-                                            timeout_graceful_shutdown=1), engine)
+                                            http=protocol, timeout_graceful_shutdown=1), engine)
     fatal.server = server
     try:
         server.run(sockets=[sock])

@@ -61,6 +61,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 * 2**20,
                    help="larger request bodies get 413 before they are parsed (default 16MiB)")
+    p.add_argument("--client-timeout", type=float, default=60.0,
+                   help="seconds a client may stay silent with a request half sent (or before its first request) "
+                        "before its connection is closed, or its body gets 408")
     p.add_argument("--default-temperature", type=float, default=None,
                    help="temperature for requests that name none (default: the model's generation_config.json, else 1)")
     p.add_argument("--default-top-p", type=float, default=None,
@@ -211,7 +214,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 cp_overlap=args.cp_overlap, local_all_reduce=args.local_all_reduce,
                                 launch_fd=args.launch_fd),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
-                            args.default_temperature, args.default_top_p),
+                            args.default_temperature, args.default_top_p, args.client_timeout),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),

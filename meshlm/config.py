@@ -231,6 +231,10 @@ class ServerConfig:
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before they are parsed
     default_temperature: float | None = None  # None: the model's generation_config.json, else 1.0
     default_top_p: float | None = None
+    # A client silent this long with a request head or body half sent, or on a new connection before its
+    # first request, loses the connection (a head) or gets 408 (a body): otherwise such connections hold
+    # sockets for ever, and enough of them use up the process's file descriptors (nginx: 60 s).
+    client_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -243,6 +247,8 @@ class ServerConfig:
             raise ValueError("--default-temperature must be in [0, 2]")
         if self.default_top_p is not None and not 0 < self.default_top_p <= 1:
             raise ValueError("--default-top-p must be in (0, 1]")
+        if not 0 < self.client_timeout <= 86400:
+            raise ValueError("--client-timeout must be in (0, 86400] seconds")
 
 
 ROLES = ("serve", "prefill")

@@ -27,6 +27,7 @@ INT_LIMIT = 2**64  # |integer| below this: seeds are u64, token ids far smaller
 class BodyLimits:
     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # ServerConfig validates the flag
     max_depth: int = MAX_JSON_DEPTH
+    stall_seconds: float = 60.0  # longest silence within a body (--client-timeout) before 408
 
 
 def too_large(limit: int) -> APIError:
@@ -34,14 +35,23 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, or 413 as soon as it is known to exceed `limit` bytes."""
+async def read_body(request: Request, limit: int, stall_seconds: float = 60.0) -> bytes:
+    """The raw body; 413 as soon as it is known to exceed `limit` bytes, 408 if the client sends none of
+    it for `stall_seconds` (a body half sent would otherwise hold its connection for ever)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
+    stream = request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), stall_seconds)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                raise APIError(408, f"the client sent nothing for {stall_seconds:g} s after {size} bytes of the "
+                               "request body (--client-timeout)", code="request_timeout") from None
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)

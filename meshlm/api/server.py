@@ -84,7 +84,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits())
 
 
 async def _parse(request: Request, model, limits: BodyLimits):
-    data = await parse_json(await read_body(request, limits.max_bytes), limits)
+    data = await parse_json(await read_body(request, limits.max_bytes, limits.stall_seconds), limits)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

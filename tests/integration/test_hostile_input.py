@@ -120,6 +120,63 @@ def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
     assert "Traceback" not in new and "unhandled error" not in new, new[-2000:]
 
 
+def _closed_within(s: socket.socket, seconds: float) -> tuple[float, bytes]:
+    """How long until the server closed `s`, and what it sent first; fails if it held it `seconds`."""
+    t0, got = time.monotonic(), b""
+    s.settimeout(seconds)
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except socket.timeout:
+        pytest.fail(f"the server held a silent connection {seconds} s (sent {got[:80]!r})")
+    return time.monotonic() - t0, got
+
+
+def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sockets(tiny_model, tmp_path):
+    """A connection that sent nothing, or half a request, held a socket for ever; enough of them use up
+    the file descriptors and the server accepts no one. Each now ends at --client-timeout."""
+    srv = ServerProcess(tiny_model, "--client-timeout", "1", log_dir=tmp_path)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as idle:
+            took, got = _closed_within(idle, 10)
+            assert got == b"" and took < 5
+        with socket.create_connection(("127.0.0.1", srv.port)) as dribbler:  # each byte re-armed uvicorn's timer
+            t0 = time.monotonic()
+            for byte in head:
+                try:
+                    dribbler.sendall(bytes([byte]))
+                except OSError:  # closed under it: what this test wants
+                    break
+                time.sleep(0.2)
+            took, _ = _closed_within(dribbler, 10)
+            assert time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", srv.port)) as half_body:
+            half_body.sendall(head + b"Content-Length: 100\r\n\r\n{")
+            took, got = _closed_within(half_body, 10)
+            assert got.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in got, got[:300]
+            assert took < 5
+        # A request that lasts longer than the deadline, and a kept-alive connection that comes back
+        # within uvicorn's keep-alive, are not cut.
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            long = {"prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0, lines = time.monotonic(), []
+            with c.stream("POST", "/v1/completions", json=long) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    time.sleep(0.004)  # a slow reader: the stream outlasts the deadline
+            assert time.monotonic() - t0 > 1.5
+            lines = [line for line in lines if line]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            assert json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 400
+            time.sleep(0.5)
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        still_serving(srv)
+    finally:
+        srv.stop()
+
+
 def test_a_20_mb_prompt_is_answered_at_once(server):
     t0 = time.monotonic()
     r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x" * 20_000_000}).encode(),

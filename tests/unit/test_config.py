@@ -31,6 +31,9 @@ def test_the_defaults_parse():
     (("--max-tokens-default", "-1"), "--max-tokens-default must be >= 1"),
     (("--served-model-name", " "), "--served-model-name must not be empty"),
     (("--prefill-peer", "127.0.0.1:9", "--prefill-timeout", "nan"), "--prefill-timeout must be a number > 0"),
+    (("--client-timeout", "0"), r"--client-timeout must be in \(0, 86400\] seconds"),
+    (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
+    (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
 ])
 def test_meaningless_values_are_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words):
