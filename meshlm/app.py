@@ -11,7 +11,7 @@ import time
 import uvicorn
 
 from meshlm.api.body import BodyLimits
-from meshlm.api.connections import HeadDeadlineProtocol
+from meshlm.api.connections import DeadlineProtocol
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
 from meshlm.api.serving import SamplingDefaults, Serving
@@ -172,7 +172,7 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     engine.start()
     host, port = config.server.host, sock.getsockname()[1]  # --port 0: the one the system chose
     log.info("serving %s on http://%s:%d/v1", loaded.name, f"[{host}]" if ":" in host else host, port)
-    protocol = functools.partial(HeadDeadlineProtocol, head_timeout=s.client_timeout)
+    protocol = functools.partial(DeadlineProtocol, timeout=s.client_timeout)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=config.server.log_level,
                                             http=protocol, timeout_graceful_shutdown=1), engine)
     fatal.server = server

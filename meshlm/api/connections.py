@@ -1,11 +1,15 @@
-"""Client connections: uvicorn's HTTP/1.1 protocol with a deadline for each request's head.
+"""Client connections: uvicorn's HTTP/1.1 protocol with deadlines for a silent client.
 
 uvicorn closes a connection left idle after a response (its keep-alive timeout, re-armed by every byte
-received), but a new connection that sends nothing, or sends its request head a byte at a time, holds
-a socket for ever. Enough of them use up the process's file descriptors, and then the server accepts
-no one (asyncio logs "socket.accept() out of system resource" and retries). Here a connection must
-deliver each request's head within the deadline of connecting or of its last response; a body's pace
-is read_body's (api/body.py), which answers 408.
+received), but a new connection that sends nothing, or sends its request head a byte at a time, held
+a socket for ever; so did a response the client stopped reading once the kernel's buffers were full
+(the response waits in uvicorn's flow control). Enough of them use up the process's file descriptors,
+and then the server accepts no one (asyncio logs "socket.accept() out of system resource" and
+retries). Here, with `timeout` (--client-timeout):
+- each request's head must arrive within `timeout` of connecting or of the last response (closed);
+- a response whose writes stay paused for `timeout`, the client reading nothing, is aborted (the
+  request then ends as if the client had disconnected);
+- a body's pace is read_body's (api/body.py), which answers 408.
 """
 
 from __future__ import annotations
@@ -16,29 +20,42 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class HeadDeadlineProtocol(H11Protocol):
-    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+class DeadlineProtocol(H11Protocol):
+    def __init__(self, *args: Any, timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.head_timeout = head_timeout
+        self.timeout = timeout
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        self._arm_head_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm()
+        self._arm_head_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        for handle in (self._head_deadline, self._write_deadline):
+            if handle is not None:
+                handle.cancel()
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.timeout, self._write_overdue)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _arm_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(self.head_timeout, self._head_overdue)
+        self._head_deadline = self.loop.call_later(self.timeout, self._head_overdue)
 
     def _head_overdue(self) -> None:
         if self.transport.is_closing():
@@ -46,3 +63,8 @@ class HeadDeadlineProtocol(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is in flight: its head arrived (a stalled body is read_body's 408)
         self.transport.close()
+
+    def _write_overdue(self) -> None:
+        self._write_deadline = None
+        if not self.transport.is_closing():
+            self.transport.abort()  # close() would wait for the unread bytes to drain first

@@ -133,8 +133,9 @@ def _closed_within(s: socket.socket, seconds: float) -> tuple[float, bytes]:
 
 
 def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sockets(tiny_model, tmp_path):
-    """A connection that sent nothing, or half a request, held a socket for ever; enough of them use up
-    the file descriptors and the server accepts no one. Each now ends at --client-timeout."""
+    """A connection that sent nothing, or half a request, or stopped reading a long response, held a socket
+    for ever; enough of them use up the file descriptors and the server accepts no one. Each now ends at
+    --client-timeout."""
     srv = ServerProcess(tiny_model, "--client-timeout", "1", log_dir=tmp_path)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     try:
@@ -156,6 +157,15 @@ def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sock
             took, got = _closed_within(half_body, 10)
             assert got.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in got, got[:300]
             assert took < 5
+        with socket.socket() as stalled_reader:  # asks for ~13 MB, then reads nothing: past the kernel's buffers
+            stalled_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            stalled_reader.connect(("127.0.0.1", srv.port))
+            big = json.dumps({"prompt": "go", "max_tokens": 4000, "n": 4, "logprobs": 20, "ignore_eos": True,
+                              "stream": True}).encode()
+            stalled_reader.sendall(head + b"Content-Length: %d\r\n\r\n" % len(big) + big)
+            time.sleep(4)
+            _, got = _closed_within(stalled_reader, 10)
+            assert got.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in got, len(got)
         # A request that lasts longer than the deadline, and a kept-alive connection that comes back
         # within uvicorn's keep-alive, are not cut.
         with httpx.Client(base_url=srv.url, timeout=30) as c:
