@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (AUTO_ON_OFF, DTYPES, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
-                           SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
+from meshlm.config import (AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, CacheConfig, DisaggConfig, ModelConfig,
+                           ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
 from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
@@ -61,9 +61,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 * 2**20,
                    help="larger request bodies get 413 before they are parsed (default 16MiB)")
-    p.add_argument("--client-timeout", type=float, default=60.0,
-                   help="seconds a client may stay silent with a request half sent (or before its first request) "
-                        "before its connection is closed, or its body gets 408")
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_SECONDS,
+                   help="seconds a client may stay silent before its first request or with a request half sent "
+                        "(closed; a half-sent body gets 408), or not read a response (aborted) (default 60)")
     p.add_argument("--default-temperature", type=float, default=None,
                    help="temperature for requests that name none (default: the model's generation_config.json, else 1)")
     p.add_argument("--default-top-p", type=float, default=None,

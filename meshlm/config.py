@@ -222,6 +222,13 @@ class ParallelConfig:
         return f"cp{self.context_parallel}" if self.context else f"tp{self.tensor_parallel}"
 
 
+# A client silent this long before its first request or with a request head half sent loses the
+# connection; with a body half sent it gets 408; not reading a response, the connection is aborted.
+# Otherwise such connections hold sockets for ever, and enough of them use up the process's file
+# descriptors (nginx waits 60 s for a head or a body too).
+CLIENT_TIMEOUT_SECONDS = 60.0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -231,10 +238,7 @@ class ServerConfig:
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before they are parsed
     default_temperature: float | None = None  # None: the model's generation_config.json, else 1.0
     default_top_p: float | None = None
-    # A client silent this long with a request head or body half sent, or on a new connection before its
-    # first request, loses the connection (a head) or gets 408 (a body): otherwise such connections hold
-    # sockets for ever, and enough of them use up the process's file descriptors (nginx: 60 s).
-    client_timeout: float = 60.0
+    client_timeout: float = CLIENT_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from meshlm.api.errors import APIError, bad_request
+from meshlm.config import CLIENT_TIMEOUT_SECONDS
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # ~4M tokens as text, ~2M as token ids: past any context we serve
 MAX_JSON_DEPTH = 32  # the deepest OpenAI request (a tool's JSON schema) needs far less
@@ -27,7 +28,7 @@ INT_LIMIT = 2**64  # |integer| below this: seeds are u64, token ids far smaller
 class BodyLimits:
     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # ServerConfig validates the flag
     max_depth: int = MAX_JSON_DEPTH
-    stall_seconds: float = 60.0  # longest silence within a body (--client-timeout) before 408
+    stall_seconds: float = CLIENT_TIMEOUT_SECONDS  # longest silence within a body before 408
 
 
 def too_large(limit: int) -> APIError:
@@ -35,7 +36,7 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def read_body(request: Request, limit: int, stall_seconds: float = 60.0) -> bytes:
+async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes:
     """The raw body; 413 as soon as it is known to exceed `limit` bytes, 408 if the client sends none of
     it for `stall_seconds` (a body half sent would otherwise hold its connection for ever)."""
     declared = request.headers.get("content-length")
