@@ -9,7 +9,9 @@ retries). Here, with `timeout` (--client-timeout):
 - each request's head must arrive within `timeout` of connecting or of the last response (closed);
 - a response whose writes stay paused for `timeout`, the client reading nothing, is aborted (the
   request then ends as if the client had disconnected);
-- a body's pace is read_body's (api/body.py), which answers 408.
+- a body's pace is read_body's (api/body.py), which answers 408;
+- when the server stops, a connection not reading its response is aborted at once (uvicorn would
+  cancel its request at the end of the graceful shutdown, logging it as an exception in the app).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class DeadlineProtocol(H11Protocol):
         if self._write_deadline is not None:
             self._write_deadline.cancel()
             self._write_deadline = None
+
+    def shutdown(self) -> None:
+        if self.flow.write_paused:  # not reading: it cannot take the stream's last event either
+            self.transport.abort()  # rather than being cancelled at the end of the graceful shutdown
+            return
+        super().shutdown()
 
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import socket
@@ -196,6 +197,27 @@ def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path)
     finally:
         srv.stop()
     assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
+
+
+def test_sigterm_with_a_client_not_reading_its_stream_stops_cleanly(tiny_model, tmp_path):
+    """A stream the client stopped reading (past the kernel's buffers) was cancelled by uvicorn at the end
+    of the graceful shutdown and logged as 'Exception in ASGI application' with a traceback."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
+    body = json.dumps({"prompt": "go", "max_tokens": 4000, "n": 4, "logprobs": 20, "ignore_eos": True,
+                       "stream": True}).encode()
+    try:
+        with socket.socket() as stalled_reader:
+            stalled_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            stalled_reader.connect(("127.0.0.1", srv.port))
+            stalled_reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(3)  # ~13 MB asked for: the kernel's buffers fill, then uvicorn's
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("where, words", [
