@@ -78,6 +78,11 @@ class Executor(Protocol):
         """Drop all sequence state after a failed step; None if recovered, else what /health should say."""
         ...
 
+    def known_failure(self, exc: BaseException) -> bool:
+        """Whether a step's exception is a failure this executor names itself (a rank lost, a link closed),
+        logged in one line rather than as a bug with its traceback."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -323,7 +328,10 @@ class Engine:
             except Exception as exc:
                 pending = None
                 self._in_flight.clear()
-                log.exception("engine step failed")
+                if self.executor.known_failure(exc):
+                    log.error("engine step failed: %s: %s", type(exc).__name__, exc)
+                else:
+                    log.exception("engine step failed")
                 self._engine_failed(f"{type(exc).__name__}: {exc}")
 
     def _step(self, carry: "_Pending | _Launched | None") -> "_Pending | _Launched | None":

@@ -62,6 +62,9 @@ class PipelineExecutor(TensorExecutor):
                 raise
             raise StageFailed(f"{type(exc).__name__}: {exc} [rank {exc.rank} runs {what}]") from exc
 
+    def known_failure(self, exc: BaseException) -> bool:
+        return isinstance(exc, StageFailed) or super().known_failure(exc)  # a stage link's errors are ControlErrors
+
     def execute(self, plan: StepPlan) -> StepResult:
         # The leader's stage would idle until the activation arrives: the acks of the plan before and the
         # part of the step that needs only the plan are done first, off the path from the activation to

@@ -15,6 +15,7 @@ from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
 from meshlm.step_times import StepTimes
 from meshlm.transport.control import ControlError, ControlLeader
+from meshlm.transport.local_reduce import is_peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class TensorExecutor:
             except Exception:  # best effort: the survivors also leave by their own timeouts
                 log.exception("could not tell the workers to stop")
         return self.failure
+
+    def known_failure(self, exc: BaseException) -> bool:
+        """A rank lost: the control channel's errors, and a shared-memory sum whose peer is gone."""
+        return isinstance(exc, ControlError) or is_peer_lost(exc)
 
     def _diagnose(self, error: str, wait: float = 1.0) -> str:
         deadline = time.monotonic() + wait

@@ -36,6 +36,15 @@ SLOT_BYTES = 1 << 20  # per rank and round: a larger sum goes in rounds of this 
 SPIN_US = 50.0  # how long a rank with a core of its own spins before it sleeps on the futex
 
 
+PEER_LOST = "local all-reduce: peer lost"  # how csrc/local_reduce.cpp's errors begin when a rank is gone
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a sum's report that another rank is gone. It reaches Python through MLX's eval,
+    which turns every C++ exception into a plain RuntimeError, so only its message tells."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(PEER_LOST)
+
+
 @functools.cache
 def native_module() -> tuple[Any, str]:
     """The compiled `_local_reduce` module, or None, and a phrase saying which for the log."""

@@ -171,6 +171,8 @@ def test_a_stage_that_dies_or_hangs_fails_requests_within_10s(pp2, sig):
     assert health.status_code == 503 and "stage 0" in health.json()["error"], health.json()
     if sig == signal.SIGSTOP:
         os.kill(stage0, signal.SIGCONT)
+    # A lost stage is a known failure, logged in a line: a traceback would read as a bug in meshlm.
+    assert "Traceback" not in pp2.log.read_text(), pp2.log.read_text()[-3000:]
 
 
 def test_the_leader_killed_makes_the_stages_exit(pp2):

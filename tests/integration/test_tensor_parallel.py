@@ -188,6 +188,8 @@ def test_kill_worker_mid_generation_fails_requests_and_health_names_rank(tp2):
     assert health.status_code == 503 and "rank 1" in health.json()["error"]
     r = httpx.post(tp2.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503  # documented: the leader stays up, reporting unhealthy
+    # A lost rank is a known failure (the shared-memory sum's "peer lost" included), logged in a line.
+    assert "Traceback" not in tp2.log.read_text(), tp2.log.read_text()[-3000:]
 
 
 def test_kill_leader_makes_workers_exit(tp2):

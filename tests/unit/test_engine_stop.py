@@ -21,6 +21,9 @@ class ClusterExecutor:
         self.resets.append(error)
         return f"cluster failed: {self.resets[0]}"
 
+    def known_failure(self, exc: BaseException) -> bool:
+        return True
+
 
 def new_engine(executor, on_fatal=None) -> Engine:
     return Engine(executor, None, SchedulerConfig(), 64, lambda: BlockManager(8, 4), frozenset(), on_fatal=on_fatal)
