@@ -10,8 +10,9 @@ retries). Here, with `timeout` (--client-timeout):
 - a response whose writes stay paused for `timeout`, the client reading nothing, is aborted (the
   request then ends as if the client had disconnected);
 - a body's pace is read_body's (api/body.py), which answers 408;
-- when the server stops, a connection not reading its response is aborted at once (uvicorn would
-  cancel its request at the end of the graceful shutdown, logging it as an exception in the app).
+- when the server stops, a connection not reading its response, or still sending its request's body,
+  is aborted at once (uvicorn would cancel its request at the end of the graceful shutdown, logging it
+  as an exception in the app, and answer the second 500).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -55,8 +57,13 @@ class DeadlineProtocol(H11Protocol):
             self._write_deadline = None
 
     def shutdown(self) -> None:
+        # Either request would be cancelled at the end of uvicorn's graceful shutdown, logged as an
+        # exception in the app (and a body still arriving answered 500): aborted instead, at once.
         if self.flow.write_paused:  # not reading: it cannot take the stream's last event either
-            self.transport.abort()  # rather than being cancelled at the end of the graceful shutdown
+            self.transport.abort()
+            return
+        if self.cycle is not None and not self.cycle.response_started and self.conn.their_state is h11.SEND_BODY:
+            self.transport.abort()  # a body still arriving: its request cannot be served any more
             return
         super().shutdown()
 
