@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -106,6 +107,35 @@ def server(tiny_model, tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+COMPLETIONS_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def unread_stream(port: int) -> socket.socket:
+    """A connection that asks for a ~13 MB stream (4 choices of 4,000 tokens with 20 logprobs each) and reads
+    none of it: once the kernel's buffers are full, the server's writes stay paused."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.connect(("127.0.0.1", port))
+    body = json.dumps({"prompt": "go", "max_tokens": 4000, "n": 4, "logprobs": 20, "ignore_eos": True,
+                       "stream": True}).encode()
+    s.sendall(COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
+
+
+def closed_within(s: socket.socket, seconds: float) -> tuple[float, bytes]:
+    """How long until the server closed `s`, and what it sent first; fails if it held it `seconds`."""
+    t0, got = time.monotonic(), b""
+    s.settimeout(seconds)
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except socket.timeout:
+        pytest.fail(f"the server held a silent connection {seconds} s (sent {got[:80]!r})")
+    except ConnectionResetError:  # closed while the client still sent: as closed as an EOF
+        pass
+    return time.monotonic() - t0, got
 
 
 def children(pid: int) -> list[int]:

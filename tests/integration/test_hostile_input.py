@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from conftest import COMPLETIONS_HEAD, ServerProcess, closed_within, unread_stream
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +111,7 @@ def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
     before = server.log.read_text()
     for cut in (0, 7):
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 500\r\n\r\n" + b'{"prompt": "hello"}'[:cut])
+            s.sendall(COMPLETIONS_HEAD + b"Content-Length: 500\r\n\r\n" + b'{"prompt": "hello"}'[:cut])
             time.sleep(0.3)  # the server is reading the body
     still_serving(server)  # a whole request since: the event loop has dealt with the two cut ones
     time.sleep(0.5)
@@ -120,53 +119,33 @@ def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
     assert "Traceback" not in new and "unhandled error" not in new, new[-2000:]
 
 
-def _closed_within(s: socket.socket, seconds: float) -> tuple[float, bytes]:
-    """How long until the server closed `s`, and what it sent first; fails if it held it `seconds`."""
-    t0, got = time.monotonic(), b""
-    s.settimeout(seconds)
-    try:
-        while chunk := s.recv(4096):
-            got += chunk
-    except socket.timeout:
-        pytest.fail(f"the server held a silent connection {seconds} s (sent {got[:80]!r})")
-    except ConnectionResetError:  # closed while the client still sent: as closed as an EOF
-        pass
-    return time.monotonic() - t0, got
-
-
 def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sockets(tiny_model, tmp_path):
     """A connection that sent nothing, or half a request, or stopped reading a long response, held a socket
     for ever; enough of them use up the file descriptors and the server accepts no one. Each now ends at
     --client-timeout."""
     srv = ServerProcess(tiny_model, "--client-timeout", "1", log_dir=tmp_path)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     try:
         with socket.create_connection(("127.0.0.1", srv.port)) as idle:
-            took, got = _closed_within(idle, 10)
+            took, got = closed_within(idle, 10)
             assert got == b"" and took < 5
         with socket.create_connection(("127.0.0.1", srv.port)) as dribbler:  # each byte re-armed uvicorn's timer
             t0 = time.monotonic()
-            for byte in head:
+            for byte in COMPLETIONS_HEAD:
                 try:
                     dribbler.sendall(bytes([byte]))
                 except OSError:  # closed under it: what this test wants
                     break
                 time.sleep(0.2)
-            took, _ = _closed_within(dribbler, 10)
+            took, _ = closed_within(dribbler, 10)
             assert time.monotonic() - t0 < 5
         with socket.create_connection(("127.0.0.1", srv.port)) as half_body:
-            half_body.sendall(head + b"Content-Length: 100\r\n\r\n{")
-            took, got = _closed_within(half_body, 10)
+            half_body.sendall(COMPLETIONS_HEAD + b"Content-Length: 100\r\n\r\n{")
+            took, got = closed_within(half_body, 10)
             assert got.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in got, got[:300]
             assert took < 5
-        with socket.socket() as stalled_reader:  # asks for ~13 MB, then reads nothing: past the kernel's buffers
-            stalled_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            stalled_reader.connect(("127.0.0.1", srv.port))
-            big = json.dumps({"prompt": "go", "max_tokens": 4000, "n": 4, "logprobs": 20, "ignore_eos": True,
-                              "stream": True}).encode()
-            stalled_reader.sendall(head + b"Content-Length: %d\r\n\r\n" % len(big) + big)
+        with unread_stream(srv.port) as stalled_reader:
             time.sleep(4)
-            _, got = _closed_within(stalled_reader, 10)
+            _, got = closed_within(stalled_reader, 10)
             assert got.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in got, len(got)
         # A request that lasts longer than the deadline, and a kept-alive connection that comes back
         # within uvicorn's keep-alive, are not cut.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import socket
@@ -14,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, children
+from conftest import COMPLETIONS_HEAD, ServerProcess, children, closed_within, unread_stream
 
 pytestmark = pytest.mark.slow
 
@@ -204,23 +203,13 @@ def test_sigterm_with_clients_not_reading_or_not_done_sending_stops_cleanly(tiny
     arriving, were cancelled by uvicorn at the end of the graceful shutdown and logged as 'Exception in
     ASGI application' with a traceback; the second was answered 500."""
     srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
-    body = json.dumps({"prompt": "go", "max_tokens": 4000, "n": 4, "logprobs": 20, "ignore_eos": True,
-                       "stream": True}).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     try:
-        with socket.socket() as stalled_reader, socket.create_connection(("127.0.0.1", srv.port)) as sending:
-            stalled_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            stalled_reader.connect(("127.0.0.1", srv.port))
-            stalled_reader.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            sending.sendall(head + b"Content-Length: 100\r\n\r\n{")
-            time.sleep(3)  # ~13 MB asked for: the kernel's buffers fill, then uvicorn's
+        with unread_stream(srv.port), socket.create_connection(("127.0.0.1", srv.port)) as sending:
+            sending.sendall(COMPLETIONS_HEAD + b"Content-Length: 100\r\n\r\n{")
+            time.sleep(3)  # the kernel's buffers fill, then uvicorn's
             srv.proc.send_signal(signal.SIGTERM)
             assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
-            sending.settimeout(5)
-            try:
-                answer = sending.recv(4096)
-            except ConnectionResetError:
-                answer = b""
+            _, answer = closed_within(sending, 5)
             assert answer == b"", answer[:200]  # closed: never a 500
     finally:
         srv.stop()
