@@ -59,13 +59,13 @@ class DeadlineProtocol(H11Protocol):
     def shutdown(self) -> None:
         # Either request would be cancelled at the end of uvicorn's graceful shutdown, logged as an
         # exception in the app (and a body still arriving answered 500): aborted instead, at once.
-        if self.flow.write_paused:  # not reading: it cannot take the stream's last event either
+        not_reading = self.flow.write_paused  # it cannot take the stream's last event either
+        body_arriving = (self.cycle is not None and not self.cycle.response_started
+                         and self.conn.their_state is h11.SEND_BODY)  # its request cannot be served any more
+        if not_reading or body_arriving:
             self.transport.abort()
-            return
-        if self.cycle is not None and not self.cycle.response_started and self.conn.their_state is h11.SEND_BODY:
-            self.transport.abort()  # a body still arriving: its request cannot be served any more
-            return
-        super().shutdown()
+        else:
+            super().shutdown()
 
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is not None:
