@@ -74,6 +74,11 @@ class Executor(Protocol):
         """Called about every IDLE_POLL_SECONDS with nothing to run (heartbeats, liveness checks)."""
         ...
 
+    def diagnose(self, error: str) -> str:
+        """What a failed step's clients are told: `error`, or the cause it is a symptom of (a cluster's
+        collective failing names no rank; the control channel names the lost one within ms)."""
+        ...
+
     def reset(self, error: str) -> str | None:
         """Drop all sequence state after a failed step; None if recovered, else what /health should say."""
         ...
@@ -690,6 +695,8 @@ class Engine:
         a supervisor restarts it (README, "Failures")."""
         with self._failing:
             self.error = self.error or message
+            if recover and not self._given_up:
+                message = self.executor.diagnose(message)  # /health is 503 meanwhile (up to ~1 s)
             with self._lock:
                 seqs = self.scheduler.fail_all()
                 handing_off, self._handing_off = list(self._handing_off.values()), {}

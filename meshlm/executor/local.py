@@ -40,6 +40,9 @@ class LocalExecutor:
     def idle(self) -> None:
         """Nothing to check between steps: no other ranks, and saved blocks go to the SSD writer at once."""
 
+    def diagnose(self, error: str) -> str:
+        return error
+
     def reset(self, error: str) -> str | None:
         self.rank.reset()
         return None

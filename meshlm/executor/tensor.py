@@ -28,6 +28,7 @@ class TensorExecutor:
         self.sums = sums  # a SharedMemoryGroup the layers sum over, or None (the MLX group's)
         self._unacked: int | None = None
         self.failure: str | None = None
+        self._stopped = False  # reset told the workers to stop
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.announce(plan)
@@ -66,11 +67,18 @@ class TensorExecutor:
     def kv_bytes(self) -> int:
         return self.rank.kv_bytes
 
-    def reset(self, error: str) -> str | None:
-        """A failed distributed step cannot be retried. Report the first precise cause: a collective
-        failing ("peer lost") is a symptom, the control channel usually names the rank within ms."""
+    def diagnose(self, error: str) -> str:
+        """The first precise cause, found once: a collective failing ("peer lost") is a symptom, the
+        control channel usually names the rank within ms."""
         if self.failure is None:
             self.failure = self._diagnose(error)
+        return self.failure
+
+    def reset(self, error: str) -> str | None:
+        """A failed distributed step cannot be retried: the workers are told to stop."""
+        if not self._stopped:
+            self._stopped = True
+            self.diagnose(error)
             self.abort_sums()
             try:
                 self.control.shutdown(reason=f"leader failed: {self.failure}", linger=0.5)

@@ -166,6 +166,13 @@ def stream_then(url: str, action, after: int = 6) -> list[str]:
     return asyncio.run(run())
 
 
+def stream_error(lines: list[str]) -> str:
+    """The message of the error event among a stream's `data:` lines."""
+    errors = [json.loads(line[len("data: "):])["error"]["message"] for line in lines if '"error"' in line]
+    assert len(errors) == 1, lines[-5:]
+    return errors[0]
+
+
 async def complete_all(url: str, prompts: list, n: int) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         rs = await asyncio.gather(*[c.post("/v1/completions", json={

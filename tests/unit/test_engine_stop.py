@@ -17,6 +17,9 @@ class ClusterExecutor:
         self.times = StepTimes()
         self.resets: list[str] = []
 
+    def diagnose(self, error: str) -> str:
+        return error
+
     def reset(self, error: str) -> str:
         self.resets.append(error)
         return f"cluster failed: {self.resets[0]}"
