@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import socket
@@ -11,7 +12,7 @@ import time
 import uvicorn
 
 from meshlm.api.body import BodyLimits
-from meshlm.api.connections import DeadlineProtocol
+from meshlm.api.connections import AcceptErrors, DeadlineProtocol
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.server import create_app
 from meshlm.api.serving import SamplingDefaults, Serving
@@ -187,6 +188,10 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrors(log))
+        await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
         # A second signal skips the rest of the grace period, but still stops in order: the streams get

@@ -13,15 +13,25 @@ retries). Here, with `timeout` (--client-timeout):
 - when the server stops, a connection not reading its response, or still sending its request's body,
   is aborted at once (uvicorn would cancel its request at the end of the graceful shutdown, logging it
   as an exception in the app, and answer the second 500).
+`AcceptErrors` reports the refused accepts of a server out of descriptors in a line every 30 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
+import resource
+import time
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+# What asyncio's accept loop reports and retries rather than raises (selector_events._accept_connection).
+REFUSED_ACCEPT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class DeadlineProtocol(H11Protocol):
@@ -83,3 +93,38 @@ class DeadlineProtocol(H11Protocol):
         self._write_deadline = None
         if not self.transport.is_closing():
             self.transport.abort()  # close() would wait for the unread bytes to drain first
+
+
+class AcceptErrors:
+    """The event loop's exception handler: a refused accept (out of file descriptors or memory) in one line.
+
+    asyncio logs every such refusal with a traceback and retries a second later, so a server out of
+    descriptors wrote a traceback a second, which reads as a crash. Here the first refusal, and then one
+    line per `every` seconds with the count, say what ran out and that clients wait meanwhile; every other
+    error goes to asyncio's own handler."""
+
+    def __init__(self, log: logging.Logger, every: float = 30.0) -> None:
+        self.log = log
+        self.every = every
+        self._refused = 0  # since the last line
+        self._last: float | None = None
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        retry = getattr(getattr(context.get("handle"), "_callback", None), "__name__", None)
+        if isinstance(exc, ValueError) and retry == "_start_serving":
+            # asyncio's retry (a second after a refusal) of a listener closed meanwhile: the server stopped
+            # while out of descriptors, and there is nothing left to accept on. Not a failure.
+            return
+        if not (isinstance(exc, OSError) and exc.errno in REFUSED_ACCEPT and "accept" in context.get("message", "")):
+            loop.default_exception_handler(context)
+            return
+        self._refused += 1
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.every:
+            return
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.log.warning("cannot accept connections (%s; open-file limit %d/%d): retrying every second, "
+                         "clients wait in the listen backlog (refusals since the last report: %d)",
+                         os.strerror(exc.errno), soft, hard, self._refused)
+        self._refused, self._last = 0, now

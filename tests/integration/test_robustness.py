@@ -274,3 +274,30 @@ def test_a_hard_open_file_limit_below_mlx_lms_4096_is_kept_and_served(tiny_model
         assert [open_file_limits(pid) for pid in ranks] == [(1000, 1000)] * len(ranks)
     finally:
         srv.stop()
+
+
+def test_a_server_out_of_file_descriptors_says_so_in_a_line_and_serves_once_they_close(tiny_model, tmp_path):
+    """asyncio logs each refused accept with a traceback and retries a second later: a traceback a
+    second while the process is out of descriptors, which reads as a crash."""
+    srv = ServerProcess(tiny_model, log_dir=tmp_path,
+                        entry=["prlimit", "--nofile=128:128", sys.executable, "-m", "meshlm"])
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(160):  # more than the server can hold: the rest wait in its listen backlog
+            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+        deadline = time.monotonic() + 10
+        while "cannot accept connections" not in srv.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.5)  # two more refusals, a second apart: reported in the next line, 30 s on
+        for s in idle:
+            s.close()
+        idle.clear()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()
+    log = srv.log.read_text()
+    assert log.count("cannot accept connections (Too many open files; open-file limit 128/128)") == 1, log[-3000:]
+    assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
