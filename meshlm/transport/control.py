@@ -61,6 +61,7 @@ AUTH_TIMEOUT = 10.0  # a real worker proves itself within a round trip of being 
 MAX_CANDIDATES = 32  # unauthenticated connections held at once during the handshake
 MAX_HELLO_BYTES = 64 << 10  # an unproven peer cannot make the leader buffer more than this
 GONE_POLL_S = 0.25  # how often the handshake asks whether a rank will never come
+ROLL_CALL_REPORT_S = 15.0  # how often the roll call says whom it still waits for (a hand-started rank may never come)
 
 
 class LeaderLost(ControlError):
@@ -180,6 +181,7 @@ class ControlLeader:
         protocol version, or a proven worker that does not fit, ends it at once.
         """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        report = time.monotonic() + ROLL_CALL_REPORT_S
         admitted: dict[int, Candidate] = {}
         with self._lock, selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
@@ -188,7 +190,11 @@ class ControlLeader:
                     why = gone() if gone is not None else None
                     if why is not None:
                         raise HandshakeError(why)
-                    self._handshake_round(sel, admitted, deadline, GONE_POLL_S if gone is not None else None)
+                    if time.monotonic() >= report:
+                        report = time.monotonic() + ROLL_CALL_REPORT_S
+                        log.info("%s; %.0f s left", self._missing_message(admitted, waiting=True), remaining(deadline))
+                    poll = min(GONE_POLL_S if gone is not None else ROLL_CALL_REPORT_S, remaining(report))
+                    self._handshake_round(sel, admitted, deadline, poll)
                 self._welcome_all(admitted)
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")
@@ -338,9 +344,9 @@ class ControlLeader:
             return f"two workers claim rank {r}"
         return None
 
-    def _missing_message(self, admitted: dict[int, Candidate]) -> str:
+    def _missing_message(self, admitted: dict[int, Candidate], waiting: bool = False) -> str:
         missing = [r for r in range(1, self.world_size) if r not in admitted]
-        msg = f"timed out waiting for workers on port {self.port}: missing ranks {missing}"
+        msg = f"{'still waiting' if waiting else 'timed out waiting'} for workers on port {self.port}: missing ranks {missing}"
         if self._dropped_count:
             latest = f" (latest {len(self._dropped)})" if self._dropped_count > len(self._dropped) else ""
             msg += f"; refused {self._dropped_count} connection(s){latest}: {'; '.join(self._dropped)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import random
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.engine.plan import LOGITS_LAST, Chunk, NewSequence, StepPlan
-from meshlm.transport import codec
+from meshlm.transport import codec, control
 from meshlm.transport.auth import SECRET_ENV, ClusterSecret, hello_proof, welcome_proof
 from meshlm.transport.codec import (
     HEADER_SIZE,
@@ -252,7 +253,7 @@ def test_closed_leader_is_noticed_at_once():
 
 WORKER_SCRIPT = """
 import os, sys
-from meshlm.transport import codec
+from meshlm.transport import codec, control
 from meshlm.transport.auth import ClusterSecret
 from meshlm.transport.control import ControlWorker
 port, rank, world, codec.VERSION = map(int, sys.argv[1:5])  # VERSION: pretend to be another meshlm build
@@ -441,6 +442,19 @@ def test_missing_rank_is_named_at_the_deadline():
     assert time.monotonic() - t0 < 1.5
     _join(workers)
     assert "missing ranks [1, 3]" in str(workers[0].error)
+
+
+def test_the_roll_call_says_whom_it_still_waits_for_before_the_deadline(monkeypatch, caplog):
+    """A hand-started rank that never comes was named only at the deadline (180 s by default)."""
+    monkeypatch.setattr(control, "ROLL_CALL_REPORT_S", 0.2)
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET)
+    workers = _start(leader.port, 3, [(2, FP)])
+    with caplog.at_level(logging.INFO, "meshlm.transport.control"), pytest.raises(HandshakeError):
+        form(leader, timeout=0.7)
+    _join(workers)
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert 2 <= len(lines) <= 4, lines
+    assert all(re.fullmatch(r"still waiting for workers on port \d+: missing ranks \[1\]; \d s left", x) for x in lines)
 
 
 def test_a_rank_that_will_never_come_ends_the_wait_at_once():
