@@ -128,6 +128,10 @@ class Serving:
         queue: asyncio.Queue = asyncio.Queue()
         uids: list[int] = []
         choices: list[Choice] = []
+        wanted = len(prompts) * req.n
+        if wanted > self.engine.max_waiting:  # a 429 would be retried, and never succeed
+            raise bad_request(f"this request asks for {wanted} sequences ({len(prompts)} prompt(s), n={req.n}); "
+                              f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
         params = [self.sampling_params(req, len(p), grammar) for p in prompts]
         try:
             for p, base in zip(prompts, params):

@@ -316,6 +316,11 @@ class Engine:
         self.executor.close()
 
     @property
+    def max_waiting(self) -> int:
+        """Sequences the waiting queue holds at most (--max-queue)."""
+        return self.scheduler.config.max_waiting
+
+    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

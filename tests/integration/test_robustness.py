@@ -154,6 +154,12 @@ def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
         rejected = next(r for r in rs if r.status_code == 429)
         assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
         assert httpx.get(srv.url + "/health").status_code == 200
+        # A request the queue could never hold is refused as such: a 429 would be retried for ever.
+        for body in ({"prompt": ["a", "b", "c"]}, {"prompt": "a", "n": 3}):
+            r = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+            assert r.status_code == 400 and "queues at most 2 (--max-queue)" in r.json()["error"]["message"], r.text
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1},
+                          timeout=30).status_code == 200
     finally:
         srv.stop()
 
