@@ -9,6 +9,7 @@ from meshlm.api.errors import APIError
 from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
 from meshlm.api.tools import ToolPlan, ToolStream
+from meshlm.engine.request import StepOutput
 
 
 class Completion:
@@ -35,7 +36,7 @@ class Completion:
         try:
             async for _, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
-                    raise APIError(503, f"generation failed: {out.error}", type_="server_error", code="engine_error")
+                    raise _generation_failed(out)
             self.finished = True
         finally:
             self.close()
@@ -66,7 +67,7 @@ class Completion:
             calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
-                    yield sse(APIError(503, f"generation failed: {out.error}", type_="server_error").body())
+                    yield sse(_generation_failed(out).body())
                     break
                 if c.index in calls:
                     for chunk in self._tool_chunks(c, out, calls[c.index]):
@@ -125,3 +126,12 @@ async def watch_disconnect(request, completion: Completion, task: asyncio.Task) 
         if message["type"] == "http.disconnect":
             task.cancel()
             return
+
+
+def _generation_failed(out: StepOutput) -> APIError:
+    """A sequence that ended with an error: the server's (503, retry later), or the request's own grammar
+    that cannot go on (400: llguidance refusing a token its own mask allowed, or a grammar found
+    unsatisfiable only while generating; the same request would fail again)."""
+    if out.request_fault:
+        return APIError(400, f"generation failed: {out.error}", code="grammar_error")
+    return APIError(503, f"generation failed: {out.error}", type_="server_error", code="engine_error")

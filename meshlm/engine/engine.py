@@ -563,7 +563,8 @@ class Engine:
     def _refused(self, taken: dict[int, list[int]]) -> list[Finished]:
         """Under the lock: sequences whose grammar refused a token they took end with its error, the token
         unshown. Every token is masked first, so this is a last line against a bug (a NaN in the sampler
-        once made one), not a path: the client is told, never handed unconstrained text as constrained."""
+        once made one) or llguidance refusing a token its own mask allowed (the request's fault then: a
+        400), not a path: the client is told, never handed unconstrained text as constrained."""
         ended = []
         for uid in list(taken):
             t = self._tracked.get(uid)
@@ -571,7 +572,7 @@ class Engine:
             if error is not None:
                 del taken[uid]
                 self.scheduler.finish(t.seq, FinishReason.ERROR)
-                ended.append(Finished(t.seq, FinishReason.ERROR, error))
+                ended.append(Finished(t.seq, FinishReason.ERROR, error, t.sampling.constraint.request_fault))
         return ended
 
     @contextlib.contextmanager
@@ -660,9 +661,9 @@ class Engine:
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for f in finished:
-            self._finish(f.seq.uid, f.reason, f.error)
+            self._finish(f.seq.uid, f.reason, f.error, f.request_fault)
 
-    def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, uid: int, reason: FinishReason, error: str | None = None, request_fault: bool = False) -> None:
         t = self._tracked.pop(uid, None)
         if self.speculator is not None:
             self.speculator.drop(uid)
@@ -679,6 +680,7 @@ class Engine:
                 tail,
                 finish_reason=reason,
                 error=error,
+                request_fault=request_fault,
                 prompt_tokens=len(t.seq.prompt_ids),
                 completion_tokens=len(t.seq.output_ids),
                 cached_tokens=t.seq.num_cached_tokens,

@@ -147,6 +147,10 @@ class Constraint:
         self._ahead: tuple[int, ...] = ()  # drafts the cached masks were computed along
         self._masks: list[tuple[mx.array, bool]] = []  # per position: (allowed, only EOS/end allowed)
         self.error: str | None = None  # set when a token the grammar refuses was taken (`advance`)
+        # ... and whether the grammar's own mask had allowed it: llguidance contradicting itself (a regex
+        # spelling a special token's text, a schema whose forced tokens never end), which the same request
+        # would meet again, rather than a sampler taking a masked token (a bug of ours).
+        self.request_fault = False
 
     def prefetch(self, drafts: tuple[int, ...] = ()) -> None:
         """Compute the masks for the next token and along `drafts` (rows of a verified chunk)."""
@@ -180,11 +184,15 @@ class Constraint:
         """Consume the tokens a step took. A refused token cannot happen (it was masked); should it, the
         matcher stops, every later mask allows only ending, and `error` says why: the engine ends the
         sequence with it rather than pass off text the grammar does not allow as constrained output."""
-        self._ahead, self._masks = (), []
-        for t in tokens:
+        masks, self._ahead, self._masks = self._masks, (), []
+        for i, t in enumerate(tokens):
             if not self.matcher.consume_token(t):
                 reason = next(iter((self.matcher.get_error() or "").splitlines()), "no reason given")
-                self.error = self.error or f"the grammar refused sampled token {t} ({reason})"
+                if self.error is None:
+                    self.request_fault = i < len(masks) and 0 <= t < self.vocab_size and bool(masks[i][0][t].item())
+                    self.error = (f"the grammar cannot go on: it refused token {t}, which its own mask allowed "
+                                  f"({reason})" if self.request_fault else
+                                  f"the grammar refused sampled token {t} ({reason})")
                 log.error("%s", self.error)
                 break
 

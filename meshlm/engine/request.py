@@ -156,6 +156,7 @@ class StepOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    request_fault: bool = False  # `error` is the request's own (a grammar that cannot go on), not the server's
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

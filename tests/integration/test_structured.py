@@ -143,6 +143,26 @@ def test_completions_take_structured_outputs_regex_choice_and_grammar(client):
     assert json.loads(text({"json": schema})[0]) in ({"a": True}, {"a": False})
 
 
+FORCED_FOREVER = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                  "$ref": "#/$defs/n"}  # every object must hold another: llguidance's forced tokens never end
+
+
+@pytest.mark.parametrize("so", [{"regex": r"<\|im_end\|>"}, {"choice": ["<|im_end|>"]}, {"json": FORCED_FOREVER}],
+                         ids=["special-token-text-regex", "special-token-text-choice", "forced-forever"])
+def test_a_grammar_llguidance_cannot_follow_is_the_requests_400_not_a_server_503(client, so):
+    """llguidance's mask allows the special token <|im_end|> for a grammar spelling its text, then refuses
+    it; the schema's first token passes its mask, then the matcher runs out of items. Neither is a server
+    fault a retry would mend (503 said so), and the engine serves on."""
+    body = {"prompt": "hi", "max_tokens": 12, "structured_outputs": so}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_error", r.text
+    assert "the grammar cannot go on" in r.json()["error"]["message"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "grammar_error", events[-1]
+    assert client.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_penalties_and_bans_do_not_unmask_forbidden_tokens(client, temperature):
     """Every logit processor on top of a grammar: the repetition penalty once turned the forbidden
