@@ -129,11 +129,20 @@ class Grammars:
         probe.compute_bitmask()
         took = time.perf_counter() - t0
         if matcher.is_error() or probe.is_error():
-            return GrammarError(matcher.get_error() or probe.get_error())
+            return GrammarError(_first_line(matcher.get_error() or probe.get_error()))
         if took > MAX_FIRST_MASK_SECONDS:
             return _Slow(f"the grammar is too complex: its first step took {took * 1000:.0f} ms "
                          f"(at most {MAX_FIRST_MASK_SECONDS * 1000:.0f} ms)")
         return matcher
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state and grammar it appends (hundreds of characters the
+    client sent or cannot use)."""
+    line = next(iter(error.splitlines()), "") or "invalid grammar"
+    if line == "NoExtensionBias":  # llguidance's name for "no token can begin this"
+        return "the grammar matches no text: no token can begin it"
+    return line
 
 
 class Constraint:
