@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import resource
@@ -65,6 +66,17 @@ class DeadlineProtocol(H11Protocol):
         if self._write_deadline is not None:
             self._write_deadline.cancel()
             self._write_deadline = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a malformed head, headers past the size cap, conflicting lengths):
+        uvicorn answers it in plain text; here in the error shape every other answer has."""
+        body = json.dumps({"error": {"message": f"invalid HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def shutdown(self) -> None:
         # Either request would be cancelled at the end of uvicorn's graceful shutdown, logged as an

@@ -7,6 +7,7 @@ The tiny model's vocabulary is 512 ids and its context 512 tokens (conftest's `s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -117,6 +118,27 @@ def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
     time.sleep(0.5)
     new = server.log.read_text()[len(before):]
     assert "Traceback" not in new and "unhandled error" not in new, new[-2000:]
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+    COMPLETIONS_HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n{}",
+], ids=["garbage", "header-too-large", "two-lengths"])
+def test_a_request_http_cannot_parse_is_a_json_400(server, request_bytes):
+    """uvicorn answered these in text/plain ("Invalid HTTP request received."), the one error that was not
+    in the shape a client parses."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            s.sendall(request_bytes)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+    still_serving(server)
 
 
 def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sockets(tiny_model, tmp_path):
