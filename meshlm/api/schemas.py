@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
+                      model_validator)
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1000  # per stop string; matching costs O(new text) per token whatever the length
@@ -47,17 +48,17 @@ class _Request(BaseModel):
     model: str | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)  # None: the model's or the server's default
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)  # None: the model's or the server's default
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's extension; -1 and 0 turn it off
-    min_p: float | None = Field(None, ge=0, le=1)
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
     seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0, le=10)  # vLLM's extension
+    logit_bias: dict[str, StrictFloat] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it

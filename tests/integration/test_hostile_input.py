@@ -210,6 +210,11 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"n": 0}, "n"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"),  # numbers are numbers, as OpenAI's API holds them (ints too)
+    ({"temperature": True}, "temperature"),
+    ({"top_p": "1"}, "top_p"),
+    ({"logit_bias": {"5": "50"}}, "logit_bias.5"),
+    ({"logit_bias": {"5": True}}, "logit_bias.5"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.1}, "min_p"),
