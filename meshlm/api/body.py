@@ -75,6 +75,9 @@ def parse_json_sync(body: bytes, limits: BodyLimits) -> dict:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent.
         raise bad_request(f"request body is not valid JSON: {exc}")
+    except UnicodeDecodeError as exc:  # msgspec's word for invalid UTF-8 (surrogates too) inside a string
+        raise bad_request(f"request body is not valid JSON (UTF-8): a string holds {exc.object[exc.start:exc.end]!r} "
+                          f"({exc.reason})")
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     check_limits(data, limits.max_depth)

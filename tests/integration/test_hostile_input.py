@@ -80,6 +80,15 @@ def test_nan_and_infinity_are_not_json(server, literal):
     still_serving(server)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("raw", [b"\xff", b"\xed\xa0\x80", b"cut \xe2\x82"])  # stray, encoded surrogate, cut short
+def test_invalid_utf8_in_a_string_is_a_400(server, path, raw):
+    body = b'{"prompt": "' + raw + b'", "messages": [{"role": "user", "content": "' + raw + b'"}], "max_tokens": 3}'
+    error_of(httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}), 400, None,
+             "not valid JSON (UTF-8)")
+    still_serving(server)
+
+
 @pytest.mark.parametrize("depth", [33, 200, 5000, 100_000])
 def test_deep_nesting_is_a_400(server, depth):
     body = b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"

@@ -30,6 +30,9 @@ def refused(fn, *args) -> APIError:
     (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests deeper"),
     (b'{"a": [1, 2, 18446744073709551616]}', "out of range"),
     (b'{"a": {"b": [{"c": -18446744073709551616}]}}', "a.b[0].c: integer out of range"),
+    (b'{"prompt": "\xff"}', "not valid JSON (UTF-8)"),
+    (b'{"prompt": "\xed\xa0\x80"}', "not valid JSON (UTF-8)"),  # an encoded surrogate
+    (b'{"\xc3": 1}', "not valid JSON (UTF-8)"),  # a sequence cut short, in a key
 ])
 def test_json_limits(body, words):
     err = refused(parse_json_sync, body, BodyLimits())
