@@ -5,6 +5,7 @@ Content-Length already exceeds the limit. JSON is parsed by msgspec (strict:
 no NaN or Infinity, integers bounded), then walked once without recursion to
 bound nesting and integer size, so no client value can raise RecursionError or
 reach the engine as a 10,000-digit integer. Parsing runs off the event loop.
+JSON sent as a string inside the body (a schema) is parsed the same way, within the same limits.
 """
 
 from __future__ import annotations
@@ -68,25 +69,40 @@ async def parse_json(body: bytes, limits: BodyLimits) -> dict:
 
 
 def parse_json_sync(body: bytes, limits: BodyLimits) -> dict:
-    try:
-        data = msgspec.json.decode(body)
-    except RecursionError:
-        raise bad_request(f"request body nests deeper than {limits.max_depth} levels")
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent.
-        raise bad_request(f"request body is not valid JSON: {exc}")
-    except UnicodeDecodeError as exc:  # msgspec's word for invalid UTF-8 (surrogates too) inside a string
-        raise bad_request(f"request body is not valid JSON (UTF-8): a string holds {exc.object[exc.start:exc.end]!r} "
-                          f"({exc.reason})")
+    data = _decode(body, "request body", limits.max_depth)
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     check_limits(data, limits.max_depth)
     return data
 
 
-def check_limits(data: object, max_depth: int) -> None:
-    """Bound nesting depth and integer size, iteratively (no recursion to exhaust)."""
-    stack: list[tuple[object, int, str]] = [(data, 1, "")]
+def parse_json_string(text: str, field: str, depth: int, limits: BodyLimits) -> object:
+    """JSON a client sent as a string inside the body (a schema), held to the body's limits as if it had
+    been sent as JSON in the string's place: `field` is that place's path, `depth` its level (the body's
+    top is 1). Its size needs no check of its own: it came inside a body within the size limit. As heavy
+    as parsing a body: call it off the event loop."""
+    data = _decode(text, field, limits.max_depth, param=_top(field))
+    check_limits(data, limits.max_depth, field, depth)
+    return data
+
+
+def _decode(raw: bytes | str, what: str, max_depth: int, param: str | None = None) -> object:
+    try:
+        return msgspec.json.decode(raw)
+    except RecursionError:
+        raise bad_request(f"{what} nests deeper than {max_depth} levels", param=param)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent.
+        raise bad_request(f"{what} is not valid JSON: {exc}", param=param)
+    except UnicodeDecodeError as exc:  # msgspec's word for invalid UTF-8 (surrogates too) inside a string
+        raise bad_request(f"{what} is not valid JSON (UTF-8): a string holds {exc.object[exc.start:exc.end]!r} "
+                          f"({exc.reason})", param=param)
+
+
+def check_limits(data: object, max_depth: int, path: str = "", depth: int = 1) -> None:
+    """Bound nesting depth and integer size, iteratively (no recursion to exhaust). `data` sits at `path`,
+    `depth` levels down in the body (the top by default)."""
+    stack: list[tuple[object, int, str]] = [(data, depth, path)]
     while stack:
         value, depth, path = stack.pop()
         if depth > max_depth:

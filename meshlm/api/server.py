@@ -69,7 +69,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits())
         serving.check_model(req)
         tools = plan_tools(req, serving.tokenizer)
         prompt = await serving.prompts.chat(req, tools)
-        grammar = await request_grammar(serving.grammars, req, tools)
+        grammar = await request_grammar(serving.grammars, req, limits, tools)
         return await _respond(request, Completion(serving, req, [prompt], chat=True, grammar=grammar, tools=tools))
 
     @app.post("/v1/completions")
@@ -77,7 +77,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits())
         req = await _parse(request, CompletionRequest, limits)
         serving.check_model(req)
         prompts = await serving.prompts.completion(req)
-        grammar = await request_grammar(serving.grammars, req)
+        grammar = await request_grammar(serving.grammars, req, limits)
         return await _respond(request, Completion(serving, req, prompts, chat=False, grammar=grammar))
 
     return app

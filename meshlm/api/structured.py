@@ -7,26 +7,28 @@ Sources, at most one per request (two is a 400: which should win is not ours to 
   `grammar` (a Lark grammar in llguidance's dialect);
 - tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py).
 
-Compiling runs on a worker thread, so a slow grammar never stalls the event loop, and llguidance's
-fuel limits bound it; whatever llguidance refuses (invalid schema, unsupported keywords, too complex)
-is a 400 that quotes its reason.
+Building and compiling run on a worker thread, so a slow grammar never stalls the event loop (a
+schema sent as a string is parsed there too, within the body's limits), and llguidance's fuel limits
+bound them; whatever llguidance refuses (invalid schema, unsupported keywords, too complex) is a 400
+that quotes its reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
+from meshlm.api.body import BodyLimits, parse_json_string
 from meshlm.api.errors import bad_request
-from meshlm.api.schemas import ChatCompletionRequest, _Request
+from meshlm.api.schemas import ChatCompletionRequest, StructuredOutputs, _Request
 from meshlm.api.tools import ToolPlan
 from meshlm.engine.grammar import GrammarError, Grammars
 
 
-async def request_grammar(grammars: Grammars | None, req: _Request, tools: ToolPlan | None = None) -> str | None:
+async def request_grammar(grammars: Grammars | None, req: _Request, limits: BodyLimits,
+                          tools: ToolPlan | None = None) -> str | None:
     """The llguidance grammar the request's output must match (checked to compile), or None."""
-    sources = _sources(req, tools)
+    sources = _sources(req, limits, tools)
     if not sources:
         return None
     if len(sources) > 1:
@@ -36,14 +38,18 @@ async def request_grammar(grammars: Grammars | None, req: _Request, tools: ToolP
     if grammars is None:
         raise bad_request("this server was started without constrained output support", param=param)
     try:
-        grammar = build(grammars)
-        await asyncio.to_thread(grammars.check, grammar)
+        return await asyncio.to_thread(_build_and_check, grammars, build)
     except GrammarError as exc:
         raise bad_request(f"{param}: {exc}", param=param)
+
+
+def _build_and_check(grammars: Grammars, build) -> str:
+    grammar = build(grammars)
+    grammars.check(grammar)
     return grammar
 
 
-def _sources(req: _Request, tools: ToolPlan | None) -> list[tuple[str, object]]:
+def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[tuple[str, object]]:
     out = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -56,21 +62,20 @@ def _sources(req: _Request, tools: ToolPlan | None) -> list[tuple[str, object]]:
         out.append(("response_format", lambda g: g.from_json_schema(schema)))
     so = req.structured_outputs
     if so is not None:
-        out.append(("structured_outputs", lambda g: _structured(g, so)))
+        # Where a schema string sits in the body: its parse is held to the limits that place has.
+        place = ("guided_json", 2) if req.guided_json is not None else ("structured_outputs.json", 3)
+        out.append(("structured_outputs", lambda g: _structured(g, so, place, limits)))
     calls = tools.schema if isinstance(req, ChatCompletionRequest) and tools is not None else None
     if calls is not None:
         out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
     return out
 
 
-def _structured(g: Grammars, so) -> str:
+def _structured(g: Grammars, so: StructuredOutputs, place: tuple[str, int], limits: BodyLimits) -> str:
     if so.json_ is not None:
         schema = so.json_
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as exc:
-                raise GrammarError(f"json is not valid JSON: {exc}") from None
+            schema = parse_json_string(schema, *place, limits)
         return g.from_json_schema(schema)
     if so.regex is not None:
         return g.from_regex(so.regex)

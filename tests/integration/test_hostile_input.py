@@ -96,6 +96,31 @@ def test_deep_nesting_is_a_400(server, depth):
     still_serving(server)
 
 
+@pytest.mark.parametrize("schema, words", [
+    ("[" * 100_000 + "]" * 100_000, "nests deeper than 32"),  # RecursionError in json.loads
+    ("[" * 480 + "]" * 480, "nests deeper than 32"),  # RecursionError further on
+    ('{"type": "number", "maximum": NaN}', "not valid JSON"),
+    ('{"type": "number", "minimum": -Infinity}', "not valid JSON"),
+    ('{"type": "integer", "maximum": ' + "9" * 5000 + "}", "out of range"),  # not Python's int-digits limit
+    ('{"type": "object"', "not valid JSON"),
+])
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+def test_a_schema_sent_as_a_string_is_held_to_the_body_limits(server, schema, words, field):
+    """A schema may come as a string of JSON; it is parsed as the body is, within the same limits."""
+    extra = {"guided_json": schema} if field == "guided_json" else {"structured_outputs": {"json": schema}}
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, **extra})
+    error_of(r, 400, field, field, words)
+    still_serving(server)
+
+
+def test_a_schema_sent_as_a_string_within_the_limits_constrains(server):
+    for extra in ({"guided_json": json.dumps({"type": "boolean"})},
+                  {"structured_outputs": {"json": json.dumps({"enum": [[[[[1]]]]]})}}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 16, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] in ("true", "false", "[[[[1]]]]"), r.text
+
+
 def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
     srv = ServerProcess(tiny_model, "--max-request-bytes", "64KiB", log_dir=tmp_path)
     try:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from meshlm.api.body import BodyLimits, check_limits, parse_json_sync
+from meshlm.api.body import BodyLimits, check_limits, parse_json_string, parse_json_sync
 from meshlm.api.errors import APIError
 from meshlm.api.prompts import PromptBuilder, longest_token_chars
 from meshlm.api.schemas import CompletionRequest
@@ -42,6 +42,39 @@ def test_json_limits(body, words):
 def test_json_within_limits_passes_untouched():
     data = {"prompt": list(range(100_000)), "seed": 2**64 - 1, "x": [[[[1.5, "s", None]]]]}
     assert parse_json_sync(json.dumps(data).encode(), BodyLimits()) == data
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[" * 100_000 + "]" * 100_000, "nests deeper than 32"),  # RecursionError in json.loads
+    ("[" * 480 + "]" * 480, "nests deeper than 32 levels (at guided_json[0]"),
+    ('{"type": "number", "maximum": NaN}', "guided_json is not valid JSON"),
+    ('{"type": "number", "minimum": -Infinity}', "guided_json is not valid JSON"),
+    ('{"type": "integer", "maximum": ' + "9" * 5000 + "}", "out of range"),
+    ('{"enum": [18446744073709551616]}', "out of range"),
+    ('{"type": ', "guided_json is not valid JSON"),
+])
+def test_a_json_string_in_the_body_is_held_to_the_body_limits(text, words):
+    err = refused(parse_json_string, text, "guided_json", 2, BodyLimits())
+    assert words in err.message and err.param == "guided_json", err.message
+
+
+def accepts(fn, *args) -> bool:
+    try:
+        fn(*args)
+    except APIError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("levels", [31, 32])
+def test_a_json_string_nests_as_deep_as_the_same_json_in_its_place(levels):
+    """Sent as a string or as JSON in the same place, a schema meets the same depth limit."""
+    value = "[" * levels + "]" * levels
+    as_json = accepts(parse_json_sync, b'{"guided_json": ' + value.encode() + b"}", BodyLimits())
+    as_string = accepts(parse_json_string, value, "guided_json", 2, BodyLimits())
+    assert as_json == as_string == (levels == 31)
+    if as_string:
+        assert parse_json_string(value, "guided_json", 2, BodyLimits()) == json.loads(value)
 
 
 def test_depth_walk_is_iterative_and_names_the_path():
