@@ -43,6 +43,10 @@ async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # a compressed body would be read as bytes of invalid JSON
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                       code="unsupported_content_encoding")
     chunks, size = [], 0
     stream = request.stream()
     try:

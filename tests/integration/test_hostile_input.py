@@ -140,6 +140,15 @@ def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
         srv.stop()
 
 
+def test_a_compressed_body_is_a_415_naming_the_encoding(server):
+    import gzip
+
+    r = httpx.post(server.url + "/v1/completions", content=gzip.compress(b'{"prompt": "hi", "max_tokens": 2}'),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    error_of(r, 415, None, "gzip")
+    still_serving(server)
+
+
 def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
     """A body cut short by the client closing its connection once logged an 'unhandled error' traceback
     twice (starlette's ClientDisconnect): it is an ordinary 400 now, and the server serves on."""
