@@ -652,7 +652,9 @@ class Engine:
         lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
         if text or lps or not t.seq.finished:
             t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps))
-        if t.stop.stopped and not t.seq.finished:
+        # A stop string matched on the last allowed token is a stop: vLLM checks stop strings before the
+        # length limit, and the scheduler, which sees no text, has already ended the sequence on length.
+        if t.stop.stopped and t.seq.finish_reason in (None, FinishReason.LENGTH):
             with self._lock:
                 if shown < len(tokens):  # the rest of the run was never shown: it was not generated
                     del t.seq.output_ids[len(t.seq.output_ids) - (len(tokens) - shown):]

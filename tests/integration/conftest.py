@@ -173,6 +173,15 @@ def stream_error(lines: list[str]) -> str:
     return errors[0]
 
 
+def stop_ending_at(text: str, end: int) -> str:
+    """The shortest stop string whose first match in `text` ends at `end`: the sequence that wrote the
+    text stops on the token holding text[end - 1]."""
+    start = end - 1
+    while text.find(text[start:end]) != start:
+        start -= 1
+    return text[start:end]
+
+
 async def complete_all(url: str, prompts: list, n: int) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         rs = await asyncio.gather(*[c.post("/v1/completions", json={

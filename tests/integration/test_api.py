@@ -8,7 +8,7 @@ import os
 import openai
 import pytest
 
-from conftest import process_environ
+from conftest import process_environ, stop_ending_at
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +89,25 @@ def test_stop_string_not_leaked(client):
     with client.stream("POST", "/v1/completions", json={**req, "stop": stop, "stream": True}) as r:
         events = sse_events(r.iter_lines())
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+
+
+def test_a_stop_string_matched_on_the_last_allowed_token_is_a_stop(client):
+    """Regression: the length limit ended the sequence first and the stop string's finish was skipped,
+    so the text was cut but finish_reason said "length". vLLM checks stop strings before the limit."""
+    req = {"prompt": "once upon a time", "max_tokens": 40, "temperature": 0, "logprobs": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    assert full["finish_reason"] == "length"
+    stop = stop_ending_at(full["text"], len(full["text"]))  # its first match ends in the 40th token
+    cut = full["text"][: full["text"].index(stop)]
+    body = {**req, "stop": [stop], "n": 2}
+    got = client.post("/v1/completions", json=body).json()
+    assert [(c["text"], c["finish_reason"]) for c in got["choices"]] == [(cut, "stop")] * 2
+    assert got["usage"]["completion_tokens"] == 80  # the 40th token was generated and stopped on
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r.iter_lines())
+    assert [e["choices"][0]["finish_reason"] for e in events[:-2] if e["choices"][0]["finish_reason"]] == ["stop"] * 2
+    assert events[-2]["usage"]["completion_tokens"] == 80
 
 
 def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):

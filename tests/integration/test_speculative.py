@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, stop_ending_at
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +110,29 @@ def test_stop_strings_n_and_streaming_match_plain(spec, plain):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == plain_text
         assert chunks[-1].usage.completion_tokens == 30
+
+
+def test_a_stop_string_on_the_last_tokens_of_an_accepted_run_is_a_stop(spec, reference):
+    """Regression: a run reaching max_tokens ended the sequence on length first, and a stop string matched
+    in it was then reported as "length". Stops whose first match ends in token 22 or 24 of 24."""
+    cases = []  # (prompt, stop, the text before it, the token it ends in)
+    for p, r in zip(_prompts(), reference):
+        text, tokens = r["choices"][0]["text"], r["choices"][0]["logprobs"]["tokens"]
+        if "".join(tokens) != text:  # a token holding part of a character: its end is not len(token)
+            continue
+        for k in (22, 24):
+            stop = stop_ending_at(text, len("".join(tokens[:k])))
+            cases.append((p, stop, text[: text.index(stop)], k))
+    assert len(cases) >= 20
+
+    async def run():
+        async with httpx.AsyncClient(base_url=spec.url, timeout=300) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 24, "temperature": 0, "stop": [stop]}) for p, stop, _, _ in cases])
+
+    got = [(b["choices"][0]["text"], b["choices"][0]["finish_reason"], b["usage"]["completion_tokens"])
+           for b in (r.json() for r in asyncio.run(run()))]
+    assert got == [(cut, "stop", k) for _, _, cut, k in cases]
 
 
 def test_a_stop_string_in_one_stream_leaves_the_others_untouched(spec, plain, reference):
