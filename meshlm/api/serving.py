@@ -19,6 +19,7 @@ from meshlm.api.errors import APIError, bad_request
 from meshlm.api.outbox import Outbox
 from meshlm.api.prompts import PromptBuilder
 from meshlm.api.schemas import ChatCompletionRequest, _Request
+from meshlm.api.token_bytes import TextCursor, TokenBytes
 from meshlm.engine.engine import Engine, PromptTooLong, QueueFull
 from meshlm.engine.request import SamplingParams, StepOutput, TokenLogprob
 
@@ -72,6 +73,7 @@ class Serving:
         self.grammars = engine.grammars
         self.prompts = prompts
         self.tokenizer = prompts.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.model_name = model_name
         self.max_model_len = prompts.max_model_len
         self.default_max_tokens = default_max_tokens
@@ -193,27 +195,40 @@ class Serving:
         }
 
     # -- logprob layouts ----------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    # Like vLLM, a token's text is what it completes of the choice's text: "" for a character's first part,
+    # the whole character on the token that ends it; so tokens join to the text and each starts where its
+    # first character does. Its `bytes` are its own, as OpenAI documents them (vLLM encodes the text).
+    def _entry(self, token_id: int, cursor: TextCursor, advance: bool = False) -> tuple[str, bytes, int]:
+        raw, shown = self.token_bytes(token_id)
+        if not shown:  # a special token, which the text leaves out
+            return self.token_bytes.name(token_id), raw, cursor.offset
+        if advance:
+            text, offset = cursor.advance(raw)
+            return text, raw, offset
+        return cursor.peek(raw), raw, cursor.offset
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
-        def entry(tid: int, lp: float) -> dict:
-            text = self.token_text(tid)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    def chat_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
+        def entry(token_id: int, lp: float, advance: bool = False) -> dict:
+            text, raw, _ = self._entry(token_id, cursor, advance)
+            return {"token": text, "logprob": lp, "bytes": list(raw)}
 
-        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
-                            for x in lps]}
+        content = []
+        for x in lps:  # the alternatives first: they follow the text before this token
+            top = [entry(t, v) for t, v in x.top]
+            content.append({**entry(x.token_id, x.logprob, advance=True), "top_logprobs": top})
+        return {"content": content}
 
-    def completion_logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
-        tokens = [self.token_text(x.token_id) for x in lps]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
+    def completion_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
+        tokens, offsets, tops = [], [], []
+        for x in lps:
+            tops.append({self._entry(t, cursor)[0]: v for t, v in x.top})
+            text, _, offset = self._entry(x.token_id, cursor, advance=True)
+            tokens.append(text)
+            offsets.append(offset)
         return {
             "tokens": tokens,
             "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{self.token_text(t): v for t, v in x.top} for x in lps],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from meshlm.api.errors import APIError
 from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
+from meshlm.api.token_bytes import TextCursor
 from meshlm.api.tools import ToolPlan, ToolStream
 from meshlm.engine.request import StepOutput
 
@@ -22,6 +23,7 @@ class Completion:
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
+        self.cursors = [TextCursor() for _ in self.choices]  # where each choice's logprobs are in its text
         self.finished = False
 
     def _head(self, obj: str) -> dict:
@@ -30,7 +32,8 @@ class Completion:
     def _logprobs(self, c: Choice, lps) -> dict | None:
         if self.req.logprob_count() is None:
             return None
-        return self.serving.chat_logprobs(lps) if self.chat else self.serving.completion_logprobs(lps)
+        cursor = self.cursors[c.index]
+        return self.serving.chat_logprobs(lps, cursor) if self.chat else self.serving.completion_logprobs(lps, cursor)
 
     async def whole(self) -> dict:
         try:

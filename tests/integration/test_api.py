@@ -138,6 +138,28 @@ def test_logprobs_chat(client):
         assert abs(item["logprob"] - tops[0]) < 1e-5
 
 
+def test_logprobs_of_tokens_holding_parts_of_a_character(client):
+    """Regression: a token holding part of a UTF-8 character reported the bytes of U+FFFD, and completions
+    offsets counted one character per such token. The tiny tokenizer writes "é" as two tokens, "日" as three.
+    Like vLLM, a token's text is what it completes ("" for a first part); its bytes are its own."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "structured_outputs": {"regex": "é"}}
+    body = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = body["logprobs"]["content"]
+    assert body["message"]["content"] == "é"
+    assert [(x["token"], x["bytes"]) for x in content] == [("", [195]), ("é", [169])]
+    assert [(t["token"], t["bytes"]) for x in content for t in x["top_logprobs"][:1]] == [("", [195]), ("é", [169])]
+    # The text so far ends in "a" and the first part of "日" (the 4th token); the 4th token starts where "日" does.
+    req = {"prompt": "x", "max_tokens": 4, "temperature": 0, "logprobs": 1, "structured_outputs": {"regex": "aé日"}}
+    choice = client.post("/v1/completions", json=req).json()["choices"][0]
+    assert choice["text"] == "aé\ufffd"  # the dangling part of "日" is released as U+FFFD
+    lp = choice["logprobs"]
+    assert (lp["tokens"], lp["text_offset"]) == (["a", "", "é", ""], [0, 1, 1, 2])
+    with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+        chunks = [e["choices"][0]["logprobs"] for e in sse_events(r.iter_lines())[:-1] if e["choices"][0]["logprobs"]]
+    assert [o for c in chunks for o in c["text_offset"]] == [0, 1, 1, 2]  # offsets into the whole text, not chunks
+
+
 def test_penalties_change_output(client):
     base = {"prompt": "the the the", "max_tokens": 24, "temperature": 0}
     plain = client.post("/v1/completions", json=base).json()["choices"][0]["text"]

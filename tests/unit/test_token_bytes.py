@@ -1,0 +1,53 @@
+"""TokenBytes and TextCursor with the tiny byte-level BPE tokenizer, which splits most non-ASCII
+characters over several tokens: each token's own bytes, its text and its offset in the text."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from meshlm.api.token_bytes import TextCursor, TokenBytes
+from meshlm.model.demo import IM_END, tiny_tokenizer
+
+MIXED = "café 日本語 🎉 naïve"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())  # what mlx-lm's wrapper holds
+
+
+def test_each_token_has_its_own_bytes_and_they_join_to_the_text(tok):
+    ids = tok.encode(MIXED)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # guard: characters really are split
+    raws = [TokenBytes(tok)(i) for i in ids]
+    assert all(shown for _, shown in raws)
+    assert b"".join(raw for raw, _ in raws) == MIXED.encode()
+    assert [TokenBytes(tok)(i)[0] for i in tok.encode("é")] == [b"\xc3", b"\xa9"]
+
+
+def test_a_token_starts_where_its_first_character_does(tok):
+    tb, cursor = TokenBytes(tok), TextCursor()
+    pieces = [cursor.advance(tb(i)[0]) for i in tok.encode(MIXED)]
+    assert "".join(text for text, _ in pieces) == MIXED
+    for text, offset in pieces:
+        assert MIXED[offset : offset + len(text)] == text
+    offsets = [offset for _, offset in pieces]
+    assert offsets == sorted(offsets) and offsets[-1] < len(MIXED)
+    # "é" in two tokens: both at the offset of "é"; the first completes nothing, the second all of it
+    cursor = TextCursor()
+    assert [cursor.advance(tb(i)[0]) for i in tok.encode("aé")] == [("a", 0), ("", 1), ("é", 1)]
+
+
+def test_peek_reads_an_alternative_after_the_text_so_far_without_moving(tok):
+    tb, cursor = TokenBytes(tok), TextCursor()
+    first, second = tok.encode("é")
+    cursor.advance(tb(first)[0])
+    assert cursor.peek(tb(second)[0]) == "é" and cursor.peek(b"a") == "\ufffda"  # invalid: as the text has it
+    assert cursor.offset == 0 and cursor.pending == b"\xc3"
+
+
+def test_a_special_token_is_its_name_and_not_in_the_text(tok):
+    tb = TokenBytes(tok)
+    end = tok.convert_tokens_to_ids(IM_END)
+    assert tb(end) == (IM_END.encode(), False) and tb.name(end) == IM_END
