@@ -89,11 +89,32 @@ class ToolPlan:
             except Exception as exc:  # the model's own text: anything can be wrong with it
                 log.info("unparsable tool call left as text (%s: %s)", type(exc).__name__, exc)
                 return text, []
-            for c in parsed if isinstance(parsed, list) else [parsed]:
-                args = c.get("arguments", {})
-                calls.append(_call(str(c.get("name")), args if isinstance(args, str)
-                                   else json.dumps(args, ensure_ascii=False)))
+            found = [_usable(c, self.names) for c in (parsed if isinstance(parsed, list) else [parsed])]
+            if not found or None in found:  # all or nothing: a partial set of calls would be a wrong answer
+                log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
+                return text, []
+            calls += found
         return (content.strip() or None), calls
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+
+def _usable(parsed: object, names: frozenset[str]) -> dict | None:
+    """The OpenAI call for one parsed call, or None when it is not a call the client can run: not an
+    object, no string name, a name not among the request's tools, or arguments not a JSON object
+    (missing arguments are `{}`: a function without parameters is often called so)."""
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in names:
+        return None
+    args = parsed.get("arguments", {})
+    try:
+        obj = json.loads(args) if isinstance(args, str) else args
+    except (ValueError, RecursionError):  # a model can nest brackets past the parser's limit
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return _call(parsed["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -309,6 +309,61 @@ def test_tool_choice_auto_on_a_template_without_tools_falls_back(client):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def forced_text(client: httpx.Client, text: str, tools: list[dict], stream: bool, **kw) -> dict:
+    """The chat answer (content, tool calls, finish_reason) when the model is made to write `text`
+    (`tool_choice` auto: the tiny model's template falls back to the `<tool_call>` syntax)."""
+    body = {"messages": ASK, "tools": tools, "structured_outputs": {"regex": re.escape(text)}, "max_tokens": 100,
+            "temperature": 0, **kw}
+    return chat_answer(client, body, stream)
+
+
+def chat_answer(client: httpx.Client, body: dict, stream: bool) -> dict:
+    """One choice as a client sees it, whole or accumulated from a stream that must end with [DONE]."""
+    if not stream:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return {"content": choice["message"]["content"], "finish": choice["finish_reason"],
+                "calls": [(t["function"]["name"], t["function"]["arguments"])
+                          for t in choice["message"].get("tool_calls") or ()]}
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    choices = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    calls: dict[int, list[str]] = {}
+    for tc in (tc for c in choices for tc in c["delta"].get("tool_calls") or ()):
+        call = calls.setdefault(tc["index"], ["", ""])
+        call[0] += tc["function"].get("name") or ""
+        call[1] += tc["function"].get("arguments") or ""
+    return {"content": "".join(c["delta"].get("content") or "" for c in choices) or None,
+            "finish": [c["finish_reason"] for c in choices if c["finish_reason"]][-1],
+            "calls": [tuple(v) for _, v in sorted(calls.items())]}
+
+
+ANY_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", ["[1,2]", "5", '"x"', '{"name":"zzz"}', '{"arguments":1}',
+                                  '{"name":"f","arguments":"[1]"}'])
+def test_model_text_that_is_not_a_call_to_a_requested_tool_stays_content(client, stream, body):
+    """JSON that is not a call object was a 500 (a stream cut mid-body); a call to a function not in
+    `tools`, or one without a name, came back as a call."""
+    text = f"<tool_call>{body}</tool_call>"
+    assert forced_text(client, text, [ANY_F], stream) == {"content": text, "finish": "stop", "calls": []}
+
+
+def test_a_model_written_call_reaches_the_openai_client(server):
+    c = openai_client(server.url)
+    r = c.chat.completions.create(model=c.models.list().data[0].id, messages=ASK, tools=[ANY_F], max_tokens=60,
+                                  temperature=0, extra_body={"structured_outputs": {
+                                      "regex": re.escape('<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>')}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == [
+        ("f", {"a": 1})]
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": json_schema_format({"type": "strin"})}, "response_format", "strin"),
     ({"response_format": json_schema_format({"type": "object", "if": {}, "then": {}})}, "response_format", "if"),

@@ -1,0 +1,71 @@
+"""ToolPlan and ToolStream without a model: which model-written calls are calls, and what is content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshlm.api.tools import FALLBACK_END, FALLBACK_START, ToolPlan, ToolStream, json_tools
+
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+G = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+
+
+def auto_plan(*tools: dict) -> ToolPlan:
+    return ToolPlan("auto", tools or (F, G), start=FALLBACK_START, end=FALLBACK_END, parser=json_tools.parse_tool_call)
+
+
+def called(body: str) -> str:
+    return f"{FALLBACK_START}{body}{FALLBACK_END}"
+
+
+def names_and_arguments(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("body", [
+    "[1,2]", "5", '"x"', "null", "[]",  # JSON, but not a call object
+    '{"name":"zzz","arguments":{}}',  # a function the request did not offer
+    '{"arguments":1}', '{"name":1,"arguments":{}}',  # no string name
+    '{"name":"f","arguments":1}', '{"name":"f","arguments":"[1]"}', '{"name":"f","arguments":"{"}',  # no object
+    '[{"name":"f","arguments":{}},{"name":"zzz","arguments":{}}]',  # one bad call spoils the set
+    '{"name":"f","arguments":"' + "[" * 100_000 + '"}',  # deeper than json can parse
+])
+def test_text_that_is_not_a_usable_call_stays_content(body):
+    text = "a" + called(body)
+    assert auto_plan().calls(text) == (text, [])
+
+
+def test_a_bad_call_after_a_good_one_leaves_all_of_it_as_content():
+    text = called('{"name":"f","arguments":{}}') + called('{"name":"zzz"}')
+    assert auto_plan().calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("body, want", [
+    ('{"name":"f","arguments":{"a":[1]}}', [("f", '{"a": [1]}')]),
+    ('{"name":"f","arguments":"{\\"a\\":1}"}', [("f", '{"a":1}')]),  # a JSON-object string is passed through
+    ('{"name":"f"}', [("f", "{}")]),  # no arguments: a function without parameters
+    ('[{"name":"f","arguments":{}},{"name":"g","arguments":{}}]', [("f", "{}"), ("g", "{}")]),
+])
+def test_calls_to_the_requests_tools_are_returned(body, want):
+    content, calls = auto_plan().calls(called(body))
+    assert content is None and names_and_arguments(calls) == want
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+
+
+def stream_all(plan: ToolPlan, pieces: list[str]) -> tuple[str | None, list[dict]]:
+    """What a streaming client accumulates: (content, calls)."""
+    s = ToolStream(plan)
+    deltas = [d for p in pieces for d in s.feed(p)] + s.finish()
+    content = "".join(d.get("content") or "" for d in deltas) or None
+    calls = [c for d in deltas for c in d.get("tool_calls") or ()]
+    assert s.calls == len(calls)
+    return content, calls
+
+
+@pytest.mark.parametrize("body", ["[1,2]", "5", '{"name":"zzz"}', '{"arguments":1}'])
+def test_a_stream_leaves_the_same_text_as_content(body):
+    text = called(body)
+    assert stream_all(auto_plan(), [text[i:i + 3] for i in range(0, len(text), 3)]) == (text, [])
+    json.dumps(stream_all(auto_plan(), [text]))  # nothing unserialisable reaches the wire
