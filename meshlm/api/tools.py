@@ -77,11 +77,18 @@ class ToolPlan:
             except ValueError:  # cut off by max_tokens: nothing valid to hand back as a call
                 return text, []
             return None, [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+        return self._parsed_calls(text)
+
+    def _parsed_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """`auto`: the calls in the model's own syntax; the text around them is the content, verbatim
+        (a stream has sent the text before the first call as it came; vLLM does not strip it either)."""
         if self.start is None or self.start not in text:
             return text, []
-        content, calls, rest = text[: text.index(self.start)], [], text
+        outside, calls, rest = [], [], text
         while self.start in rest:
-            body = rest[rest.index(self.start) + len(self.start):]
+            at = rest.index(self.start)
+            outside.append(rest[:at])
+            body = rest[at + len(self.start):]
             cut = body.find(self.end) if self.end else -1
             segment, rest = (body, "") if cut < 0 else (body[:cut], body[cut + len(self.end):])
             try:
@@ -94,7 +101,7 @@ class ToolPlan:
                 log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
                 return text, []
             calls += found
-        return (content.strip() or None), calls
+        return "".join(outside) + rest or None, calls
 
     @property
     def names(self) -> frozenset[str]:

@@ -354,6 +354,17 @@ def test_model_text_that_is_not_a_call_to_a_requested_tool_stays_content(client,
     assert forced_text(client, text, [ANY_F], stream) == {"content": text, "finish": "stop", "calls": []}
 
 
+@pytest.mark.parametrize("text, content", [
+    (' hi \n<tool_call>{"name":"f","arguments":{}}</tool_call>', " hi \n"),
+    ('<tool_call>{"name":"f","arguments":{}}</tool_call> after', " after"),
+])
+def test_text_around_a_call_is_the_same_content_streamed_or_not(client, text, content):
+    """The text before a call was stripped only when not streamed; the text after the last call was lost."""
+    for stream in (False, True):
+        assert forced_text(client, text, [ANY_F], stream) == {"content": content, "finish": "tool_calls",
+                                                              "calls": [("f", "{}")]}
+
+
 def test_a_model_written_call_reaches_the_openai_client(server):
     c = openai_client(server.url)
     r = c.chat.completions.create(model=c.models.list().data[0].id, messages=ASK, tools=[ANY_F], max_tokens=60,

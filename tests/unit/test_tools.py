@@ -69,3 +69,21 @@ def test_a_stream_leaves_the_same_text_as_content(body):
     text = called(body)
     assert stream_all(auto_plan(), [text[i:i + 3] for i in range(0, len(text), 3)]) == (text, [])
     json.dumps(stream_all(auto_plan(), [text]))  # nothing unserialisable reaches the wire
+
+
+CALL = called('{"name":"f","arguments":{}}')
+
+
+@pytest.mark.parametrize("text, content", [
+    (" hi \n" + CALL, " hi \n"),  # the text before a call, verbatim (was stripped, unlike the stream's)
+    (CALL + " bye", " bye"),  # after the last call (was dropped)
+    ("a" + CALL + "\nb\n" + CALL + "c", "a\nb\nc"),
+    (CALL + CALL, None),
+])
+def test_the_text_around_calls_is_the_content_whole_or_streamed(text, content):
+    plan = auto_plan()
+    got = plan.calls(text)
+    assert (got[0], len(got[1])) == (content, text.count(FALLBACK_START))
+    for step in (1, 2, 5, len(text)):
+        streamed = stream_all(plan, [text[i:i + step] for i in range(0, len(text), step)])
+        assert (streamed[0], names_and_arguments(streamed[1])) == (content, names_and_arguments(got[1]))
