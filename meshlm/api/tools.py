@@ -61,10 +61,14 @@ class ToolPlan:
             return params[self.named]
         if self.mode != "required":
             return None
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for n, p in params.items()]}
-        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        # Each function's parameters sit in the root's `$defs`, their local refs rebased there: nested in
+        # place, a `#/$defs/...` (or `#`) ref inside them would point into the combined schema instead.
+        defs = {f"tool-{n}": _rebase(p, f"/$defs/tool-{n}") for n, p in params.items()}
+        call = {"anyOf": [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                           "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/tool-{n}"}}}
+                          for n in params]}
+        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "$defs": defs}
 
     # -- reading calls back ------------------------------------------------
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
@@ -106,6 +110,33 @@ class ToolPlan:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools)
+
+
+# JSON Schema keywords whose value is a schema or a list of schemas, and those whose value maps names to
+# schemas; every other keyword's value is data (`const`, `enum`, `default`...), never rewritten.
+_SUBSCHEMA = frozenset({"items", "prefixItems", "additionalItems", "additionalProperties", "unevaluatedItems",
+                        "unevaluatedProperties", "contains", "propertyNames", "not", "if", "then", "else",
+                        "allOf", "anyOf", "oneOf"})
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                             "dependencies"})
+
+
+def _rebase(schema: object, base: str) -> object:
+    """A copy of `schema` with each local ref (`#` or `#/...`) prefixed by the JSON pointer `base`, for a
+    schema moved from a document's root to `base`. Other refs (`#anchor`, URLs) are left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + base + ref[1:]
+    for key in _SUBSCHEMA.intersection(schema):
+        value = schema[key]
+        out[key] = [_rebase(s, base) for s in value] if isinstance(value, list) else _rebase(value, base)
+    for key in _SUBSCHEMA_MAPS.intersection(schema):
+        if isinstance(schema[key], dict):
+            out[key] = {name: _rebase(s, base) for name, s in schema[key].items()}
+    return out
 
 
 def _usable(parsed: object, names: frozenset[str]) -> dict | None:

@@ -285,6 +285,34 @@ def test_forced_tool_calls_are_well_formed(server, stream, choice):
                 assert name == "get_weather"
 
 
+class Addr(BaseModel):
+    city: Word
+
+
+class Person(BaseModel):
+    name: Word
+    home: Addr
+    work: Addr | None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_takes_a_tool_whose_schema_has_defs_and_refs(server, stream):
+    """openai.pydantic_function_tool of a model with a nested model gives `$defs` and `#/$defs/...` refs;
+    `required` nested each schema in the combined one, where the refs pointed nowhere (a 400)."""
+    c = openai_client(server.url)
+    kw = dict(model=c.models.list().data[0].id, messages=ASK, tools=[openai.pydantic_function_tool(Person)],
+              tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0)
+    if stream:
+        chunks = list(c.chat.completions.create(**kw, stream=True))
+        calls = [tc.function for ch in chunks for tc in ch.choices[0].delta.tool_calls or () if ch.choices]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    else:
+        r = c.chat.completions.create(**kw)
+        calls, finish = [t.function for t in r.choices[0].message.tool_calls or ()], [r.choices[0].finish_reason]
+    assert finish == ["tool_calls"] and [f.name for f in calls] == ["Person"]
+    Person.model_validate_json(calls[0].arguments)
+
+
 def test_a_tool_round_trip_is_templated(client):
     first = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
                                                       "max_tokens": 100, "temperature": 0}).json()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from meshlm.api.tools import FALLBACK_END, FALLBACK_START, ToolPlan, ToolStream, json_tools
@@ -87,3 +88,30 @@ def test_the_text_around_calls_is_the_content_whole_or_streamed(text, content):
     for step in (1, 2, 5, len(text)):
         streamed = stream_all(plan, [text[i:i + step] for i in range(0, len(text), step)])
         assert (streamed[0], names_and_arguments(streamed[1])) == (content, names_and_arguments(got[1]))
+
+
+ADDR = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+PERSON = {"type": "function", "function": {"name": "person", "parameters": {  # as openai.pydantic_function_tool
+    "$defs": {"Addr": ADDR}, "type": "object", "additionalProperties": False, "required": ["home", "work"],
+    "properties": {"home": {"$ref": "#/$defs/Addr"}, "work": {"anyOf": [{"$ref": "#/$defs/Addr"}, {"type": "null"}]},
+                   "default": {"$ref": "#/definitions/Zip"},  # a property named like a data keyword
+                   "note": {"const": {"$ref": "#"}}},  # data that looks like a ref: not rewritten
+    "definitions": {"Zip": {"type": "integer"}}}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {  # a ref to its own root
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "additionalProperties": False}}}
+
+
+def test_required_keeps_each_tools_refs_pointing_into_that_tool():
+    """Nested under `anyOf`, `#/$defs/Addr` pointed at the combined schema's root, where there is none."""
+    schema = ToolPlan("required", (PERSON, TREE, F)).schema
+    ok = [{"name": "person", "arguments": {"home": {"city": "x"}, "work": None, "default": 3,
+                                           "note": {"$ref": "#"}}},
+          {"name": "tree", "arguments": {"kids": [{"kids": []}, {}]}}, {"name": "f", "arguments": {"z": 1}}]
+    jsonschema.validate(ok, schema)
+    for name, bad in [("person", {"home": {"city": 1}, "work": None}),  # Addr is checked
+                      ("person", {"home": {"city": "x"}, "work": None, "default": "3"}),  # so is Zip
+                      ("person", {"home": {"city": "x"}, "work": None, "note": 1}),
+                      ("tree", {"kids": [{"kids": [{"x": 1}]}]})]:  # the tree's own root, not the array
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": name, "arguments": bad}], schema)
