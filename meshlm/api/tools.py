@@ -11,6 +11,7 @@
   `[{"name": ..., "arguments": {...}}]`, each valid against its function's parameters (one call
   unless `parallel_tool_calls`), as vLLM does.
 - a named function: the output is constrained to that function's arguments object.
+Forced (`required`, named) output cut short by max_tokens or a stop is no call and no content.
 
 A response that made calls has `tool_calls` and `finish_reason: "tool_calls"`.
 """
@@ -73,15 +74,23 @@ class ToolPlan:
     # -- reading calls back ------------------------------------------------
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls in OpenAI's shape) from the whole output of one choice."""
+        if self.mode != "auto":
+            return None, self._forced_calls(text)
+        return self._parsed_calls(text)
+
+    def _forced_calls(self, text: str) -> list[dict]:
+        """`required` / named: the calls, or none if the output was cut short (max_tokens, a stop string or
+        token). The grammar's JSON is complete only at its end, so a cut output never parses; it is not
+        content either (the model was not free to write it)."""
         if self.mode == "named":
-            return None, [_call(self.named, text)]
-        if self.mode == "required":
+            found = [_usable({"name": self.named, "arguments": text}, self.names)]
+        else:
             try:
                 items = json.loads(text)
-            except ValueError:  # cut off by max_tokens: nothing valid to hand back as a call
-                return text, []
-            return None, [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
-        return self._parsed_calls(text)
+            except (ValueError, RecursionError):
+                items = None
+            found = [_usable(c, self.names) for c in items] if isinstance(items, list) else []
+        return found if found and None not in found else []
 
     def _parsed_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """`auto`: the calls in the model's own syntax; the text around them is the content, verbatim
@@ -224,9 +233,9 @@ def _arguments(text: str):
 
 
 class ToolStream:
-    """One streamed choice's deltas: a named call streams its arguments as they come; `required`
-    calls are sent once the array is complete; `auto` streams text until the tool-call syntax starts
-    (a possible start of it is held back), then sends the parsed calls at the end."""
+    """One streamed choice's deltas: forced calls (`required`, named) are sent at the end, once their
+    JSON is known to be complete; `auto` streams text until the tool-call syntax starts (a possible
+    start of it is held back), then sends the parsed calls at the end."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -236,14 +245,8 @@ class ToolStream:
 
     def feed(self, text: str) -> list[dict]:
         p = self.plan
-        if p.mode == "named":
-            if not self.calls:
-                self.calls = 1
-                head = _call(p.named, "")
-                return [{"tool_calls": [{"index": 0, **head, "function": {"name": p.named, "arguments": text}}]}]
-            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
         self.buffer += text
-        if p.mode == "required" or self.in_call:  # held back until finish()
+        if p.mode != "auto" or self.in_call:  # held back until finish()
             return []
         at = self.buffer.find(p.start)
         if at >= 0:
@@ -256,9 +259,7 @@ class ToolStream:
 
     def finish(self) -> list[dict]:
         """Deltas for what was held back; sets `calls` to the number of calls made."""
-        if self.plan.mode == "named":
-            return []
-        content, calls = self.plan.calls(self.buffer) if self.plan.mode == "required" or self.in_call \
+        content, calls = self.plan.calls(self.buffer) if self.plan.mode != "auto" or self.in_call \
             else (self.buffer or None, [])
         out = [{"content": content}] if content else []
         if calls:

@@ -313,6 +313,34 @@ def test_required_takes_a_tool_whose_schema_has_defs_and_refs(server, stream):
     Person.model_validate_json(calls[0].arguments)
 
 
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_a_forced_call_cut_short_by_a_stop_string_is_no_call(client, stream, tool_choice):
+    """A named call came back finished ("tool_calls") with arguments '{'; `required` gave the raw '[{'
+    as content. Cut JSON is neither a call nor the model's words: no calls, no content, "stop"."""
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": tool_choice, "stop": ['"'], "max_tokens": 60,
+            "temperature": 0}
+    assert chat_answer(client, body, stream) == {"content": None, "finish": "stop", "calls": []}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_max_tokens_cuts_a_forced_call_or_not_the_same_streamed_or_not(client, tool_choice):
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": tool_choice, "parallel_tool_calls": False,
+            "max_tokens": 100, "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body).json()
+    whole, n = r["choices"][0]["message"]["tool_calls"], r["usage"]["completion_tokens"]  # n counts the EOS
+    calls = [(t["function"]["name"], t["function"]["arguments"]) for t in whole]
+    for stream in (False, True):
+        # One token short of the EOS, the JSON is complete: a call, not "length".
+        assert chat_answer(client, {**body, "max_tokens": n - 1}, stream) == {
+            "content": None, "finish": "tool_calls", "calls": calls}
+        assert chat_answer(client, {**body, "max_tokens": n - 2}, stream) == {
+            "content": None, "finish": "length", "calls": []}
+
+
 def test_a_tool_round_trip_is_templated(client):
     first = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
                                                       "max_tokens": 100, "temperature": 0}).json()

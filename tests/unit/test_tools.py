@@ -115,3 +115,30 @@ def test_required_keeps_each_tools_refs_pointing_into_that_tool():
                       ("tree", {"kids": [{"kids": [{"x": 1}]}]})]:  # the tree's own root, not the array
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": name, "arguments": bad}], schema)
+
+
+NAMED = ToolPlan("named", (F, G), named="f")
+REQUIRED = ToolPlan("required", (F, G))
+
+
+@pytest.mark.parametrize("plan, text", [
+    (NAMED, '{"a": "x'), (NAMED, "{"), (NAMED, ""),
+    (REQUIRED, '[{"name": "f", "arguments": {}}'), (REQUIRED, "[{"), (REQUIRED, ""),
+])
+def test_a_forced_call_cut_short_is_no_call_and_no_content(plan, text):
+    """By max_tokens, a stop string or a stop token: it was a call with arguments '{' (named), or
+    the raw '[{' as content (required)."""
+    assert plan.calls(text) == (None, [])
+    assert stream_all(plan, [text[i:i + 2] for i in range(0, len(text), 2)]) == (None, [])
+
+
+@pytest.mark.parametrize("plan, text, want", [
+    (NAMED, '{"a": "x"}', [("f", '{"a": "x"}')]),
+    (REQUIRED, '[{"name": "g", "arguments": {"b": 1}}, {"name": "f", "arguments": {}}]',
+     [("g", '{"b": 1}'), ("f", "{}")]),
+])
+def test_a_complete_forced_call_is_sent_whole_streamed_or_not(plan, text, want):
+    content, calls = plan.calls(text)
+    assert content is None and names_and_arguments(calls) == want
+    streamed = stream_all(plan, [text[i:i + 3] for i in range(0, len(text), 3)])
+    assert streamed[0] is None and names_and_arguments(streamed[1]) == want
