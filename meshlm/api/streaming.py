@@ -54,7 +54,7 @@ class Completion:
             body["message"] = {"role": "assistant", "content": content}
             if calls:
                 body["message"]["tool_calls"] = calls
-                body["finish_reason"] = _tool_finish(c.finish_reason, self.tools)
+                body["finish_reason"] = self.tools.finish_reason(c.finish_reason, calls)
         elif self.chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
@@ -98,8 +98,8 @@ class Completion:
         if out.finish_reason:
             chunks += [self._delta(c, d) for d in stream.finish()]
             last = self._delta(c, {})
-            reason = _tool_finish(c.finish_reason, stream.plan) if stream.calls else c.finish_reason
-            last["finish_reason"] = reason
+            last["finish_reason"] = stream.plan.finish_reason(c.finish_reason, stream.calls) if stream.calls \
+                else c.finish_reason
             chunks.append(last)
         return chunks
 
@@ -114,12 +114,6 @@ class Completion:
     def close(self) -> None:
         if not self.finished:
             self.serving.abort(self.uids)
-
-
-def _tool_finish(reason: str | None, plan: ToolPlan) -> str | None:
-    """The finish_reason of a choice that made calls. Forced calls are returned only when their JSON is
-    complete, and then the grammar allowed nothing but the end: max_tokens reached first cut nothing."""
-    return "tool_calls" if reason == "stop" or plan.mode != "auto" else reason
 
 
 async def watch_disconnect(request, completion: Completion, task: asyncio.Task) -> None:

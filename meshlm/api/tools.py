@@ -10,10 +10,12 @@
 - `required`: the output is grammar-constrained to a JSON array of calls
   `[{"name": ..., "arguments": {...}}]`, each valid against its function's parameters (one call
   unless `parallel_tool_calls`), as vLLM does.
-- a named function: the output is constrained to that function's arguments object.
-Forced (`required`, named) output cut short by max_tokens or a stop is no call and no content.
+- a named function: the output is constrained to that function's arguments object, streamed as it
+  comes (as OpenAI and vLLM do).
 
-A response that made calls has `tool_calls` and `finish_reason: "tool_calls"`.
+A response whose calls are whole has `tool_calls` and `finish_reason: "tool_calls"`. Output cut short by
+max_tokens or a stop string keeps the reason that cut it: a named call then has the arguments written so
+far (as OpenAI's API returns them), `required` no call and no content (as vLLM: its array cannot be read).
 """
 
 from __future__ import annotations
@@ -79,18 +81,27 @@ class ToolPlan:
         return self._parsed_calls(text)
 
     def _forced_calls(self, text: str) -> list[dict]:
-        """`required` / named: the calls, or none if the output was cut short (max_tokens, a stop string or
-        token). The grammar's JSON is complete only at its end, so a cut output never parses; it is not
-        content either (the model was not free to write it)."""
+        """`required`: the calls, or none if the output was cut short (max_tokens, a stop string or token):
+        the grammar's JSON is complete only at its end, so a cut array never parses, and it is not content
+        either (the model was not free to write it). Named: the call, its arguments as far as they go."""
         if self.mode == "named":
-            found = [_usable({"name": self.named, "arguments": text}, self.names)]
-        else:
-            try:
-                items = json.loads(text)
-            except (ValueError, RecursionError):
-                items = None
-            found = [_usable(c, self.names) for c in items] if isinstance(items, list) else []
+            return [_call(self.named, text)] if text else []
+        try:
+            items = json.loads(text)
+        except (ValueError, RecursionError):
+            items = None
+        found = [_usable(c, self.names) for c in items] if isinstance(items, list) else []
         return found if found and None not in found else []
+
+    def finish_reason(self, reason: str | None, calls: list[dict]) -> str | None:
+        """The finish_reason of a choice that made `calls`: "tool_calls" once they are whole, else the
+        reason that cut them (a named call's arguments cut by max_tokens or a stop string; in `auto`, any
+        end but the model's own)."""
+        if self.mode == "auto":
+            return "tool_calls" if reason == "stop" else reason
+        if self.mode == "named" and not _is_object(calls[0]["function"]["arguments"]):
+            return reason
+        return "tool_calls"  # whole: `required` calls are returned only then
 
     def _parsed_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """`auto`: the calls in the model's own syntax; the text around them is the content, verbatim
@@ -146,6 +157,13 @@ def _rebase(schema: object, base: str) -> object:
         if isinstance(schema[key], dict):
             out[key] = {name: _rebase(s, base) for name, s in schema[key].items()}
     return out
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _usable(parsed: object, names: frozenset[str]) -> dict | None:
@@ -233,18 +251,25 @@ def _arguments(text: str):
 
 
 class ToolStream:
-    """One streamed choice's deltas: forced calls (`required`, named) are sent at the end, once their
-    JSON is known to be complete; `auto` streams text until the tool-call syntax starts (a possible
-    start of it is held back), then sends the parsed calls at the end."""
+    """One streamed choice's deltas: a named call streams its arguments as they come; `required` calls
+    are sent at the end, once their JSON is known to be complete; `auto` streams text until the tool-call
+    syntax starts (a possible start of it is held back), then sends the parsed calls at the end."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.buffer = ""  # text not sent yet
         self.in_call = False
-        self.calls = 0
+        self.calls: list[dict] = []  # the calls made (a named call: its arguments so far)
 
     def feed(self, text: str) -> list[dict]:
         p = self.plan
+        if p.mode == "named":
+            if not self.calls:
+                self.calls = [_call(p.named, text)]
+                head = {**self.calls[0], "function": dict(self.calls[0]["function"])}  # not the one appended to
+                return [{"tool_calls": [{"index": 0, **head}]}]
+            self.calls[0]["function"]["arguments"] += text
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
         self.buffer += text
         if p.mode != "auto" or self.in_call:  # held back until finish()
             return []
@@ -258,13 +283,15 @@ class ToolStream:
         return [{"content": head}] if head else []
 
     def finish(self) -> list[dict]:
-        """Deltas for what was held back; sets `calls` to the number of calls made."""
+        """Deltas for what was held back; sets `calls` to the calls made."""
+        if self.plan.mode == "named":
+            return []
         content, calls = self.plan.calls(self.buffer) if self.plan.mode != "auto" or self.in_call \
             else (self.buffer or None, [])
         out = [{"content": content}] if content else []
         if calls:
             out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-        self.calls = len(calls)
+        self.calls = calls
         self.buffer = ""
         return out
 

@@ -318,12 +318,18 @@ NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER], ids=["required", "named"])
-def test_a_forced_call_cut_short_by_a_stop_string_is_no_call(client, stream, tool_choice):
+def test_a_forced_call_cut_short_by_a_stop_string_finishes_stop(client, stream, tool_choice):
     """A named call came back finished ("tool_calls") with arguments '{'; `required` gave the raw '[{'
-    as content. Cut JSON is neither a call nor the model's words: no calls, no content, "stop"."""
+    as content. Now "stop": a named call with its arguments so far (as OpenAI's API), `required` with no
+    call and no content (its cut array is neither a call nor the model's words)."""
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": tool_choice, "stop": ['"'], "max_tokens": 60,
             "temperature": 0}
-    assert chat_answer(client, body, stream) == {"content": None, "finish": "stop", "calls": []}
+    got = chat_answer(client, body, stream)
+    assert (got["content"], got["finish"]) == (None, "stop"), got
+    if tool_choice == "required":
+        assert got["calls"] == []
+    else:
+        assert [name for name, _ in got["calls"]] == ["get_weather"] and got["calls"][0][1].strip() == "{", got
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER], ids=["required", "named"])
@@ -337,8 +343,13 @@ def test_max_tokens_cuts_a_forced_call_or_not_the_same_streamed_or_not(client, t
         # One token short of the EOS, the JSON is complete: a call, not "length".
         assert chat_answer(client, {**body, "max_tokens": n - 1}, stream) == {
             "content": None, "finish": "tool_calls", "calls": calls}
-        assert chat_answer(client, {**body, "max_tokens": n - 2}, stream) == {
-            "content": None, "finish": "length", "calls": []}
+        cut = chat_answer(client, {**body, "max_tokens": n - 2}, stream)
+        assert (cut["content"], cut["finish"]) == (None, "length"), cut
+        if tool_choice == "required":
+            assert cut["calls"] == []
+        else:  # the arguments so far: all but the last token's
+            (name, partial), = cut["calls"]
+            assert name == calls[0][0] and calls[0][1].startswith(partial) and partial != calls[0][1], cut
 
 
 def test_a_tool_round_trip_is_templated(client):

@@ -56,13 +56,17 @@ def test_calls_to_the_requests_tools_are_returned(body, want):
 
 
 def stream_all(plan: ToolPlan, pieces: list[str]) -> tuple[str | None, list[dict]]:
-    """What a streaming client accumulates: (content, calls)."""
+    """What a streaming client accumulates: (content, calls), a call's deltas joined by its index."""
     s = ToolStream(plan)
     deltas = [d for p in pieces for d in s.feed(p)] + s.finish()
     content = "".join(d.get("content") or "" for d in deltas) or None
-    calls = [c for d in deltas for c in d.get("tool_calls") or ()]
-    assert s.calls == len(calls)
-    return content, calls
+    calls: dict[int, dict] = {}
+    for delta in (c for d in deltas for c in d.get("tool_calls") or ()):
+        call = calls.setdefault(delta["index"], {"function": {"name": "", "arguments": ""}})
+        call["function"]["name"] += delta["function"].get("name") or ""
+        call["function"]["arguments"] += delta["function"].get("arguments") or ""
+    assert names_and_arguments(s.calls) == names_and_arguments(list(calls.values()))
+    return content, [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("body", ["[1,2]", "5", '{"name":"zzz"}', '{"arguments":1}'])
@@ -121,15 +125,23 @@ NAMED = ToolPlan("named", (F, G), named="f")
 REQUIRED = ToolPlan("required", (F, G))
 
 
-@pytest.mark.parametrize("plan, text", [
-    (NAMED, '{"a": "x'), (NAMED, "{"), (NAMED, ""),
-    (REQUIRED, '[{"name": "f", "arguments": {}}'), (REQUIRED, "[{"), (REQUIRED, ""),
-])
-def test_a_forced_call_cut_short_is_no_call_and_no_content(plan, text):
-    """By max_tokens, a stop string or a stop token: it was a call with arguments '{' (named), or
-    the raw '[{' as content (required)."""
-    assert plan.calls(text) == (None, [])
-    assert stream_all(plan, [text[i:i + 2] for i in range(0, len(text), 2)]) == (None, [])
+@pytest.mark.parametrize("text", ['[{"name": "f", "arguments": {}}', "[{", ""])
+def test_a_required_call_cut_short_is_no_call_and_no_content(text):
+    """By max_tokens, a stop string or a stop token: the raw '[{' was content."""
+    assert REQUIRED.calls(text) == (None, [])
+    assert stream_all(REQUIRED, [text[i:i + 2] for i in range(0, len(text), 2)]) == (None, [])
+
+
+@pytest.mark.parametrize("text", ['{"a": "x', "{"])
+def test_a_named_call_cut_short_keeps_its_arguments_so_far_and_the_reason_that_cut_it(text):
+    """As OpenAI's API: the arguments written so far, streamed as they came; it finished "tool_calls"
+    with arguments '{', which a client then failed to parse."""
+    content, calls = NAMED.calls(text)
+    assert content is None and names_and_arguments(calls) == [("f", text)]
+    assert names_and_arguments(stream_all(NAMED, [text[i:i + 2] for i in range(0, len(text), 2)])[1]) == [("f", text)]
+    for reason in ("length", "stop"):
+        assert NAMED.finish_reason(reason, calls) == reason
+    assert NAMED.calls("") == (None, [])
 
 
 @pytest.mark.parametrize("plan, text, want", [
@@ -137,8 +149,9 @@ def test_a_forced_call_cut_short_is_no_call_and_no_content(plan, text):
     (REQUIRED, '[{"name": "g", "arguments": {"b": 1}}, {"name": "f", "arguments": {}}]',
      [("g", '{"b": 1}'), ("f", "{}")]),
 ])
-def test_a_complete_forced_call_is_sent_whole_streamed_or_not(plan, text, want):
+def test_a_complete_forced_call_is_a_call_streamed_or_not(plan, text, want):
     content, calls = plan.calls(text)
     assert content is None and names_and_arguments(calls) == want
+    assert plan.finish_reason("length", calls) == "tool_calls"  # its JSON closed on the last token allowed
     streamed = stream_all(plan, [text[i:i + 3] for i in range(0, len(text), 3)])
     assert streamed[0] is None and names_and_arguments(streamed[1]) == want
