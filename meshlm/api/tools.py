@@ -246,7 +246,7 @@ def _arguments(text: str):
     """Templates expect arguments as an object; a client may send any string."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's stack: a string like any unparsable one
         return text
 
 

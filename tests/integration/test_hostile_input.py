@@ -140,6 +140,20 @@ def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
         srv.stop()
 
 
+def test_tool_call_arguments_in_the_history_nested_past_the_json_parser_are_text_not_a_500(server):
+    """A past call's arguments string is parsed for the template; nested past the parser's stack it raised
+    RecursionError, a 500. It is text now, like any unparsable string (here: far too long a prompt)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 2})
+    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+    still_serving(server)
+
+
 def test_a_compressed_body_is_a_415_naming_the_encoding(server):
     import gzip
 
