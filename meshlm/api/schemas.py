@@ -135,11 +135,15 @@ class _Request(BaseModel):
             return value
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed")
+        seen: dict[int, str] = {}
         for key, bias in value.items():
             if not key.isascii() or not key.isdigit() or len(key) > 10:
                 raise ValueError(f"keys must be token ids (decimal integers), got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias for token {key} must be between -100 and 100, got {bias}")
+            if int(key) in seen:  # "01" and "1": which bias should win is not ours to guess
+                raise ValueError(f"keys {seen[int(key)]!r} and {key!r} are the same token id")
+            seen[int(key)] = key
         return value
 
     def stop_list(self) -> tuple[str, ...]:

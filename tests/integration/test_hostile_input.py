@@ -286,6 +286,7 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"cat": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"01": 100, "1": -100}}, "logit_bias"),  # one token twice
     ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"stop_token_ids": [VOCAB + 3]}, "stop_token_ids"),
