@@ -187,7 +187,7 @@ class StructuredOutputs(BaseModel):
     choices or a Lark grammar (llguidance's dialect)."""
 
     model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: dict[str, Any] | StrictBool | str | None = Field(None, alias="json")  # a string: the schema as JSON text
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = None

@@ -56,10 +56,7 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
         out.append(("response_format", lambda g: g.from_json_schema({"type": "object"})))
     elif rf is not None and rf.type == "json_schema":
         schema = rf.json_schema.schema_
-        schema = {} if schema is None or schema is True else schema
-        if schema is False:
-            raise bad_request("response_format: a `false` schema matches nothing", param="response_format")
-        out.append(("response_format", lambda g: g.from_json_schema(schema)))
+        out.append(("response_format", lambda g: g.from_json_schema(_object_schema(schema))))
     so = req.structured_outputs
     if so is not None:
         # Where a schema string sits in the body: its parse is held to the limits that place has.
@@ -71,12 +68,22 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
     return out
 
 
+def _object_schema(schema: object) -> object:
+    """JSON Schema's boolean schemas as llguidance takes schemas (objects): `true` (or none) allows any
+    JSON value; `false` allows nothing, a request that can never be answered."""
+    if schema is None or schema is True:
+        return {}
+    if schema is False:
+        raise GrammarError("a `false` schema matches nothing")
+    return schema
+
+
 def _structured(g: Grammars, so: StructuredOutputs, place: tuple[str, int], limits: BodyLimits) -> str:
     if so.json_ is not None:
         schema = so.json_
         if isinstance(schema, str):
             schema = parse_json_string(schema, *place, limits)
-        return g.from_json_schema(schema)
+        return g.from_json_schema(_object_schema(schema))
     if so.regex is not None:
         return g.from_regex(so.regex)
     if so.choice is not None:

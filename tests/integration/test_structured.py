@@ -141,6 +141,8 @@ def test_completions_take_structured_outputs_regex_choice_and_grammar(client):
     assert text({"grammar": 'start: "x" NUM\nNUM: /[0-9]{1,3}/'})[0][0] == "x"
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
     assert json.loads(text({"json": schema})[0]) in ({"a": True}, {"a": False})
+    # JSON Schema's `true` (any value), as a boolean or as JSON text, as response_format takes it.
+    assert text({"json": True}) and text({"json": "true"})
 
 
 FORCED_FOREVER = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
@@ -452,6 +454,8 @@ def test_a_model_written_call_reaches_the_openai_client(server):
     ({"structured_outputs": {"regex": "((a{1000}){1000}){1000}"}}, "structured_outputs", "too complex"),
     ({"structured_outputs": {"choice": ["x" * 300_000]}}, "structured_outputs", "too large"),
     ({"response_format": json_schema_format({"$ref": "#"})}, "response_format", "no token can begin it"),
+    ({"structured_outputs": {"json": "false"}}, "structured_outputs", "`false` schema matches nothing"),
+    ({"structured_outputs": {"json": False}}, "structured_outputs", "`false` schema matches nothing"),
     ({"structured_outputs": {"regex": r"[^\x00-\x{10FFFF}]"}}, "structured_outputs", "no token can begin it"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "both"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", ""),
