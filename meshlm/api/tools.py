@@ -125,6 +125,9 @@ class ToolPlan:
                 log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
                 return text, []
             calls += found
+        if not self.parallel and len(calls) > 1:  # the client asked for one at most: the first, as vLLM does
+            log.info("parallel_tool_calls is false: %d of the model's %d calls dropped", len(calls) - 1, len(calls))
+            calls = calls[:1]
         return "".join(outside) + rest or None, calls
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -155,3 +156,11 @@ def test_a_complete_forced_call_is_a_call_streamed_or_not(plan, text, want):
     assert plan.finish_reason("length", calls) == "tool_calls"  # its JSON closed on the last token allowed
     streamed = stream_all(plan, [text[i:i + 3] for i in range(0, len(text), 3)])
     assert streamed[0] is None and names_and_arguments(streamed[1]) == want
+
+
+def test_auto_with_parallel_tool_calls_false_returns_the_first_call_only():
+    text = called('{"name": "f", "arguments": {"a": "x"}}') + called('{"name": "g", "arguments": {}}')
+    plan = dataclasses.replace(auto_plan(), parallel=False)
+    assert names_and_arguments(plan.calls(text)[1]) == [("f", '{"a": "x"}')]
+    assert names_and_arguments(stream_all(plan, [text[i:i + 4] for i in range(0, len(text), 4)])[1]) == [("f", '{"a": "x"}')]
+    assert len(auto_plan().calls(text)[1]) == 2
