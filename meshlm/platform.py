@@ -72,6 +72,20 @@ def find_openblas() -> str | None:
     return None
 
 
+# `python -m` puts the working directory first on sys.path: a `dis.py` or `json.py` there would be imported
+# by every meshlm process started from it. -P (3.11+) leaves it out; 3.10 drops it before running meshlm.
+_WITHOUT_CWD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; import runpy; "
+                "runpy.run_module('meshlm', run_name='__main__', alter_sys=True)")
+
+
+def meshlm_command(executable: str = sys.executable) -> list[str]:
+    """How meshlm starts meshlm (its re-exec, its local ranks, `meshlm launch`'s): `python -m meshlm`,
+    without the working directory's files on the import path."""
+    if sys.version_info >= (3, 11):
+        return [executable, "-P", "-m", "meshlm"]
+    return [executable, "-c", _WITHOUT_CWD]
+
+
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
     """Restart this process with Debian's OpenBLAS preloaded, if present on Linux.
 
@@ -90,7 +104,7 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     if env is None:
         log.info("OpenBLAS not found; CPU matmuls use MLX's reference BLAS (apt-get install libopenblas0-pthread)")
         return
-    os.execve(sys.executable, [sys.executable, "-m", "meshlm", *argv], env)
+    os.execve(sys.executable, [*meshlm_command(), *argv], env)
 
 
 def openblas_env(base: dict[str, str]) -> dict[str, str] | None:

@@ -17,13 +17,13 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.config import ParallelConfig
+from meshlm.platform import meshlm_command
 from meshlm.transport.auth import SECRET_ENV, ClusterSecret
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ def spawn_local_workers(argv: list[str], cluster: LocalCluster, n: int, secret: 
     for rank in range(1, n):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(cluster.hostfile),
                "OPENBLAS_NUM_THREADS": threads, SECRET_ENV: secret.reveal()}
-        cmd = [sys.executable, "-m", "meshlm", *argv, "--rank", str(rank),
+        cmd = [*meshlm_command(), *argv, "--rank", str(rank),
                "--ring-hostfile", str(cluster.hostfile), "--control-addr", cluster.control_addr,
                "--stage-addrs", ",".join(cluster.stage_addrs)]
         out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else None

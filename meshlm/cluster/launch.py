@@ -21,12 +21,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from meshlm.transport.auth import SECRET_ENV
 from meshlm.cluster.bootstrap import ClusterError, Host, Hostfile, cluster_secret, load_hostfile
+from meshlm.platform import meshlm_command
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     hosts = list(loaded.hosts)
     check_secret(loaded)
     cwd = os.getcwd()
-    base = [sys.executable, "-m", "meshlm"]
+    base = meshlm_command()
     if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
         argv = rank_argv(serve_argv, path, backend, len(hosts), 0)[:-2]
         cmds = [["mpirun", "-np", str(len(hosts)), "--host", ",".join(h.ssh for h in hosts), *base, *argv]]

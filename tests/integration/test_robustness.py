@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -239,6 +240,33 @@ def test_a_port_taken_or_a_bad_host_fails_in_a_sentence_before_the_model_loads(t
     for w in words:
         assert w in r.stderr, r.stderr[-2000:]
     assert "loaded" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_python_files_in_the_working_directory_are_not_imported_by_meshlm(tiny_model, tmp_path):
+    """meshlm re-executes itself (and starts local ranks) as `python -m meshlm`, which put the working
+    directory first on sys.path: a `dis.py` there (a user's script, say) was imported and ran."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    for name in ("dis", "json", "tokenize"):  # modules every start imports
+        (cwd / f"{name}.py").write_text("raise SystemExit(3)\n")
+    meshlm = Path(sys.executable).parent / "meshlm"  # the console script: its own directory on sys.path
+    proc = subprocess.Popen([str(meshlm), "serve", "--model", str(tiny_model), "--port", "0", "--tensor-parallel",
+                             "2", "--kv-cache-dir", str(tmp_path / "kv")], cwd=cwd, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, f"exited {proc.wait()} without serving"
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_port_0_serves_on_a_free_port_and_says_which(tiny_model, tmp_path):
