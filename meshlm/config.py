@@ -310,3 +310,6 @@ class ServeConfig:
         if self.disagg.peers and not self.cache.enabled:
             raise ValueError("--prefill-peer needs the prefix cache (received KV is found through it): "
                              "drop --no-prefix-cache")
+        if self.disagg.prefill_port is not None and self.disagg.prefill_port == self.server.port:
+            raise ValueError(f"--prefill-port and --port are both {self.server.port}: prefill jobs and HTTP "
+                             "need a port each")

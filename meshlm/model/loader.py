@@ -218,7 +218,8 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
         model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
         raise ValueError(f"cannot load the weights in {path}: {exc}") from None
-    except (TypeError, KeyError) as exc:  # mlx-lm's ModelArgs: a config.json without a field the model needs
+    # mlx-lm's ModelArgs: a config.json without a field the model needs, or a size MLX cannot hold (int32)
+    except (TypeError, KeyError, OverflowError) as exc:
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
     if tensor_group is not None:
         if not hasattr(model, "shard"):

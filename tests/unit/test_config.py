@@ -34,6 +34,7 @@ def test_the_defaults_parse():
     (("--client-timeout", "0"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
+    (("--role", "prefill", "--prefill-port", "8000", "--port", "8000"), "--prefill-port and --port are both 8000"),
 ])
 def test_meaningless_values_are_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words):

@@ -308,6 +308,9 @@ def test_demo_export_matches_gguf_weights(smol):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "hidden_size"})),
      "missing 1 required positional argument: 'hidden_size'"),  # was a TypeError traceback
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "vocab_size": 10**12})),
+     "cannot build the model of"),  # past MLX's int32 sizes: was an OverflowError traceback
 ])
 def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, break_it, words):
     from meshlm.config import ModelConfig
