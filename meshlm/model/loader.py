@@ -199,6 +199,15 @@ class StageSlice:
     logits: bool
 
 
+def check_tokenizer(tokenizer, path: Path) -> None:
+    """A model directory without its tokenizer files still loads: transformers builds a tokenizer of the
+    special tokens alone, which turns every prompt into nothing (each request then a 400). Refused here."""
+    if not tokenizer.encode("hello world", add_special_tokens=False):
+        size = len(getattr(tokenizer, "_tokenizer", tokenizer))  # mlx-lm's wrapper holds the HF tokenizer
+        raise ValueError(f"the tokenizer in {path} turns text into no tokens ({size} in its vocabulary): are "
+                         "its tokenizer files (tokenizer.json, tokenizer.model) missing?")
+
+
 def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = None) -> LoadedModel:
     """Load the whole model; with `tensor_group` only this rank's shard; with `stage` only that stage's
     weights (loaded lazily, the rest never read).
@@ -221,6 +230,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     # mlx-lm's ModelArgs: a config.json without a field the model needs, or a size MLX cannot hold (int32)
     except (TypeError, KeyError, OverflowError) as exc:
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
+    check_tokenizer(tokenizer, path)
     if tensor_group is not None:
         if not hasattr(model, "shard"):
             raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")

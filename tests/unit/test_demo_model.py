@@ -320,3 +320,16 @@ def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, brea
     break_it(model)
     with pytest.raises(ValueError, match=re.escape(words)):
         load_model(ModelConfig(str(model)))
+
+
+def test_a_model_directory_without_its_tokenizer_files_is_refused(tmp_path):
+    """transformers then builds a qwen2 tokenizer of the special tokens alone: the server started, and
+    answered every prompt 400 "empty after tokenization"."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", "qwen3", layers=1, hidden=32, heads=2, kv_heads=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with pytest.raises(ValueError, match="turns text into no tokens"):
+        load_model(ModelConfig(str(model)))
