@@ -253,6 +253,10 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
+    outside = sorted(t for t in eos if not 0 <= t < int(config["vocab_size"]))
+    if outside:  # never sampled: every answer would run to max_tokens, and grammars cannot be built
+        raise ValueError(f"{path}: end-of-sequence token id(s) {outside} are outside the model's vocabulary of "
+                         f"{config['vocab_size']} (config.json / generation_config.json)")
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)
     log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,

@@ -311,6 +311,9 @@ def test_demo_export_matches_gguf_weights(smol):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "vocab_size": 10**12})),
      "cannot build the model of"),  # past MLX's int32 sizes: was an OverflowError traceback
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "eos_token_id": 10**9})),
+     "end-of-sequence token id(s) [1000000000] are outside"),  # served, every answer ran to max_tokens
 ])
 def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, break_it, words):
     from meshlm.config import ModelConfig
