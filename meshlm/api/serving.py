@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -210,7 +211,7 @@ class Serving:
     def chat_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
         def entry(token_id: int, lp: float, advance: bool = False) -> dict:
             text, raw, _ = self._entry(token_id, cursor, advance)
-            return {"token": text, "logprob": lp, "bytes": list(raw)}
+            return {"token": text, "logprob": json_logprob(lp), "bytes": list(raw)}
 
         content = []
         for x in lps:  # the alternatives first: they follow the text before this token
@@ -221,16 +222,27 @@ class Serving:
     def completion_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
         tokens, offsets, tops = [], [], []
         for x in lps:
-            tops.append({self._entry(t, cursor)[0]: v for t, v in x.top})
+            tops.append({self._entry(t, cursor)[0]: json_logprob(v) for t, v in x.top})
             text, _, offset = self._entry(x.token_id, cursor, advance=True)
             tokens.append(text)
             offsets.append(offset)
         return {
             "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
+            "token_logprobs": [json_logprob(x.logprob) for x in lps],
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+# OpenAI's and vLLM's number for a token of no probability: JSON has no -inf, nor NaN.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """`value` as JSON can carry it: -inf (a token a mask ruled out) and NaN (logits broken upstream, e.g. a
+    model overflowing) become MIN_LOGPROB; left as they are they fail the whole response (a 500) or, streamed,
+    write `NaN` that no JSON parser reads."""
+    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 def _given(value, default):
