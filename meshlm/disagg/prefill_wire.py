@@ -204,8 +204,8 @@ def block_packet(job_id: int, index: int, block_size: int, data: BlockData) -> t
 
 def read_block(conn: Conn, info: PeerInfo, dtype: mx.Dtype, job_id: int, index: int, crc: int,
                deadline: float) -> HostBlock:
-    """The KV packet of block `index`, checked against this server's own shape, dtype, the job and `crc`
-    (host memory only: this runs on a transfer thread)."""
+    """The KV packet of block `index`, checked against this server's own shape, dtype, the job and `crc`,
+    and for values that are all finite (host memory only: this runs on a transfer thread)."""
     layers = info.layers[1] - info.layers[0]
     shape = (layers, 1, info.kv_heads, info.block_size, info.head_dim)
     expect = stage_wire.Expect(stage_from=0, stage_to=0, step=job_id, pos=index * info.block_size,
@@ -225,4 +225,7 @@ def read_block(conn: Conn, info: PeerInfo, dtype: mx.Dtype, job_id: int, index: 
         raise PrefillWireError(f"{conn.peer}: bad KV packet for block {index}: {exc}") from None
     if seen != crc:
         raise PrefillWireError(f"{conn.peer}: KV packet for block {index} fails its CRC (corrupted)")
-    return HostBlock(k, v, dtype)
+    block = HostBlock(k, v, dtype)
+    if not block.finite():  # the CRC matched: the peer computed (or made) it so; it must never reach the cache
+        raise PrefillWireError(f"{conn.peer}: KV packet for block {index} holds NaN or inf")
+    return block

@@ -34,6 +34,18 @@ class HostBlock:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    def finite(self) -> bool:
+        """Every value is finite: one NaN or inf would turn every later token of the prompt (and of any
+        prompt sharing its prefix through the cache) into NaN. numpy, on the host: no MLX off the model's thread."""
+        # 16-bit floats by their bits (all exponent bits set: inf or NaN): numpy's float16 isfinite is ~10x slower.
+        exponent = {mx.bfloat16: 0x7F80, mx.float16: 0x7C00}.get(self.dtype)
+
+        def ok(host: np.ndarray) -> bool:
+            if exponent is not None:
+                return not np.any((host.view(np.uint16) & exponent) == exponent)
+            return bool(np.isfinite(host).all())
+        return ok(self.keys) and ok(self.values)
+
     def to_device(self) -> BlockData:
         """Per layer (kv_heads, block_size, head_dim) MLX arrays; call on the model's thread."""
         def arrays(host: np.ndarray) -> list[mx.array]:

@@ -1,7 +1,7 @@
 """Disaggregated prefill between real servers: a prefill server, a decode server handing it long prompts,
 and a plain server for reference (parity). Faults are planted by a relay between the decode and prefill
-servers: it forwards the real protocol and, when told, corrupts a KV packet, dies mid-transfer, stalls,
-or claims another model or KV dtype."""
+servers: it forwards the real protocol and, when told, corrupts a KV packet, sends NaN KV with a valid CRC,
+dies mid-transfer, stalls, or claims another model or KV dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 
 import httpx
 import msgspec
@@ -81,6 +82,9 @@ class Relay:
                         raw[-3] ^= 0x40  # one bit of the last value's payload
                     if sent == 1 and mode == "stall":
                         time.sleep(TIMEOUT + 1.5)
+                    if sent >= 1 and mode == "nan":  # a peer holding the secret: the CRC matches
+                        raw[-64:] = b"\xc0\x7f" * 32  # NaN in float32, float16 and bfloat16 alike
+                        msg = msgspec.structs.replace(msg, crc=zlib.crc32(raw))
                     sent += 1
                 down.send_message(msg, dl())
                 down.send(bytes(raw), dl())
@@ -221,6 +225,7 @@ def test_prefill_port_refuses_strangers(cluster):
     ("corrupt", "bad_packet", "fails its CRC"),
     ("die", "closed", "connection closed"),
     ("stall", "timeout", "nothing received in time"),
+    ("nan", "bad_packet", "holds NaN or inf"),
     ("fingerprint", "refused", "model fingerprint"),
     ("dtype", "refused", "KV dtype float16"),
 ])
@@ -235,6 +240,23 @@ def test_faults_fall_back_to_local_prefill(cluster, mode, reason, says):
         assert says in decode.log.read_text()
     finally:
         relay.mode = "pass"
+
+
+def test_non_finite_kv_never_reaches_the_cache(cluster):
+    _, decode, single, relay = cluster
+    prompt = words(400, 4242)
+    relay.mode = "nan"
+    try:
+        r = httpx.post(decode.url + "/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    finally:
+        relay.mode = "pass"
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == texts(complete(single.url, [prompt]))[0]
+    # The honest peer is back; a prompt sharing the prefix finds it cached here, computed locally, not NaN.
+    longer = [prompt + " " + words(5, 4243)]  # under MIN_TOKENS uncached: not handed off
+    jobs = relay.jobs
+    assert texts(complete(decode.url, longer)) == texts(complete(single.url, longer))
+    assert relay.jobs == jobs  # served from this server's cache, not sent again
 
 
 def test_prefill_server_killed_mid_transfer(cluster):

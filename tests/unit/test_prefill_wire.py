@@ -130,6 +130,23 @@ def test_bad_block_packets_are_refused(fault, match):
         pw.read_block(b, INFO, mx.float32, job, index, crc, soon())
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_blocks_are_refused_though_their_crc_matches(dtype, bad):
+    # A peer holding the secret computed (or made) NaN KV: the CRC cannot tell, and one NaN poisons the cache.
+    data = block(4, dtype)
+    values = list(data.values)
+    values[1] = mx.where(mx.arange(values[1].size).reshape(values[1].shape) == 17, mx.array(bad, dtype), values[1])
+    packet, crc = _packet(3, 5, BlockData(data.keys, values))
+    a, b = pair()
+    a.send(packet, soon())
+    with pytest.raises(pw.PrefillWireError, match="NaN or inf"):
+        pw.read_block(b, INFO, dtype, 3, 5, crc, soon())
+    packet, crc = _packet(3, 5, data)  # the same block, finite: accepted
+    a.send(packet, soon())
+    assert pw.read_block(b, INFO, dtype, 3, 5, crc, soon()).finite()
+
+
 def test_a_huge_announced_tensor_is_refused_before_its_bytes():
     a, b = pair()
     head = stage_wire.HEADER.pack(stage_wire.VERSION, 0, 0, 1, 0)
