@@ -134,7 +134,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--disagg-min-tokens", type=int, default=512,
                    help="hand off prompts with at least this many tokens not already cached here")
     g.add_argument("--prefill-timeout", type=float, default=30.0,
-                   help="a prefill peer silent this long within a job is given up (the prompt is prefilled here)")
+                   help="a prefill peer silent this long within a job is given up, and so is a job running longer "
+                        "than this plus this per 1,024 tokens it sends (the prompt is prefilled here)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -267,7 +267,9 @@ class DisaggConfig:
     prefill_port: int | None = None
     peers: tuple[str, ...] = ()  # host:port of prefill servers this server hands long prompts to
     min_tokens: int = 512  # hand off prompts with at least this many tokens not already cached here
-    timeout: float = 30.0  # a prefill peer silent this long within a job is given up (local prefill)
+    # A prefill peer silent this long within a job is given up (local prefill); so is a job running longer
+    # than this plus this per 1,024 tokens it sends (disagg/prefill_client.py, TOKENS_PER_TIMEOUT).
+    timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -34,6 +34,10 @@ CONNECT_SECONDS = 5.0
 # answers with another model is tried each time: the answer costs a round trip, and it may be fixed.
 UNREACHABLE_BACKOFF_SECONDS = 5.0
 SMALL_MESSAGE_BYTES = 64 << 10
+# A job may take --prefill-timeout once, plus once per this many tokens it sends (at the default 30 s: at
+# least ~34 tokens/s). Without it a peer sending each block just inside the silence limit stretches a
+# request to blocks x timeout.
+TOKENS_PER_TIMEOUT = 1024
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,21 @@ class Handoff:
     token_ids: list[int]
     first_block: int
     keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class _Deadlines:
+    """One transfer's clock: each read or write may wait `silence` seconds, and all of them end at `end`."""
+
+    silence: float
+    end: float
+
+    def next(self) -> float:
+        return min(time.monotonic() + self.silence, self.end)
+
+    @property
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
 
 
 class _Fallback(Exception):
@@ -150,6 +169,9 @@ class PrefillClient:
         """Receive the job's blocks into the received tier. Raises _Fallback."""
         h = transfer.handoff
         timeout = self.config.timeout
+        tokens = (len(h.keys) - h.first_block) * self.salt.block_size
+        limit = timeout * (1 + tokens / TOKENS_PER_TIMEOUT)
+        clock = _Deadlines(timeout, time.monotonic() + limit)
         try:
             conn = connect(peer, self.secret, min(timeout, CONNECT_SECONDS))
         except Unreachable as exc:
@@ -162,8 +184,8 @@ class PrefillClient:
         try:
             if transfer.cancelled:
                 raise _Fallback("cancelled", "the request was aborted")
-            conn.send_message(self.info, time.monotonic() + timeout)
-            theirs = conn.recv_message(time.monotonic() + timeout, SMALL_MESSAGE_BYTES)
+            conn.send_message(self.info, clock.next())
+            theirs = conn.recv_message(clock.next(), SMALL_MESSAGE_BYTES)
             if isinstance(theirs, Failed):
                 raise _Fallback("refused", f"{peer} refused us: {theirs.reason}")
             if not isinstance(theirs, PeerInfo):
@@ -171,10 +193,10 @@ class PrefillClient:
             why = self.info.mismatch(theirs)
             if why is not None:
                 raise _Fallback("refused", f"{peer}'s KV cannot be restored here: {why}")
-            conn.send_message(Job(h.job_id, h.token_ids, h.first_block), time.monotonic() + timeout)
+            conn.send_message(Job(h.job_id, h.token_ids, h.first_block), clock.next())
             index = h.first_block
             while True:
-                msg = conn.recv_message(time.monotonic() + timeout, SMALL_MESSAGE_BYTES)
+                msg = conn.recv_message(clock.next(), SMALL_MESSAGE_BYTES)
                 if isinstance(msg, Block):
                     if msg.index != index or index >= len(h.keys):
                         raise _Fallback("bad_packet", f"{peer} sent block {msg.index}, expected {index} "
@@ -182,8 +204,7 @@ class PrefillClient:
                     if msg.key != h.keys[index]:
                         raise _Fallback("bad_packet", f"{peer}: block {index} has key {msg.key.hex()[:16]}..., "
                                                       f"expected {h.keys[index].hex()[:16]}... (other tokens?)")
-                    data = read_block(conn, self.info, self.dtype, h.job_id, index, msg.crc,
-                                      time.monotonic() + timeout)
+                    data = read_block(conn, self.info, self.dtype, h.job_id, index, msg.crc, clock.next())
                     self.received.put(msg.key, data)
                     self.metrics.disagg_kv_bytes.labels(direction="received").inc(data.nbytes)
                     transfer.blocks += 1
@@ -200,6 +221,9 @@ class PrefillClient:
         except PrefillWireError as exc:
             if transfer.cancelled:
                 raise _Fallback("cancelled", "the request was aborted") from None
+            if isinstance(exc, WireTimeout) and clock.passed:
+                raise _Fallback("timeout", f"{peer}: the job took over {limit:.1f} s, its limit for "
+                                           f"{tokens} tokens") from None
             reason = "timeout" if isinstance(exc, WireTimeout) else "closed" if isinstance(exc, WireClosed) else "bad_packet"
             raise _Fallback(reason, str(exc)) from None
         finally:

@@ -1,7 +1,7 @@
 """Disaggregated prefill between real servers: a prefill server, a decode server handing it long prompts,
 and a plain server for reference (parity). Faults are planted by a relay between the decode and prefill
 servers: it forwards the real protocol and, when told, corrupts a KV packet, sends NaN KV with a valid CRC,
-dies mid-transfer, stalls, or claims another model or KV dtype."""
+dies mid-transfer, stalls, drips blocks just inside the timeout, or claims another model or KV dtype."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ class Relay:
                         raw[-3] ^= 0x40  # one bit of the last value's payload
                     if sent == 1 and mode == "stall":
                         time.sleep(TIMEOUT + 1.5)
+                    if mode == "drip":  # each block inside the silence limit; all of them far past it
+                        time.sleep(TIMEOUT - 0.5)
                     if sent >= 1 and mode == "nan":  # a peer holding the secret: the CRC matches
                         raw[-64:] = b"\xc0\x7f" * 32  # NaN in float32, float16 and bfloat16 alike
                         msg = msgspec.structs.replace(msg, crc=zlib.crc32(raw))
@@ -257,6 +259,23 @@ def test_non_finite_kv_never_reaches_the_cache(cluster):
     jobs = relay.jobs
     assert texts(complete(decode.url, longer)) == texts(complete(single.url, longer))
     assert relay.jobs == jobs  # served from this server's cache, not sent again
+
+
+def test_a_peer_dripping_blocks_is_given_up_by_the_job_deadline(cluster):
+    _, decode, single, relay = cluster
+    prompt = [words(400, 4343)]  # ~1,500 tokens: the job's limit is TIMEOUT * (1 + 1,504 / 1,024), ~7.4 s
+    relay.mode = "drip"
+    try:
+        before = fallbacks(decode, "timeout")
+        t0 = time.monotonic()
+        got = complete(decode.url, prompt)
+        elapsed = time.monotonic() - t0
+    finally:
+        relay.mode = "pass"
+    assert texts(got) == texts(complete(single.url, prompt))
+    assert elapsed < 20, elapsed  # not ~48 blocks x (TIMEOUT - 0.5) s
+    assert fallbacks(decode, "timeout") == before + 1
+    assert re.search(r"the job took over \d+\.\d s, its limit for \d+ tokens", decode.log.read_text())
 
 
 def test_prefill_server_killed_mid_transfer(cluster):
