@@ -83,6 +83,8 @@ class RankState:
     def reset(self) -> None:
         """Forget every sequence (after a failed step); the pools stay allocated, their contents unused."""
         self.runner = self._new_runner()
+        if self.received is not None:  # the failed step's plans will not load what they pinned
+            self.received.unpin_all()
 
     def flush(self, timeout: float = 5.0) -> None:
         """Blocks saved so far reach the SSD tier."""

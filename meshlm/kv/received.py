@@ -56,46 +56,77 @@ class HostBlock:
 
 
 class ReceivedBlocks:
+    """Received blocks by key, within `max_bytes`. A block a plan will load is *pinned* (`pin`, when the block
+    manager's lookup finds it) until the plan's `load` takes it: neither a transfer's `put` into a full tier
+    nor an aborted transfer's `discard` may take it away between the lookup and the load, which would fail
+    the engine's step (runner.BlockMissing). A put that finds only pinned blocks to evict drops its own."""
+
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError("the received-block budget must be positive")
         self.max_bytes = max_bytes
-        self._blocks: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()
-        self._bytes = 0
+        self._blocks: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()  # evictable, LRU
+        self._pinned: dict[bytes, HostBlock] = {}
+        self._bytes = 0  # of both
         self._lock = threading.Lock()
-        self.dropped = 0  # blocks evicted before any plan loaded them
+        self.dropped = 0  # blocks evicted (or refused) before any plan loaded them
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._pinned)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self._blocks or key in self._pinned
 
     def put(self, key: bytes, data: HostBlock) -> None:
         size = data.nbytes
         with self._lock:
+            if key in self._pinned:  # the same key is the same tokens' KV: keep the one a plan will load
+                return
             self._pop(key)
             while self._blocks and self._bytes + size > self.max_bytes:
                 self._pop(next(iter(self._blocks)))
                 self.dropped += 1
-            if size <= self.max_bytes:
+            if self._bytes + size <= self.max_bytes:
                 self._blocks[key] = data
                 self._bytes += size
+            else:
+                self.dropped += 1
+
+    def pin(self, key: bytes) -> bool:
+        """Set the block aside for a plan that will load it; False if it is not here."""
+        with self._lock:
+            data = self._pinned.get(key)
+            if data is None:
+                data = self._blocks.pop(key, None)
+            if data is not None:
+                self._pinned[key] = data
+            return data is not None
+
+    def unpin_all(self) -> None:
+        """Plans that pinned blocks will not run (the engine restarts): the blocks are evictable again."""
+        with self._lock:
+            self._blocks.update(self._pinned)
+            self._pinned.clear()
 
     def load(self, key: bytes) -> BlockData | None:
         """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
         not here."""
         with self._lock:
-            data = self._pop(key)
+            data = self._pinned.pop(key, None)
+            if data is not None:
+                self._bytes -= data.nbytes
+            else:
+                data = self._pop(key)
         return None if data is None else data.to_device()
 
     def discard(self, keys: list[bytes]) -> None:
+        """Forget an aborted transfer's blocks, but those a plan will load."""
         with self._lock:
             for key in keys:
                 self._pop(key)
 
     def _pop(self, key: bytes) -> HostBlock | None:
-        """Remove a block and its bytes from the count (hold the lock)."""
+        """Remove an unpinned block and its bytes from the count (hold the lock)."""
         data = self._blocks.pop(key, None)
         if data is not None:
             self._bytes -= data.nbytes
@@ -113,4 +144,5 @@ class ReceivedThenSSD:
         return key in self.received or (self.ssd is not None and key in self.ssd)
 
     def prefetch(self, key: bytes) -> bool:
-        return key in self.received or (self.ssd is not None and self.ssd.prefetch(key))
+        """The block may be loaded by a plan: a received one is pinned until then (transfers go on meanwhile)."""
+        return self.received.pin(key) or (self.ssd is not None and self.ssd.prefetch(key))

@@ -202,6 +202,35 @@ def test_received_tier_is_bounded_and_found_by_the_block_manager():
     assert tier.load(keys[0]) is not None and tier.load(keys[0]) is None  # a load takes it out
 
 
+def test_blocks_a_plan_will_load_outlive_transfers_meanwhile():
+    # The block manager's prefetch said yes, the plan holds the keys; before the runner reads them, another
+    # transfer's blocks arrive into a full tier and an aborted one discards its own. Either used to take the
+    # plan's blocks away: BlockMissing, a failed engine step, every running request ended.
+    host = HostBlock(np.zeros((2, 1, 2, 4, 8), np.float32), np.zeros((2, 1, 2, 4, 8), np.float32), mx.float32)
+    tier = ReceivedBlocks(max_bytes=3 * host.nbytes)
+    salt = CacheSalt("m", "float32", "tp1", 4)
+    tokens = list(range(8))
+    keys = block_keys(tokens, salt)
+    for key in keys:
+        tier.put(key, host)
+    m = BlockManager(16, 4, salt, ReceivedThenSSD(tier)).match(0, tokens + [99])
+    assert [k for k, _ in m.loads] == keys
+    for key in (b"x1", b"x2", b"x3"):
+        tier.put(key, host)  # room for one more: x1 goes in, x2 displaces x1, x3 displaces x2
+    tier.put(keys[0], host)  # a transfer sending a planned block again keeps it set aside
+    tier.discard(keys[1:])
+    assert all(tier.load(key) is not None for key in keys)  # what runner._read does
+    assert b"x3" in tier and len(tier) == 1 and tier.dropped == 2
+    # Set aside blocks a plan never loaded (a failed step) become evictable again once the engine resets.
+    tier.put(b"x4", host)
+    tier.put(b"x5", host)
+    ReceivedThenSSD(tier).prefetch(b"x4")
+    tier.unpin_all()
+    for key in (b"y1", b"y2", b"y3"):
+        tier.put(key, host)
+    assert b"x4" not in tier and len(tier) == 3
+
+
 def test_scheduler_exports_every_prompt_block_once_final():
     bs = 4
     blocks = BlockManager(64, bs, CacheSalt("m", "float32", "tp1", bs))
