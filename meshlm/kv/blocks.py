@@ -170,6 +170,9 @@ class BlockManager:
         return uid in self._seqs
 
     # -- allocation ---------------------------------------------------------
+    def _can_take(self) -> bool:
+        return bool(self._uncached) or self._fresh < self.num_blocks or bool(self._cached_free)
+
     def _take(self) -> int | None:
         if self._uncached:
             block = heapq.heappop(self._uncached)
@@ -298,11 +301,11 @@ class BlockManager:
             self._hold(block)
             self.stats.hits_ram += 1
             return block
-        if self.ssd is None or not self.ssd.prefetch(key):
+        # A free block first: a received block's prefetch sets it aside (pins it) for the load that follows,
+        # which a match with nowhere to put it would never run.
+        if self.ssd is None or not self._can_take() or not self.ssd.prefetch(key):
             return None
         block = self._take()
-        if block is None:
-            return None
         self._commit(block, key, parent, tokens)  # findable at once: the load runs before any reader
         m.loads.append((key, block))
         self.stats.hits_ssd += 1

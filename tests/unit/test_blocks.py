@@ -140,6 +140,24 @@ def test_blocks_found_only_on_ssd_are_loaded_into_fresh_blocks():
     assert bm.match(1, tokens).tokens == 8 and bm.stats.hits_ram == 2  # findable at once, in RAM
 
 
+def test_a_block_on_the_second_tier_is_not_prefetched_when_no_block_could_hold_it():
+    """A received block's prefetch sets it aside for the load that follows (kv/received.py pins it): a match
+    with no free block to load it into never loads it, and the pin stayed until an engine restart."""
+    tokens = list(range(50, 62))
+    asked = []
+
+    class Counting(Disk):
+        def prefetch(self, key: bytes) -> bool:
+            asked.append(key)
+            return super().prefetch(key)
+
+    bm = manager(num_blocks=2, ssd=Counting(block_keys(tokens, SALT)), salt=SALT)
+    assert bm.allocate(9, 8) is not None  # every block held by another sequence
+    assert bm.match(0, tokens + [1]).tokens == 0 and asked == []
+    bm.free(9)
+    assert bm.match(1, tokens + [1]).tokens == 8 and len(asked) == 2
+
+
 def test_trim_releases_the_blocks_past_the_kept_positions():
     bm = manager(salt=None)
     bm.allocate(0, 10)
