@@ -26,10 +26,12 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import mlx.core as mx
 import numpy as np
@@ -178,9 +180,28 @@ def _parse_header(raw: bytes) -> dict:
     return header
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` open for reading if it is a regular file, else ValueError. The tier writes nothing else, and
+    the open neither blocks (a FIFO in a block's place hung the engine thread in open()) nor follows a
+    symlink (it may name a device: /dev/zero never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a symlink
+            raise ValueError("a symbolic link, not a block file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header; return (header, expected file size). Raises ValueError."""
-    with path.open("rb") as f:
+    with _open_regular(path) as f:
         n = _header_length(f.read(8))
         header = _parse_header(f.read(n))
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
@@ -190,7 +211,7 @@ def read_header(path: Path) -> tuple[dict, int]:
 def read_block(path: Path) -> tuple[BlockData, dict[str, str]]:
     """The block in `path` and its metadata, its checksum verified. Raises ValueError for any file that
     is not a whole, consistent block file (and OSError, e.g. FileNotFoundError, from reading it)."""
-    with path.open("rb") as f:
+    with _open_regular(path) as f:
         data = f.read()
     n = _header_length(data)
     if 8 + n > len(data):

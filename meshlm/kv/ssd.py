@@ -7,7 +7,8 @@ file. Every file carries its format, key, salt and a CRC-32 of its tensor
 bytes in the safetensors metadata; at start-up the index is rebuilt from
 headers and anything torn, truncated, garbled, foreign or of an older format
 is deleted and counted, never loaded. The checksum is verified again on every
-load.
+load. Only regular files are read, opened without blocking or following a
+symlink: a FIFO, device, directory or link under a block's name is a bad file.
 
 Several processes (servers, restarts overlapping) may share one directory:
 - Temp files live in `tmp/` as `<host>-<pid>-<nonce>-<n>.safetensors`, unique
@@ -237,14 +238,15 @@ class SSDTier:
         A file another process deleted (evicted) is a plain miss: forgotten, not counted."""
         path = self._path(key)
         try:
-            if path.stat().st_mtime < time.time() - self.config.ttl_days * 86400:
+            # lstat: a symlink's target (a device's mtime) is nothing of ours; the read refuses the link
+            if path.lstat().st_mtime < time.time() - self.config.ttl_days * 86400:
                 raise ValueError("older than the TTL")
             block, meta = read_block(path)
             if meta.get("key") != key.hex() or meta.get("rank") != str(self.rank):
                 raise ValueError("a block of another key or rank")
         except Exception as exc:  # any unreadable file is a miss, never a crash
             self._forget(key)
-            if isinstance(exc, FileNotFoundError) or not path.exists():
+            if isinstance(exc, FileNotFoundError) or not os.path.lexists(path):
                 return None
             log.warning("dropping KV block %s: %s", path.name, exc)
             self._drop(path)
@@ -398,7 +400,7 @@ class SSDTier:
         with os.scandir(self.dir) as entries:
             for e in entries:
                 key = key_of(e.name)
-                if key is None:
+                if key is None or not e.is_file(follow_symlinks=False):  # the tier writes regular files only
                     continue
                 with contextlib.suppress(FileNotFoundError):  # deleted since listed
                     st = e.stat()

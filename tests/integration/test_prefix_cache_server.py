@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import struct
 import subprocess
 import threading
@@ -50,8 +51,8 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-def complete(srv: ServerProcess, prompt: list[int], max_tokens: int = 8) -> dict:
-    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+def complete(srv: ServerProcess, prompt: list[int], max_tokens: int = 8, timeout: float = 120) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", timeout=timeout,
                    json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -284,6 +285,8 @@ CORRUPT_BEFORE = {kind: ids(3 * BS + 4, seed=200 + i)
                   for i, kind in enumerate(("truncate", "garbage", "flip", "foreign"))}
 CORRUPT_WHILE = {kind: ids(3 * BS + 4, seed=300 + i)
                  for i, kind in enumerate(("truncate", "garbage", "flip", "foreign"))}
+# Things in a block file's place that the start-up checks passed (it was not there yet, or looked right).
+HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("fifo",))}
 
 
 def foreign_file(model_b: Path, tmp: Path) -> Path:
@@ -324,9 +327,10 @@ def restarted(tiny_model, tiny_model_b, tmp_path_factory):
     first = ServerProcess(tiny_model, *FLAGS, log_dir=log_dir)
     try:
         answers = {"restart": text(complete(first, RESTART_PROMPT))}
-        for p in [*CORRUPT_BEFORE.values(), *CORRUPT_WHILE.values()]:
+        seeded = [*CORRUPT_BEFORE.values(), *CORRUPT_WHILE.values(), *HOSTILE_WHILE.values()]
+        for p in seeded:
             complete(first, p)
-        expected_blocks = 6 + 8 * 3
+        expected_blocks = 6 + 3 * len(seeded)
         wait_for(lambda: first.metric(SSD) > 0 and len(list(kv.rglob("*" + SUFFIX))) >= expected_blocks,
                  what="SSD writes")
     finally:
@@ -388,6 +392,31 @@ def test_files_corrupted_while_running_are_dropped_on_load(restarted, tiny_model
     # Recomputed blocks are cached again.
     body = complete(restarted, CORRUPT_WHILE["garbage"])
     assert cached(body) == 3 * BS
+
+
+def hostile(path: Path, kind: str) -> None:
+    if kind == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        raise ValueError(kind)
+
+
+def test_hostile_files_while_running_are_misses_not_hangs_or_failed_steps(restarted, tiny_model, reference):
+    """Regression: a FIFO in a block's place hung the engine thread in open(): completions, /health and
+    /v1/models timed out and SIGTERM did not stop the server."""
+    for kind, prompt in HOSTILE_WHILE.items():
+        hostile(block_file(restarted.kv, tiny_model, prompt, 1), kind)
+    dropped = restarted.metric(DROPPED)
+    for kind, prompt in HOSTILE_WHILE.items():
+        body = complete(restarted, prompt, timeout=30)
+        assert cached(body) == BS, kind  # the match ends at the bad file
+        assert text(body) == reference(prompt), kind
+        path = block_file(restarted.kv, tiny_model, prompt, 1)  # dropped; the recomputed block may be back
+        assert not os.path.lexists(path) or stat.S_ISREG(os.lstat(path).st_mode), kind
+    assert restarted.metric(DROPPED) - dropped == len(HOSTILE_WHILE)
+    assert httpx.get(restarted.url + "/health", timeout=5).status_code == 200
+    assert "not a regular file" in restarted.log.read_text()
 
 
 def test_two_models_never_share_blocks(restarted, tiny_model, tiny_model_b, reference):

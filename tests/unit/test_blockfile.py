@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from meshlm.kv.blockfile import ALIGN, DirectWriter, checksum, read_block, write_block
+from meshlm.kv.blockfile import ALIGN, DirectWriter, checksum, read_block, read_header, write_block
 
 
 def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
@@ -142,6 +143,22 @@ def test_unsupported_dtype(tmp_path, dtype):
 
 def test_entry_not_a_dict(tmp_path):
     _mutate(tmp_path, lambda h: h.update({"k.0": [1, 2]}))
+
+
+@pytest.mark.timeout(10)  # a FIFO opened for a blocking read hangs here for good
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_only_regular_files_are_read(tmp_path, kind):
+    good, _ = _write(tmp_path)
+    path = tmp_path / "odd.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(good)  # even one to a good block: the tier writes no links, and one may name a device
+    for read in (read_block, read_header):
+        with pytest.raises(ValueError, match="not a regular file|symbolic link"):
+            read(path)
 
 
 def test_copies_do_not_alias_the_file_buffer(tmp_path):

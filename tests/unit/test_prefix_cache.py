@@ -297,6 +297,23 @@ def test_files_damaged_while_running_are_dropped_on_load(tmp_path, damage):
     assert tier.load(keys[1]) is None and keys[1] not in tier
 
 
+@pytest.mark.timeout(20)  # the FIFO used to block the reading thread (the engine's) for good
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_fifo_or_a_device_in_place_of_a_block_is_a_miss_not_a_hang(tmp_path, kind, caplog):
+    tier, keys = write_blocks(tmp_path, 2)
+    path = tier._path(keys[0])
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")  # never to be read: it has no end
+    with caplog.at_level(logging.WARNING, logger="meshlm.kv.ssd"):
+        assert tier.load(keys[0]) is None
+    assert tier.dropped == 1 and keys[0] not in tier and not os.path.lexists(path)
+    assert ("not a regular file" if kind == "fifo" else "symbolic link") in caplog.text
+    assert blocks_equal(tier.load(keys[1]), fake_block(1))
+
+
 def test_ttl_expiry_drops_old_files(tmp_path):
     _, keys = write_blocks(tmp_path, 3)
     d = make_tier(tmp_path).dir

@@ -243,6 +243,19 @@ def test_rescan_deletes_expired_files_of_any_tier(tmp_path, monkeypatch):
     assert old[0] not in a and old[0] not in on_disk(a) and a.evictions == 1
 
 
+def test_a_rescan_indexes_regular_files_only(tmp_path):
+    """Regression: a FIFO under a block's name joined the index at a re-scan, and reading it hung the engine."""
+    t = tier(tmp_path)
+    good, odd = keys(1, seed=60), keys(3, seed=61)
+    write(t, good, seed=60)
+    os.mkfifo(t._path(odd[0]))
+    t._path(odd[1]).symlink_to(t._path(good[0]))
+    t._path(odd[2]).mkdir()
+    t._rescan()
+    assert good[0] in t and not any(k in t for k in odd)
+    assert t.nbytes == t._path(good[0]).stat().st_size
+
+
 def test_enforcement_waits_for_the_directory_lock(tmp_path, block_size):
     t = tier(tmp_path, capacity=int(1.5 * block_size))
     write(t, keys(1, seed=60), seed=60)
