@@ -117,7 +117,7 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
     if salt is not None and cache_cfg.ssd:
         ssd_config = SSDConfig(Path(cache_cfg.cache_dir).expanduser(), int(cache_cfg.ssd_cache_gb * 2**30),
                                cache_cfg.ssd_ttl_days)
-        ssd = SSDTier(ssd_config, salt, spec.rank)
+        ssd = SSDTier(ssd_config, salt, spec.rank, shape)
     if ring is not None:
         args = loaded.model.args
         ring = dataclasses.replace(ring, kv_heads=shape.kv_heads, q_heads=args.num_attention_heads)

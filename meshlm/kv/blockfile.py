@@ -36,7 +36,7 @@ from typing import BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from meshlm.kv.store import Array, BlockData
+from meshlm.kv.store import Array, BlockData, KVShape
 
 MAX_HEADER_BYTES = 16 * 2**20
 # safetensors dtype -> (numpy dtype of the raw bytes, MLX dtype they are viewed as)
@@ -208,11 +208,18 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n + end
 
 
-def read_block(path: Path) -> tuple[BlockData, dict[str, str]]:
+def read_block(path: Path, shape: KVShape) -> tuple[BlockData, dict[str, str]]:
     """The block in `path` and its metadata, its checksum verified. Raises ValueError for any file that
-    is not a whole, consistent block file (and OSError, e.g. FileNotFoundError, from reading it)."""
+    is not a whole, consistent block file of a store of `shape` (and OSError, e.g. FileNotFoundError,
+    from reading it). A file larger than such a block can be is refused before it is read."""
+    limit = 8 + MAX_HEADER_BYTES + shape.block_bytes
     with _open_regular(path) as f:
-        data = f.read()
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:  # a 3 GB (sparse) file was read whole before its header was looked at
+            raise ValueError(f"{size} bytes, a block file of this store has at most {limit}")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew since the fstat
+        raise ValueError(f"more than {limit} bytes, a block file of this store has at most {limit}")
     n = _header_length(data)
     if 8 + n > len(data):
         raise ValueError("implausible header length")

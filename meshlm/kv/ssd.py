@@ -50,7 +50,7 @@ from pathlib import Path
 
 from meshlm.kv.blockfile import DirectWriter, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
-from meshlm.kv.store import BlockData as Block
+from meshlm.kv.store import BlockData as Block, KVShape
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,12 @@ def temp_is_stale(name: str, mtime: float, now: float) -> bool:
 
 
 class SSDTier:
-    def __init__(self, config: SSDConfig, salt: CacheSalt, rank: int) -> None:
+    def __init__(self, config: SSDConfig, salt: CacheSalt, rank: int, shape: KVShape) -> None:
+        """`shape`: the KV store's on this rank; a file is read only as a block of it."""
         self.config = config
         self.salt = salt
         self.rank = rank
+        self.shape = shape
         self.dir = config.cache_dir / salt.model_fingerprint / salt.directory / f"rank_{rank}"
         self.enabled = True
         self.dropped = 0  # files rejected at start-up or on load
@@ -241,7 +243,7 @@ class SSDTier:
             # lstat: a symlink's target (a device's mtime) is nothing of ours; the read refuses the link
             if path.lstat().st_mtime < time.time() - self.config.ttl_days * 86400:
                 raise ValueError("older than the TTL")
-            block, meta = read_block(path)
+            block, meta = read_block(path, self.shape)
             if meta.get("key") != key.hex() or meta.get("rank") != str(self.rank):
                 raise ValueError("a block of another key or rank")
         except Exception as exc:  # any unreadable file is a miss, never a crash

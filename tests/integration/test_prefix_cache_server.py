@@ -28,7 +28,7 @@ import pytest
 
 from conftest import ServerProcess
 from meshlm.kv.keys import CacheSalt, block_keys
-from meshlm.kv.store import BlockData as Block
+from meshlm.kv.store import BlockData as Block, KVShape
 from meshlm.kv.ssd import LOW_WATER, RESCAN_FRACTION, SUFFIX, TMP_DIR, SSDConfig, SSDTier
 from meshlm.model.loader import model_fingerprint
 
@@ -292,7 +292,7 @@ HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("
 def foreign_file(model_b: Path, tmp: Path) -> Path:
     """A genuine block file of another model (its salt), written by the SSD tier itself."""
     salt = salt_of(model_b)
-    tier = SSDTier(SSDConfig(tmp, 2**30, 7), salt, 0)
+    tier = SSDTier(SSDConfig(tmp, 2**30, 7), salt, 0, KVShape(2, 2, 16, BS, mx.float32))
     key = block_keys(ids(BS, seed=9), salt)[0]
     arrays = [mx.random.normal((2, BS, 16), key=mx.random.key(i)) for i in range(4)]
     mx.eval(arrays)

@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from meshlm.kv.blockfile import ALIGN, DirectWriter, checksum, read_block, read_header, write_block
+from meshlm.kv.blockfile import ALIGN, MAX_HEADER_BYTES, DirectWriter, checksum, read_block, read_header, write_block
+from meshlm.kv.store import KVShape
+
+
+def kv_shape(layers: int = 2, dims: tuple[int, int, int] = (2, 4, 8), dtype=mx.float32) -> KVShape:
+    """The store whose blocks are `layers` arrays of `dims` (kv_heads, block_size, head_dim) for K and V."""
+    heads, block_size, head_dim = dims
+    return KVShape(layers, heads, head_dim, block_size, dtype)
 
 
 def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
@@ -39,7 +47,7 @@ def _join(path: Path, header: dict, body: bytes) -> None:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_round_trip(tmp_path, dtype):
     path, arrays = _write(tmp_path, dtype=dtype)
-    block, meta = read_block(path)
+    block, meta = read_block(path, kv_shape(dtype=dtype))
     assert meta["format"] == "x"
     assert len(block.keys) == len(block.values) == 2
     for i in range(2):
@@ -57,7 +65,7 @@ def test_written_blocks_are_safetensors_that_mlx_and_the_reader_read_back(tmp_pa
     assert (8 + struct.unpack_from("<Q", path.read_bytes())[0]) % 8 == 0  # tensor data 8-byte aligned
     loaded, meta = mx.load(str(path), return_metadata=True)
     assert meta == {"format": "x", "rank": "0", "checksum": checksum(arrays)}
-    block, meta2 = read_block(path)
+    block, meta2 = read_block(path, kv_shape(3, (3, 4, 8), dtype))
     assert meta2 == meta
     for name, a in arrays.items():
         got = (block.keys if name[0] == "k" else block.values)[int(name[2:])]
@@ -77,13 +85,13 @@ def test_checksum_mismatch(tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
-        read_block(path)
+        read_block(path, kv_shape())
 
 
 def test_missing_checksum(tmp_path):
     path, _ = _write(tmp_path, meta={"format": "x"})
     with pytest.raises(ValueError, match="checksum"):
-        read_block(path)
+        read_block(path, kv_shape())
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x01\x02", struct.pack("<Q", 2**40), struct.pack("<Q", 100) + b"{}"])
@@ -91,7 +99,7 @@ def test_truncated_or_implausible_header(tmp_path, raw):
     path = tmp_path / "b.safetensors"
     path.write_bytes(raw)
     with pytest.raises(ValueError):
-        read_block(path)
+        read_block(path, kv_shape())
 
 
 @pytest.mark.parametrize("header", [b"not json", b"\xff\xfe", b"[1, 2]", b'{"__metadata__": {"a": 1}}'])
@@ -99,7 +107,7 @@ def test_bad_header(tmp_path, header):
     path = tmp_path / "b.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header)
     with pytest.raises(ValueError):
-        read_block(path)
+        read_block(path, kv_shape())
 
 
 def _mutate(tmp_path, change):
@@ -108,7 +116,7 @@ def _mutate(tmp_path, change):
     change(header)
     _join(path, header, body)
     with pytest.raises(ValueError):
-        read_block(path)
+        read_block(path, kv_shape())
 
 
 def test_wrong_tensor_names(tmp_path):
@@ -156,14 +164,27 @@ def test_only_regular_files_are_read(tmp_path, kind):
         path.mkdir()
     else:
         path.symlink_to(good)  # even one to a good block: the tier writes no links, and one may name a device
-    for read in (read_block, read_header):
+    for read in (lambda p: read_block(p, kv_shape()), read_header):
         with pytest.raises(ValueError, match="not a regular file|symbolic link"):
             read(path)
 
 
+def test_a_file_larger_than_a_block_of_the_store_is_refused_unread(tmp_path):
+    path, _ = _write(tmp_path)
+    os.truncate(path, 8 + MAX_HEADER_BYTES + kv_shape().block_bytes + 1)  # the block, then (sparse) zeros
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="at most"):
+            read_block(path, kv_shape())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20  # nothing like the file's 16 MiB was read
+
+
 def test_copies_do_not_alias_the_file_buffer(tmp_path):
     path, arrays = _write(tmp_path)
-    block, _ = read_block(path)
+    block, _ = read_block(path, kv_shape())
     path.write_bytes(b"")
     assert np.array_equal(np.array(block.keys[0]), np.array(arrays["k.0"]))
 
@@ -176,7 +197,7 @@ def test_numpy_host_copies_are_written_as_their_mlx_twins_are(tmp_path, dtype):
     write_block(tmp_path / "np.safetensors", host, {"format": "x"})
     write_block(tmp_path / "mx.safetensors", {n: mx.array(a) for n, a in host.items()}, {"format": "x"})
     assert (tmp_path / "np.safetensors").read_bytes() == (tmp_path / "mx.safetensors").read_bytes()
-    block, _ = read_block(tmp_path / "np.safetensors")
+    block, _ = read_block(tmp_path / "np.safetensors", kv_shape(dtype=mx.array(host["k.0"]).dtype))
     assert np.array_equal(np.array(block.values[1]), host["v.1"])
 
 
@@ -197,8 +218,8 @@ def test_the_direct_writer_writes_what_write_block_does_with_aligned_data(tmp_pa
         assert (8 + n) % ALIGN == 0
         assert path.stat().st_size == 8 + n + sum(a.nbytes for a in host.values())  # no padding at the end
         loaded, meta = mx.load(str(path), return_metadata=True)
-        block, meta2 = read_block(path)
-        assert meta == meta2 == read_block(tmp_path / "plain.safetensors")[1]
+        block, meta2 = read_block(path, kv_shape(2, shape))
+        assert meta == meta2 == read_block(tmp_path / "plain.safetensors", kv_shape(2, shape))[1]
         for name, a in host.items():
             got = (block.keys if name[0] == "k" else block.values)[int(name[2:])]
             assert np.array_equal(np.array(loaded[name]), a) and np.array_equal(np.array(got), a)
@@ -222,5 +243,5 @@ def test_the_direct_writer_falls_back_where_o_direct_is_refused(tmp_path, monkey
     host = {"k.0": np.ones((2, 4, 8), np.float32), "v.0": np.zeros((2, 4, 8), np.float32)}
     writer.write(tmp_path / "b.safetensors", host, {"format": "x"})
     assert not writer.direct
-    block, _ = read_block(tmp_path / "b.safetensors")
+    block, _ = read_block(tmp_path / "b.safetensors", kv_shape(1))
     assert np.array_equal(np.array(block.keys[0]), host["k.0"])

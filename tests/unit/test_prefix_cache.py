@@ -13,6 +13,7 @@ import os
 import random
 import struct
 import time
+import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,12 +27,13 @@ from meshlm.kv.blocks import BlockManager
 from meshlm.kv.keys import KEY_BYTES, CacheSalt, block_keys
 from meshlm.kv.blockfile import checksum
 from meshlm.kv.ssd import FORMAT, SUFFIX, TMP_DIR, SSDConfig, SSDTier
-from meshlm.kv.store import BlockData as Block
+from meshlm.kv.store import BlockData as Block, KVShape
 from meshlm.model import demo
 from meshlm.model.loader import load_model
 
 BS = 4  # small blocks keep the arrays tiny
 SALT = CacheSalt("f" * 24, "float32", "tp1", BS)
+SHAPE = KVShape(2, 2, 8, BS, mx.float32)  # the store `fake_block`'s blocks belong to
 VOCAB = 400  # ids the tiny model knows
 
 
@@ -113,7 +115,7 @@ def test_keys_are_deterministic_and_token_exact():
 
 def make_tier(root: Path, salt: CacheSalt = SALT, capacity: int = 2**30, ttl_days: float = 7.0,
               rank: int = 0) -> SSDTier:
-    return SSDTier(SSDConfig(root, capacity, ttl_days), salt, rank)
+    return SSDTier(SSDConfig(root, capacity, ttl_days), salt, rank, SHAPE)
 
 
 def write_blocks(root: Path, n: int, salt: CacheSalt = SALT, seed: int = 0) -> tuple[SSDTier, list[bytes]]:
@@ -311,6 +313,22 @@ def test_a_fifo_or_a_device_in_place_of_a_block_is_a_miss_not_a_hang(tmp_path, k
         assert tier.load(keys[0]) is None
     assert tier.dropped == 1 and keys[0] not in tier and not os.path.lexists(path)
     assert ("not a regular file" if kind == "fifo" else "symbolic link") in caplog.text
+    assert blocks_equal(tier.load(keys[1]), fake_block(1))
+
+
+def test_a_file_larger_than_any_block_is_dropped_unread(tmp_path, caplog):
+    """Regression: a 3 GB sparse file in a block's place was read whole (RSS +3 GB) before it was refused."""
+    tier, keys = write_blocks(tmp_path, 2)
+    os.truncate(tier._path(keys[0]), 64 * 2**20)  # a good block's bytes, then (sparse) zeros
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshlm.kv.ssd"):
+            assert tier.load(keys[0]) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20 and "a block file of this store has at most" in caplog.text
+    assert tier.dropped == 1 and keys[0] not in tier and not tier._path(keys[0]).exists()
     assert blocks_equal(tier.load(keys[1]), fake_block(1))
 
 

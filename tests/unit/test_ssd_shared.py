@@ -21,11 +21,12 @@ import pytest
 
 from meshlm.kv import ssd
 from meshlm.kv.keys import CacheSalt, block_keys
-from meshlm.kv.store import BlockData as Block
+from meshlm.kv.store import BlockData as Block, KVShape
 from meshlm.kv.ssd import LOCK_FILE, SUFFIX, TMP_DIR, SSDConfig, SSDTier, temp_is_stale
 
 BS = 4
 SALT = CacheSalt("f" * 24, "float32", "tp1", BS)
+SHAPE = KVShape(2, 2, 8, BS, mx.float32)  # the store `fake_block`'s blocks belong to
 
 
 def fake_block(seed: int) -> Block:
@@ -40,7 +41,7 @@ def keys(n: int, seed: int) -> list[bytes]:
 
 
 def tier(root: Path, capacity: int = 2**30, ttl_days: float = 7.0) -> SSDTier:
-    return SSDTier(SSDConfig(root, capacity, ttl_days), SALT, 0)
+    return SSDTier(SSDConfig(root, capacity, ttl_days), SALT, 0, SHAPE)
 
 
 def write(t: SSDTier, ks: list[bytes], seed: int, mtime: float | None = None) -> None:
