@@ -15,8 +15,9 @@ files, not tampering, and blake2b cost 0.36 ms a 256 KiB block on the SSD
 writer's thread, which under tensor parallelism delays whichever rank it runs
 on while the others wait for it in the next all-reduce. The reader trusts
 nothing in the file: the header must be well-formed JSON naming exactly the
-expected tensors, each within the file, with sizes that match their shapes,
-and the checksum over the tensor bytes must match the one in the metadata.
+tensors of a block of the reading store's shape (layers, per-layer shape),
+each within the file, with sizes that match their shapes, and the checksum
+over the tensor bytes must match the one in the metadata.
 """
 
 from __future__ import annotations
@@ -199,11 +200,29 @@ def _open_regular(path: Path) -> BinaryIO:
         raise
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header; return (header, expected file size). Raises ValueError."""
+def _check_layout(tensors: dict, shape: KVShape) -> None:
+    """ValueError unless `tensors` (a header without its metadata) are a block of a store of `shape`: K and
+    V of every layer it holds, each (kv_heads, block_size, head_dim). A block of another layout used to
+    pass every check here and fail the step that loaded it (every step, after every restart)."""
+    layers = len(tensors) // 2
+    if len(tensors) % 2 or set(tensors) != {f"{kind}.{i}" for kind in "kv" for i in range(layers)}:
+        raise ValueError("tensor names are not k.0.. and v.0..")
+    if layers != shape.num_layers:
+        raise ValueError(f"{layers} layers, a block of this store has {shape.num_layers}")
+    want = [shape.kv_heads, shape.block_size, shape.head_dim]
+    for name in sorted(tensors):
+        got = tensors[name].get("shape") if isinstance(tensors[name], dict) else None
+        if got != want:
+            raise ValueError(f"{name}: shape {got!r}, a block of this store has {want}")
+
+
+def read_header(path: Path, shape: KVShape) -> tuple[dict, int]:
+    """Parse a safetensors header of a block of a store of `shape`; return (header, expected file size).
+    Raises ValueError."""
     with _open_regular(path) as f:
         n = _header_length(f.read(8))
         header = _parse_header(f.read(n))
+    _check_layout({k: v for k, v in header.items() if k != "__metadata__"}, shape)
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     return header, 8 + n + end
 
@@ -227,10 +246,8 @@ def read_block(path: Path, shape: KVShape) -> tuple[BlockData, dict[str, str]]:
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("metadata is not a string map")
-    layers = len(header) // 2
-    expected = {f"{kind}.{i}" for kind in "kv" for i in range(layers)}
-    if len(header) % 2 or set(header) != expected:
-        raise ValueError("tensor names are not k.0.. and v.0..")
+    _check_layout(header, shape)
+    layers = shape.num_layers
     body = memoryview(data)[8 + n :]
     arrays = {name: _tensor_bytes(name, header[name], body) for name in sorted(header)}
     if meta.get("checksum") != _digest((name, raw) for name, (raw, _) in arrays.items()):

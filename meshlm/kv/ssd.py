@@ -175,7 +175,7 @@ class SSDTier:
         try:
             if path.stat().st_mtime < expiry:
                 return None
-            header, size = read_header(path)
+            header, size = read_header(path, self.shape)
             meta = header.get("__metadata__") or {}
             key = key_of(path.name)
             # Keys are the same on every rank, so the rank is checked too: another rank's shard is foreign.

@@ -27,6 +27,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import ServerProcess
+from meshlm.kv.blockfile import checksum
 from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.kv.store import BlockData as Block, KVShape
 from meshlm.kv.ssd import LOW_WATER, RESCAN_FRACTION, SUFFIX, TMP_DIR, SSDConfig, SSDTier
@@ -286,7 +287,7 @@ CORRUPT_BEFORE = {kind: ids(3 * BS + 4, seed=200 + i)
 CORRUPT_WHILE = {kind: ids(3 * BS + 4, seed=300 + i)
                  for i, kind in enumerate(("truncate", "garbage", "flip", "foreign"))}
 # Things in a block file's place that the start-up checks passed (it was not there yet, or looked right).
-HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("fifo",))}
+HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("fifo", "shape", "layers"))}
 
 
 def foreign_file(model_b: Path, tmp: Path) -> Path:
@@ -395,16 +396,27 @@ def test_files_corrupted_while_running_are_dropped_on_load(restarted, tiny_model
 
 
 def hostile(path: Path, kind: str) -> None:
+    """Something in a block file's place: a FIFO, or a block of another layout whose key, rank, salt and
+    checksum are right."""
     if kind == "fifo":
         path.unlink()
         os.mkfifo(path)
+        return
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    if kind == "shape":
+        arrays["k.1"] = arrays["k.1"][:, : BS // 2]  # (2, 8, 16) where the store has (2, 16, 16)
+    elif kind == "layers":
+        arrays = {name: a for name, a in arrays.items() if name.endswith(".0")}
     else:
         raise ValueError(kind)
+    mx.eval(arrays)
+    mx.save_safetensors(str(path), arrays, metadata={**meta, "checksum": checksum(arrays)})
 
 
 def test_hostile_files_while_running_are_misses_not_hangs_or_failed_steps(restarted, tiny_model, reference):
     """Regression: a FIFO in a block's place hung the engine thread in open(): completions, /health and
-    /v1/models timed out and SIGTERM did not stop the server."""
+    /v1/models timed out and SIGTERM did not stop the server. A block of another layout failed every step
+    that loaded it: each request a 503, the engine exiting 70 after three, and again after each restart."""
     for kind, prompt in HOSTILE_WHILE.items():
         hostile(block_file(restarted.kv, tiny_model, prompt, 1), kind)
     dropped = restarted.metric(DROPPED)
@@ -416,7 +428,8 @@ def test_hostile_files_while_running_are_misses_not_hangs_or_failed_steps(restar
         assert not os.path.lexists(path) or stat.S_ISREG(os.lstat(path).st_mode), kind
     assert restarted.metric(DROPPED) - dropped == len(HOSTILE_WHILE)
     assert httpx.get(restarted.url + "/health", timeout=5).status_code == 200
-    assert "not a regular file" in restarted.log.read_text()
+    log = restarted.log.read_text()
+    assert "not a regular file" in log and "a block of this store has" in log
 
 
 def test_two_models_never_share_blocks(restarted, tiny_model, tiny_model_b, reference):

@@ -22,11 +22,12 @@ def kv_shape(layers: int = 2, dims: tuple[int, int, int] = (2, 4, 8), dtype=mx.f
     return KVShape(layers, heads, head_dim, block_size, dtype)
 
 
-def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None) -> tuple[Path, dict]:
+def _write(tmp_path: Path, layers: int = 2, dtype=mx.float32, meta: dict | None = None,
+           dims: tuple[int, int, int] = (2, 4, 8)) -> tuple[Path, dict]:
     arrays = {}
     for i in range(layers):
-        arrays[f"k.{i}"] = mx.random.normal((2, 4, 8)).astype(dtype)
-        arrays[f"v.{i}"] = mx.random.normal((2, 4, 8)).astype(dtype)
+        arrays[f"k.{i}"] = mx.random.normal(dims).astype(dtype)
+        arrays[f"v.{i}"] = mx.random.normal(dims).astype(dtype)
     path = tmp_path / "block.safetensors"
     mx.save_safetensors(str(path), arrays, metadata=meta if meta is not None else
                         {"format": "x", "checksum": checksum(arrays)})
@@ -136,7 +137,8 @@ def test_negative_offsets(tmp_path):
 
 
 def test_size_does_not_match_shape(tmp_path):
-    _mutate(tmp_path, lambda h: h["k.0"].update(shape=[2, 4, 9]))
+    _mutate(tmp_path, lambda h: h["k.0"].update(data_offsets=[h["k.0"]["data_offsets"][0] + 4,
+                                                             h["k.0"]["data_offsets"][1]]))
 
 
 @pytest.mark.parametrize("shape", [[2, 4], [0, 4, 8], [2, -4, 8], "x", [2, 4, True]])
@@ -164,9 +166,9 @@ def test_only_regular_files_are_read(tmp_path, kind):
         path.mkdir()
     else:
         path.symlink_to(good)  # even one to a good block: the tier writes no links, and one may name a device
-    for read in (lambda p: read_block(p, kv_shape()), read_header):
+    for read in (read_block, read_header):
         with pytest.raises(ValueError, match="not a regular file|symbolic link"):
-            read(path)
+            read(path, kv_shape())
 
 
 def test_a_file_larger_than_a_block_of_the_store_is_refused_unread(tmp_path):
@@ -180,6 +182,16 @@ def test_a_file_larger_than_a_block_of_the_store_is_refused_unread(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 2**20  # nothing like the file's 16 MiB was read
+
+
+@pytest.mark.parametrize("layers, dims", [(1, (2, 4, 8)), (3, (2, 4, 8)), (2, (2, 2, 8)), (2, (4, 4, 8))],
+                         ids=["fewer_layers", "more_layers", "shorter_blocks", "more_heads"])
+def test_a_block_of_another_layout_is_refused(tmp_path, layers, dims):
+    """Whole, consistent, checksum right: only the store's shape tells it from a good block."""
+    path, _ = _write(tmp_path, layers=layers, dims=dims)
+    for read in (read_block, read_header):
+        with pytest.raises(ValueError, match="layers, a block of this store has 2|shape .*, a block of this store has"):
+            read(path, kv_shape())
 
 
 def test_copies_do_not_alias_the_file_buffer(tmp_path):

@@ -214,6 +214,21 @@ def _other_key_in_metadata(path: Path) -> None:
     mx.save_safetensors(str(path), arrays, metadata={**meta, "key": "00" * KEY_BYTES})
 
 
+def _relaid(path: Path, change) -> None:
+    """Rewrite a good block file with `change`d arrays, its metadata (key, rank, salt) kept and its checksum
+    recomputed: a whole, consistent file only the store's shape tells from a good one."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays = change(arrays)
+    mx.eval(arrays)
+    mx.save_safetensors(str(path), arrays, metadata={**meta, "checksum": checksum(arrays)})
+
+
+OTHER_LAYOUTS = {  # blocks of a store other than the tier's
+    "shorter_blocks": lambda a: {**a, "k.1": a["k.1"][:, : BS // 2]},
+    "fewer_layers": lambda a: {n: x for n, x in a.items() if n.endswith(".0")},
+}
+
+
 STARTUP_DAMAGE = {
     "truncated": _truncate,
     "trailing_bytes": _trailing_bytes,
@@ -330,6 +345,20 @@ def test_a_file_larger_than_any_block_is_dropped_unread(tmp_path, caplog):
     assert peak < 2**20 and "a block file of this store has at most" in caplog.text
     assert tier.dropped == 1 and keys[0] not in tier and not tier._path(keys[0]).exists()
     assert blocks_equal(tier.load(keys[1]), fake_block(1))
+
+
+@pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
+def test_a_block_of_another_layout_is_dropped_on_load_and_at_startup(tmp_path, layout, caplog):
+    tier, keys = write_blocks(tmp_path, 3)
+    _relaid(tier._path(keys[0]), OTHER_LAYOUTS[layout])  # while the tier runs
+    with caplog.at_level(logging.WARNING, logger="meshlm.kv.ssd"):
+        assert tier.load(keys[0]) is None
+    assert tier.dropped == 1 and keys[0] not in tier and not tier._path(keys[0]).exists()
+    assert "a block of this store has" in caplog.text
+    _relaid(tier._path(keys[1]), OTHER_LAYOUTS[layout])  # while it is down
+    again = make_tier(tmp_path)
+    assert again.dropped == 1 and keys[1] not in again and not again._path(keys[1]).exists()
+    assert blocks_equal(again.load(keys[2]), fake_block(2))
 
 
 def test_ttl_expiry_drops_old_files(tmp_path):
@@ -504,6 +533,19 @@ def test_a_bad_ssd_block_ends_the_match_there(path, tmp_path):
     files[second_key.hex() + SUFFIX].write_bytes(bytes(raw))
     tokens, logits, plans, blocks = run(rank, PROMPTS[:1])
     assert [n.cached_len for p in plans for n in p.new] == [BS]  # the first block only: never a bad one
+    cold = run(make_rank(path), PROMPTS[:1])
+    assert tokens == cold[0] and same(logits[0], cold[1][0])
+
+
+@pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
+def test_a_block_of_another_layout_ends_the_match_and_never_fails_a_step(path, tmp_path, layout):
+    """Regression: such a file passed the tier's checks and failed every step that loaded it (BlockMissing)."""
+    run(make_rank(path, tmp_path), PROMPTS[:1])
+    rank = make_rank(path, tmp_path)
+    _relaid(rank.ssd._path(block_keys(PROMPTS[0], rank.salt)[1]), OTHER_LAYOUTS[layout])
+    tokens, logits, plans, blocks = run(rank, PROMPTS[:1])
+    assert [n.cached_len for p in plans for n in p.new] == [BS]  # the first block only
+    assert rank.ssd.dropped == 1
     cold = run(make_rank(path), PROMPTS[:1])
     assert tokens == cold[0] and same(logits[0], cold[1][0])
 

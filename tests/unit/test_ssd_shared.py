@@ -295,10 +295,10 @@ def test_a_file_deleted_during_startup_validation_is_not_counted(tmp_path, monke
     write(a, ks, seed=80)
     read_header = ssd.read_header
 
-    def evicted_meanwhile(path: Path):
+    def evicted_meanwhile(path: Path, shape):
         if path.name.startswith(ks[0].hex()):
             path.unlink()
-        return read_header(path)
+        return read_header(path, shape)
 
     monkeypatch.setattr(ssd, "read_header", evicted_meanwhile)
     b = tier(tmp_path)
