@@ -15,7 +15,7 @@ files, not tampering, and blake2b cost 0.36 ms a 256 KiB block on the SSD
 writer's thread, which under tensor parallelism delays whichever rank it runs
 on while the others wait for it in the next all-reduce. The reader trusts
 nothing in the file: the header must be well-formed JSON naming exactly the
-tensors of a block of the reading store's shape (layers, per-layer shape),
+tensors of a block of the reading store's shape (layers, per-layer shape, dtype),
 each within the file, with sizes that match their shapes, and the checksum
 over the tensor bytes must match the one in the metadata.
 """
@@ -202,18 +202,21 @@ def _open_regular(path: Path) -> BinaryIO:
 
 def _check_layout(tensors: dict, shape: KVShape) -> None:
     """ValueError unless `tensors` (a header without its metadata) are a block of a store of `shape`: K and
-    V of every layer it holds, each (kv_heads, block_size, head_dim). A block of another layout used to
-    pass every check here and fail the step that loaded it (every step, after every restart)."""
+    V of every layer it holds, each (kv_heads, block_size, head_dim) of its dtype. A block of another
+    layout used to pass every check here and fail the step that loaded it (every step, after every
+    restart); one of another dtype was cast, silently changing answers."""
     layers = len(tensors) // 2
     if len(tensors) % 2 or set(tensors) != {f"{kind}.{i}" for kind in "kv" for i in range(layers)}:
         raise ValueError("tensor names are not k.0.. and v.0..")
     if layers != shape.num_layers:
         raise ValueError(f"{layers} layers, a block of this store has {shape.num_layers}")
-    want = [shape.kv_heads, shape.block_size, shape.head_dim]
+    want, want_dtype = [shape.kv_heads, shape.block_size, shape.head_dim], _NAMES[shape.dtype]
     for name in sorted(tensors):
-        got = tensors[name].get("shape") if isinstance(tensors[name], dict) else None
-        if got != want:
-            raise ValueError(f"{name}: shape {got!r}, a block of this store has {want}")
+        entry = tensors[name] if isinstance(tensors[name], dict) else {}
+        if entry.get("shape") != want:
+            raise ValueError(f"{name}: shape {entry.get('shape')!r}, a block of this store has {want}")
+        if entry.get("dtype") != want_dtype:
+            raise ValueError(f"{name}: dtype {entry.get('dtype')!r}, a block of this store has {want_dtype}")
 
 
 def read_header(path: Path, shape: KVShape) -> tuple[dict, int]:

@@ -287,7 +287,7 @@ CORRUPT_BEFORE = {kind: ids(3 * BS + 4, seed=200 + i)
 CORRUPT_WHILE = {kind: ids(3 * BS + 4, seed=300 + i)
                  for i, kind in enumerate(("truncate", "garbage", "flip", "foreign"))}
 # Things in a block file's place that the start-up checks passed (it was not there yet, or looked right).
-HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("fifo", "shape", "layers"))}
+HOSTILE_WHILE = {kind: ids(3 * BS + 4, seed=400 + i) for i, kind in enumerate(("fifo", "shape", "layers", "f16"))}
 
 
 def foreign_file(model_b: Path, tmp: Path) -> Path:
@@ -396,8 +396,8 @@ def test_files_corrupted_while_running_are_dropped_on_load(restarted, tiny_model
 
 
 def hostile(path: Path, kind: str) -> None:
-    """Something in a block file's place: a FIFO, or a block of another layout whose key, rank, salt and
-    checksum are right."""
+    """Something in a block file's place: a FIFO, or a block of another layout or dtype whose key, rank,
+    salt and checksum are right."""
     if kind == "fifo":
         path.unlink()
         os.mkfifo(path)
@@ -407,6 +407,8 @@ def hostile(path: Path, kind: str) -> None:
         arrays["k.1"] = arrays["k.1"][:, : BS // 2]  # (2, 8, 16) where the store has (2, 16, 16)
     elif kind == "layers":
         arrays = {name: a for name, a in arrays.items() if name.endswith(".0")}
+    elif kind == "f16":  # once cast to the float32 pool: answers changed, silently
+        arrays = {name: a.astype(mx.float16) for name, a in arrays.items()}
     else:
         raise ValueError(kind)
     mx.eval(arrays)
@@ -416,7 +418,8 @@ def hostile(path: Path, kind: str) -> None:
 def test_hostile_files_while_running_are_misses_not_hangs_or_failed_steps(restarted, tiny_model, reference):
     """Regression: a FIFO in a block's place hung the engine thread in open(): completions, /health and
     /v1/models timed out and SIGTERM did not stop the server. A block of another layout failed every step
-    that loaded it: each request a 503, the engine exiting 70 after three, and again after each restart."""
+    that loaded it: each request a 503, the engine exiting 70 after three, and again after each restart.
+    A float16 block was cast into the float32 pool: other answers, silently."""
     for kind, prompt in HOSTILE_WHILE.items():
         hostile(block_file(restarted.kv, tiny_model, prompt, 1), kind)
     dropped = restarted.metric(DROPPED)

@@ -194,6 +194,15 @@ def test_a_block_of_another_layout_is_refused(tmp_path, layers, dims):
             read(path, kv_shape())
 
 
+@pytest.mark.parametrize("written, store", [(mx.float16, mx.float32), (mx.float32, mx.bfloat16),
+                                            (mx.bfloat16, mx.float16)])
+def test_a_block_of_another_dtype_is_refused_not_cast(tmp_path, written, store):
+    path, _ = _write(tmp_path, dtype=written)
+    for read in (read_block, read_header):
+        with pytest.raises(ValueError, match="dtype .*, a block of this store has"):
+            read(path, kv_shape(dtype=store))
+
+
 def test_copies_do_not_alias_the_file_buffer(tmp_path):
     path, arrays = _write(tmp_path)
     block, _ = read_block(path, kv_shape())

@@ -226,6 +226,7 @@ def _relaid(path: Path, change) -> None:
 OTHER_LAYOUTS = {  # blocks of a store other than the tier's
     "shorter_blocks": lambda a: {**a, "k.1": a["k.1"][:, : BS // 2]},
     "fewer_layers": lambda a: {n: x for n, x in a.items() if n.endswith(".0")},
+    "float16": lambda a: {n: x.astype(mx.float16) for n, x in a.items()},  # once cast: other answers
 }
 
 
