@@ -253,13 +253,15 @@ def _serve(config: ServeConfig, argv: list[str], ports) -> None:
     start before this process imports the serving stack, and import theirs meanwhile (begin_cluster)."""
     from meshlm.api import listener
     from meshlm.cluster.ranks import begin_cluster, start_cluster
+    from meshlm.platform import interrupt_deferred
 
     sock = listener.bind(config.server.host, config.server.port) if config.parallel.rank == 0 else None
     try:
         with begin_cluster(config, argv, ports) as start:
             if start is not None and config.parallel.rank != 0:
                 start_cluster(config, start)  # a worker rank needs no HTTP stack, and never returns
-            from meshlm.app import serve
+            with interrupt_deferred():  # the serving stack's imports: pydantic-core swallowed a Ctrl-C in its init
+                from meshlm.app import serve
 
             serve(config, sock, start)
     finally:
@@ -281,10 +283,11 @@ def main(argv: list[str] | None = None) -> None:
                 # All local ranks share this machine's cores, rank 0 included (set before the re-exec).
                 os.environ.setdefault("OPENBLAS_NUM_THREADS",
                                       str(max(1, (os.cpu_count() or 1) // config.parallel.world_size)))
-            from meshlm.platform import maybe_reexec_with_openblas
+            from meshlm.platform import interrupt_deferred, maybe_reexec_with_openblas
 
             maybe_reexec_with_openblas(argv)
-            from meshlm.cluster.ranks import ClusterPorts
+            with interrupt_deferred():  # the first import of MLX and of meshlm's native modules
+                from meshlm.cluster.ranks import ClusterPorts
 
             _serve(config, argv, ClusterPorts(args.control_port, args.ring_port, args.ring_hostfile))
         elif args.command == "launch":

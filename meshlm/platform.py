@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib
 import logging
 import os
 import resource
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,25 @@ def meshlm_command(executable: str = sys.executable) -> list[str]:
     if sys.version_info >= (3, 11):
         return [executable, "-P", "-m", "meshlm"]
     return [executable, "-c", _WITHOUT_CWD]
+
+
+@contextlib.contextmanager
+def interrupt_deferred() -> Iterator[None]:
+    """Ctrl-C while the native modules (MLX's, meshlm's) initialise takes effect once they have: raised
+    inside a nanobind module's init, the KeyboardInterrupt was printed by nanobind itself as a "Critical
+    nanobind error" with its traceback, before meshlm's one-line "interrupted". Off the main thread, where
+    Python delivers no signals, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def maybe_reexec_with_openblas(argv: list[str]) -> None:

@@ -36,7 +36,7 @@ from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ParallelConfig, ServeConfig
 from meshlm.executor.rank import RankSpec, RankState, build_rank
 from meshlm.executor.tensor import TensorExecutor
-from meshlm.platform import import_mlx_lm, kv_budget_bytes
+from meshlm.platform import import_mlx_lm, interrupt_deferred, kv_budget_bytes
 from meshlm.process_exit import end_process
 from meshlm.transport.auth import ClusterSecret
 
@@ -169,7 +169,8 @@ def start_cluster(config: ServeConfig, start: ClusterStart) -> Leader:
     if p.rank != 0:
         # Loading needs mlx-lm (with transformers, ~0.9 s): imported now, while rank 0 imports its serving
         # stack, not after the roll call, when every rank would wait for this one.
-        import_mlx_lm()
+        with interrupt_deferred():  # native extensions' inits (tokenizers, safetensors) can swallow a Ctrl-C
+            import_mlx_lm()
     try:
         if p.pipeline:
             from meshlm.cluster.pipeline import follow_stage, lead_pipeline

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from meshlm.platform import interrupt_deferred
 from meshlm.model.vocab_parallel import TiedVocabSplit
 from meshlm.transport.collectives import all_sum
 
@@ -160,7 +161,8 @@ def native_ops() -> tuple[Any, str]:
     """The compiled `_cpu_ops` module, or None, and a phrase saying which for the log (loaded once:
     a compiled module cannot be unloaded anyway)."""
     try:
-        from meshlm.model import _cpu_ops
+        with interrupt_deferred():  # a nanobind module's init
+            from meshlm.model import _cpu_ops
     except ImportError as e:
         return None, f"not built ({e}); run `make install` with a C++20 compiler"
     if _cpu_ops.mlx_version != mx.__version__:

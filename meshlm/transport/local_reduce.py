@@ -30,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from meshlm.platform import interrupt_deferred
+
 log = logging.getLogger(__name__)
 
 SLOT_BYTES = 1 << 20  # per rank and round: a larger sum goes in rounds of this size
@@ -49,7 +51,8 @@ def is_peer_lost(exc: BaseException) -> bool:
 def native_module() -> tuple[Any, str]:
     """The compiled `_local_reduce` module, or None, and a phrase saying which for the log."""
     try:
-        from meshlm.transport import _local_reduce
+        with interrupt_deferred():  # a nanobind module's init
+            from meshlm.transport import _local_reduce
     except ImportError as e:
         return None, f"not built ({e}); run `make install` with a C++20 compiler"
     if _local_reduce.mlx_version != mx.__version__:
