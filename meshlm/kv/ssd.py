@@ -322,9 +322,12 @@ class SSDTier:
             self._files.write(tmp, arrays, meta)
             os.replace(tmp, path)
             size = path.stat().st_size
-        except FileNotFoundError as exc:
-            # Our temp file was removed (a start-up that took us for dead) or the new file was
-            # evicted at once: this block stays RAM-only, the tier is fine.
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            # Our temp file was removed (a start-up that took us for dead), the new file was evicted at
+            # once, or something not ours (a directory) holds this block's name: this block stays RAM-only,
+            # the tier is fine (a directory in one block's place switched the whole tier off).
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             log.warning("KV block %s not kept on disk: %s", path.name, exc)
             return
         except BaseException:

@@ -575,3 +575,15 @@ def test_preempted_sequences_resume_from_the_cache_with_the_same_tokens(path):
     assert sched.num_preemptions >= 1 and max(resumed) > 0  # the recompute started from cached blocks
     for s in seqs:
         assert s.output_ids == run(make_rank(path), [s.prompt_ids], 20)[0][0], s.uid
+
+
+def test_a_directory_in_one_blocks_place_keeps_that_block_off_disk_not_the_whole_tier(tmp_path):
+    """os.replace onto a directory raised IsADirectoryError, which turned the tier off for every block."""
+    tier = make_tier(tmp_path)
+    keys = block_keys(ids(3 * BS, seed=5), SALT)
+    tier._path(keys[0]).mkdir(parents=True)
+    for i, k in enumerate(keys):
+        tier.save(k, fake_block(i))
+    tier.flush()
+    assert tier.enabled and keys[0] not in tier and all(k in tier for k in keys[1:])
+    assert list((tier.dir / TMP_DIR).iterdir()) == []  # its temp file went too
