@@ -242,6 +242,15 @@ def test_a_port_taken_or_a_bad_host_fails_in_a_sentence_before_the_model_loads(t
     assert "loaded" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def serving_port(proc: subprocess.Popen) -> int | None:
+    """The port a server started with --port 0 says it serves on (its stderr, read up to that line)."""
+    for line in proc.stderr:
+        m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
 @pytest.mark.slow
 def test_python_files_in_the_working_directory_are_not_imported_by_meshlm(tiny_model, tmp_path):
     """meshlm re-executes itself (and starts local ranks) as `python -m meshlm`, which put the working
@@ -254,12 +263,7 @@ def test_python_files_in_the_working_directory_are_not_imported_by_meshlm(tiny_m
     proc = subprocess.Popen([str(meshlm), "serve", "--model", str(tiny_model), "--port", "0", "--tensor-parallel",
                              "2", "--kv-cache-dir", str(tmp_path / "kv")], cwd=cwd, stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        for line in proc.stderr:
-            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", line)
-            if m:
-                port = int(m.group(1))
-                break
+        port = serving_port(proc)
         assert port, f"exited {proc.wait()} without serving"
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                           timeout=60).status_code == 200
@@ -273,12 +277,7 @@ def test_port_0_serves_on_a_free_port_and_says_which(tiny_model, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "meshlm", "serve", "--model", str(tiny_model), "--port", "0",
                              "--kv-cache-dir", str(tmp_path / "kv")], stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        for line in proc.stderr:
-            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", line)
-            if m:
-                port = int(m.group(1))
-                break
+        port = serving_port(proc)
         assert port, "no 'serving ... on' line"
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     finally:
