@@ -207,6 +207,17 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _takes_named_arguments(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Arguments are a JSON object (OpenAI refuses other schemas too): a forced call to a function whose
+        # parameters were a string schema could never be read back as a call.
+        kind = (value or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"must be a JSON schema of type object (a function takes named arguments), got "
+                             f"type {kind!r}")
+        return value
+
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -293,6 +293,8 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": "x" * 1001}, "stop"),
     ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),  # arguments are an object: a forced call could never be one
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
