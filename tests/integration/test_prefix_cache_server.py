@@ -223,7 +223,8 @@ def test_concurrent_requests_sharing_a_prefix(warm, reference):
         return [r.json() for r in rs]
 
     bodies = asyncio.run(burst())
-    assert all(cached(b) == 4 * BS for b in bodies)
+    # Failed once in CI (2026-11-27, 9e162cb) and never since: the counts and the server's log say which way.
+    assert all(cached(b) == 4 * BS for b in bodies), ([cached(b) for b in bodies], warm.log.read_text()[-3000:])
     assert [text(b) for b in bodies] == [reference(p) for p in prompts]
 
 
