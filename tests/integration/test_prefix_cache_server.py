@@ -223,8 +223,10 @@ def test_concurrent_requests_sharing_a_prefix(warm, reference):
         return [r.json() for r in rs]
 
     bodies = asyncio.run(burst())
-    # Failed once in CI (2026-11-27, 9e162cb) and never since: the counts and the server's log say which way.
-    assert all(cached(b) == 4 * BS for b in bodies), ([cached(b) for b in bodies], warm.log.read_text()[-3000:])
+    # The 4 blocks of the shared prefix, and the prefix's last 2 tokens too for a request admitted once another
+    # one's 5th block (those 2 tokens, its own, its output) is full and lends them: prompts[7] fills it after
+    # 4 tokens, so a request the VM delays that long gets 66 (once in CI, 2026-11-27, which asked for 64).
+    assert all(4 * BS <= cached(b) <= 4 * BS + 2 for b in bodies), [cached(b) for b in bodies]
     assert [text(b) for b in bodies] == [reference(p) for p in prompts]
 
 
