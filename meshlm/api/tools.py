@@ -86,10 +86,7 @@ class ToolPlan:
         either (the model was not free to write it). Named: the call, its arguments as far as they go."""
         if self.mode == "named":
             return [_call(self.named, text)] if text else []
-        try:
-            items = json.loads(text)
-        except (ValueError, RecursionError):
-            items = None
+        items = _json_or_text(text)
         found = [_usable(c, self.names) for c in items] if isinstance(items, list) else []
         return found if found and None not in found else []
 
@@ -163,10 +160,7 @@ def _rebase(schema: object, base: str) -> object:
 
 
 def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except (ValueError, RecursionError):
-        return False
+    return isinstance(_json_or_text(arguments), dict)
 
 
 def _usable(parsed: object, names: frozenset[str]) -> dict | None:
@@ -176,11 +170,7 @@ def _usable(parsed: object, names: frozenset[str]) -> dict | None:
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in names:
         return None
     args = parsed.get("arguments", {})
-    try:
-        obj = json.loads(args) if isinstance(args, str) else args
-    except (ValueError, RecursionError):  # a model can nest brackets past the parser's limit
-        return None
-    if not isinstance(obj, dict):
+    if not (_is_object(args) if isinstance(args, str) else isinstance(args, dict)):
         return None
     return _call(parsed["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
@@ -220,7 +210,7 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
         msg: dict = {"role": m.role, "content": m.text()}
         if m.tool_calls:
             calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                      "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
                      for c in m.tool_calls]
             if native:
                 msg["tool_calls"] = calls
@@ -245,11 +235,12 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
     return messages, {}
 
 
-def _arguments(text: str):
-    """Templates expect arguments as an object; a client may send any string."""
+def _json_or_text(text: str) -> object:
+    """`text` parsed as JSON, or `text` itself where it is not JSON (a model's or a client's string: templates
+    expect past calls' arguments as objects). Nested past the parser's stack is not JSON either."""
     try:
         return json.loads(text)
-    except (ValueError, RecursionError):  # nested past the parser's stack: a string like any unparsable one
+    except (ValueError, RecursionError):
         return text
 
 
