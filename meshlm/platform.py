@@ -82,12 +82,12 @@ _WITHOUT_CWD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('',
                 "runpy.run_module('meshlm', run_name='__main__', alter_sys=True)")
 
 
-def meshlm_command(executable: str = sys.executable) -> list[str]:
+def meshlm_command() -> list[str]:
     """How meshlm starts meshlm (its re-exec, its local ranks, `meshlm launch`'s): `python -m meshlm`,
     without the working directory's files on the import path."""
     if sys.version_info >= (3, 11):
-        return [executable, "-P", "-m", "meshlm"]
-    return [executable, "-c", _WITHOUT_CWD]
+        return [sys.executable, "-P", "-m", "meshlm"]
+    return [sys.executable, "-c", _WITHOUT_CWD]
 
 
 @contextlib.contextmanager

@@ -231,6 +231,12 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     except (TypeError, KeyError, OverflowError) as exc:
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
     check_tokenizer(tokenizer, path)
+    # Beside the tokenizer's other check, before a shard's or a stage's (lazy) weights are read.
+    eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
+    outside = sorted(t for t in eos if not 0 <= t < int(config["vocab_size"]))
+    if outside:  # never sampled: every answer would run to max_tokens, and grammars cannot be built
+        raise ValueError(f"{path}: end-of-sequence token id(s) {outside} are outside the model's vocabulary of "
+                         f"{config['vocab_size']} (config.json / generation_config.json)")
     if tensor_group is not None:
         if not hasattr(model, "shard"):
             raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
@@ -252,11 +258,6 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
-    eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
-    outside = sorted(t for t in eos if not 0 <= t < int(config["vocab_size"]))
-    if outside:  # never sampled: every answer would run to max_tokens, and grammars cannot be built
-        raise ValueError(f"{path}: end-of-sequence token id(s) {outside} are outside the model's vocabulary of "
-                         f"{config['vocab_size']} (config.json / generation_config.json)")
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)
     log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,
