@@ -74,6 +74,10 @@ class PrefixCacheCollector:
             value=stats.partial_tokens,
         )
         yield CounterMetricFamily("meshlm_prefix_cache_misses", "Lookups with no cached block", value=stats.misses)
+        yield CounterMetricFamily(
+            "meshlm_prefix_cache_load_failures", "Blocks found that some rank could not load (recomputed instead)",
+            value=stats.load_failures,
+        )
         ev = CounterMetricFamily("meshlm_prefix_cache_evictions", "Blocks evicted, by tier", labels=["tier"])
         ev.add_metric(["ram"], stats.evictions)
         ev.add_metric(["ssd"], ssd.evictions if ssd else 0)

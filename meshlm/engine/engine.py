@@ -55,6 +55,11 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def missing_loads(self, plan: StepPlan, result: StepResult) -> frozenset[bytes]:
+        """Keys of blocks `plan` loads that some rank could not read (`result`: its leader's), known before
+        the plan's results are sampled. The engine calls it for every plan with loads, and only then."""
+        ...
+
     def kv_bytes(self) -> int: ...
 
     @property
@@ -507,7 +512,26 @@ class Engine:
 
     def _execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
-            return self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
+            result = self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
+            return self._check_loads(plan, result) if plan.loads else result
+
+    def _check_loads(self, plan: StepPlan, result: StepResult) -> StepResult:
+        """The leader lists a block and verifies its own copy before planning a load, but every rank reads
+        its own: one evicted, expired, deleted or bad there is reported, not raised (runner `_read`). What
+        read it is recomputed and its rows of this step dropped here, before anything is sampled or
+        planned on them, so no token read from it reaches a client and no request is lost."""
+        missing = self.executor.missing_loads(plan, result)
+        if not missing:
+            return result
+        with self._lock:
+            uids = set(self.scheduler.recompute_unloaded(plan, missing, tuple(self._in_flight)))
+        log.warning("step %d: %d prefix block(s) could not be loaded on every rank; recomputing %d sequence(s) "
+                    "without them", plan.step_id, len(missing), len(uids))
+        keep = [i for i, u in enumerate(result.uids) if u not in uids]
+        if len(keep) == len(result.uids):
+            return result
+        logits = result.logits[mx.array(keep)] if keep else None
+        return dataclasses.replace(result, uids=[result.uids[i] for i in keep], logits=logits)
 
     def _prefetch_masks(self, plan: StepPlan) -> None:
         """Grammar masks for the rows this plan samples, computed while its forward runs."""

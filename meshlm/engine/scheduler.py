@@ -298,6 +298,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
+    def recompute_unloaded(self, plan: StepPlan, missing: frozenset[bytes],
+                           later: tuple[StepPlan, ...] = ()) -> list[int]:
+        """Some rank could not read blocks `plan` loaded (`missing`: their keys), so their KV there is
+        garbage: no lookup may find them again, and every sequence holding one, or a copy from one, goes
+        back to wait and is recomputed (its tokens so far kept, as a preemption). `later`: plans submitted
+        after `plan` and still in flight (a pipeline's micro-batches), planned while its blocks were
+        findable: their copies from one count too. Call before `update` takes the plan's results, which
+        then skips those sequences (and so do later plans' updates). Returns their uids."""
+        bad = self.blocks.forget_loaded([(x.key, x.block) for x in plan.loads if x.key in missing])
+        bad |= {c.dst for p in (plan, *later) for c in p.copies if c.src in bad}
+        hit = [s for s in self.running if not s.finished and bad.intersection(self.blocks.table(s.uid))]
+        for seq in reversed(hit):  # each goes to the queue's front: the oldest ends up first
+            self._preempt(seq)
+        return [s.uid for s in hit]
+
     def _lengths_after(self, chunks: list[Chunk]) -> dict[int, int]:
         """Positions every rank holds per sequence once this plan is applied: plans still in flight are
         applied before it on every rank, so their chunks count."""

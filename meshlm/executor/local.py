@@ -17,6 +17,9 @@ class LocalExecutor:
     def execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         return self.rank.step(plan, tokens=tokens)
 
+    def missing_loads(self, plan: StepPlan, result: StepResult) -> frozenset[bytes]:
+        return frozenset(result.missing)
+
     @property
     def plans_ahead(self) -> bool:
         """Takes a decode plan whose input tokens are the previous step's samples, still on the device

@@ -62,6 +62,10 @@ class PipelineExecutor(TensorExecutor):
                 raise
             raise StageFailed(f"{type(exc).__name__}: {exc} [rank {exc.rank} runs {what}]") from exc
 
+    def missing_loads(self, plan: StepPlan, result: StepResult) -> frozenset[bytes]:
+        with self._naming_stages():  # a stage's ack arrives right after its activation did
+            return super().missing_loads(plan, result)
+
     def known_failure(self, exc: BaseException) -> bool:
         return isinstance(exc, StageFailed) or super().known_failure(exc)  # a stage link's errors are ControlErrors
 

@@ -14,6 +14,7 @@ from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
 from meshlm.step_times import StepTimes
+from meshlm.transport.codec import ProtocolError
 from meshlm.transport.control import ControlError, ControlLeader
 from meshlm.transport.local_reduce import is_peer_lost
 
@@ -42,6 +43,21 @@ class TensorExecutor:
             self.control.broadcast(plan)
             self._unacked = plan.step_id
         self._remove_joined_file()
+
+    def missing_loads(self, plan: StepPlan, result: StepResult) -> frozenset[bytes]:
+        """Each rank reads the plan's loads from its own SSD tier, which evicts, expires and fails on its
+        own: the plan's acks say which it could not read. They are collected now, before the plan's results
+        are sampled (only plans with loads wait so; every rank's forward runs meanwhile)."""
+        with self.times.timing("control"):
+            acks = self.control.collect_acks(plan.step_id, timeout=self.step_timeout)
+        self._unacked = None
+        loaded = {x.key for x in plan.loads}
+        missing = set(result.missing)
+        for rank, ack in acks.items():
+            if not loaded.issuperset(ack.missing):
+                raise ProtocolError(f"rank {rank} acked step {plan.step_id} naming a block the plan does not load")
+            missing.update(ack.missing)
+        return frozenset(missing)
 
     @property
     def times(self) -> StepTimes:

@@ -155,4 +155,5 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
                 pass
             return EXIT_STEP_FAILED
         with times.timing("control"):
-            control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals())
+            control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals(),
+                        missing=result.missing)

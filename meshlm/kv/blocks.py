@@ -41,11 +41,16 @@ class KeyIndex(Protocol):
         """The block is readable and verified: a plan may load it."""
         ...
 
+    def forget(self, key: bytes) -> None:
+        """A rank could not load the block: never list it again."""
+        ...
+
 
 @dataclass
 class CacheStats:
     hits_ram: int = 0  # blocks
     hits_ssd: int = 0
+    load_failures: int = 0  # blocks some rank could not load (its copy gone or bad): recomputed
     hits_partial: int = 0  # matches that ended inside a block
     partial_tokens: int = 0  # tokens those partial blocks lent
     misses: int = 0  # lookups that found no usable block
@@ -252,6 +257,20 @@ class BlockManager:
         self._children[parent].remove(tokens, block)
         if not self._children[parent].entries:
             del self._children[parent]
+
+    def forget_loaded(self, loads: list[tuple[bytes, int]]) -> set[int]:
+        """(key, block) pairs a plan loaded that some rank could not read: no lookup finds them again, in
+        RAM or on the SSD tier. Returns the blocks; whoever holds one must be recomputed."""
+        for key, block in loads:
+            if self._key_of[block] == key:
+                self._forget(block)
+                if self._refs[block] == 0 and block in self._cached_free:
+                    del self._cached_free[block]
+                    heapq.heappush(self._uncached, block)
+            if self.ssd is not None:
+                self.ssd.forget(key)
+        self.stats.load_failures += len(loads)
+        return {block for _, block in loads}
 
     # -- the prefix cache ------------------------------------------------------
     def cached_prefix(self, keys: list[bytes]) -> int:

@@ -58,8 +58,8 @@ class HostBlock:
 class ReceivedBlocks:
     """Received blocks by key, within `max_bytes`. A block a plan will load is *pinned* (`pin`, when the block
     manager's lookup finds it) until the plan's `load` takes it: neither a transfer's `put` into a full tier
-    nor an aborted transfer's `discard` may take it away between the lookup and the load, which would fail
-    the engine's step (runner.BlockMissing). A put that finds only pinned blocks to evict drops its own."""
+    nor an aborted transfer's `discard` may take it away between the lookup and the load, which would make
+    the engine recompute the prefix. A put that finds only pinned blocks to evict drops its own."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -112,18 +112,27 @@ class ReceivedBlocks:
         """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
         not here."""
         with self._lock:
-            data = self._pinned.pop(key, None)
-            if data is not None:
-                self._bytes -= data.nbytes
-            else:
-                data = self._pop(key)
+            data = self._take(key)
         return None if data is None else data.to_device()
+
+    def forget(self, key: bytes) -> None:
+        """Drop the block, pinned or not (a rank could not load it: it will never be loaded)."""
+        with self._lock:
+            self._take(key)
 
     def discard(self, keys: list[bytes]) -> None:
         """Forget an aborted transfer's blocks, but those a plan will load."""
         with self._lock:
             for key in keys:
                 self._pop(key)
+
+    def _take(self, key: bytes) -> HostBlock | None:
+        """Remove a block, pinned or not, and its bytes from the count (hold the lock)."""
+        data = self._pinned.pop(key, None)
+        if data is None:
+            return self._pop(key)
+        self._bytes -= data.nbytes
+        return data
 
     def _pop(self, key: bytes) -> HostBlock | None:
         """Remove an unpinned block and its bytes from the count (hold the lock)."""
@@ -146,3 +155,9 @@ class ReceivedThenSSD:
     def prefetch(self, key: bytes) -> bool:
         """The block may be loaded by a plan: a received one is pinned until then (transfers go on meanwhile)."""
         return self.received.pin(key) or (self.ssd is not None and self.ssd.prefetch(key))
+
+    def forget(self, key: bytes) -> None:
+        """A rank could not load the block: neither tier lists it again."""
+        self.received.forget(key)
+        if self.ssd is not None:
+            self.ssd.forget(key)

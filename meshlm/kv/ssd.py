@@ -229,6 +229,16 @@ class SSDTier:
             self._staged[key] = block
         return block is not None
 
+    def forget(self, key: bytes) -> None:
+        """Never list `key` again, and delete its file: another rank of the cluster could not load its own
+        copy, so this one is of no use (a miss from now on; the prefix is recomputed and saved anew)."""
+        self._staged.pop(key, None)
+        self._forget(key)
+        try:
+            self._path(key).unlink()
+        except OSError:  # gone already, or a directory squatting the name: no longer listed either way
+            pass
+
     def load(self, key: bytes) -> Block | None:
         """The block `key`: prefetched, else read and verified now; None if missing or bad."""
         block = self._staged.pop(key, None)

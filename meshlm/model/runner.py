@@ -6,7 +6,8 @@ same. A step is: copies of the blocks to save, handed to the SSD writer (taken
 first: a committed block whose sequence ended may be reused by this very
 plan), the plan's table changes and trims, SSD loads and then block copies
 (partial prefix hits, which may lend from a block loaded in the same plan)
-into the pools, then one forward over the flattened batch (decode and prefill
+into the pools (a block this rank cannot read is reported in the result, not
+raised: the leader recomputes the sequences that read it), then one forward over the flattened batch (decode and prefill
 rows together).
 
 Every value of a plan is checked before it touches an array, so a plan that
@@ -17,6 +18,7 @@ does not fit this rank's state (a missed step, a bad block id) is a clear
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,13 +35,11 @@ from meshlm.model.context_batch import ContextBatch, choose_algorithm
 from meshlm.model.forward import forward
 from meshlm.model.ring_attention import RingContext, forward_ring
 
+log = logging.getLogger(__name__)
+
 
 class SplitBrain(RuntimeError):
     """This rank's state no longer matches the plan (or the plan is not a valid one)."""
-
-
-class BlockMissing(RuntimeError):
-    """A block the plan loads is not in this rank's SSD tier."""
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Prepared:
     rows: list[RowSpec]  # one per chunk
     seconds: float  # host time preparing took
     waited: float  # of it before: waiting for the previous step's forward
+    missing: tuple[bytes, ...] = ()  # keys of blocks the plan loads that this rank could not read
 
 
 @dataclass
@@ -65,6 +66,9 @@ class StepResult:
     logits: mx.array | None  # (len(uids), vocab) float32, evaluating asynchronously
     launch_seconds: float = 0.0  # host time spent building and launching the step
     hidden: mx.array | None = None  # a pipeline stage's output instead of logits
+    # Keys of blocks the plan loads that this rank could not read: the rows reading them are garbage here,
+    # and the leader recomputes their sequences (engine `_check_loads`).
+    missing: tuple[bytes, ...] = ()
 
 
 class KVExporter(Protocol):
@@ -127,11 +131,14 @@ class Runner:
         self._apply_tables(plan)
         self.store.ensure(plan.num_blocks)
         # Loads first: a partial prefix hit may lend from a block this same plan loads from SSD.
-        self.store.load([x.block for x in plan.loads], [self._read(x.key) for x in plan.loads])
+        read = [(x, self._read(x.key)) for x in plan.loads]
+        found = [(x.block, data) for x, data in read if data is not None]
+        self.store.load([block for block, _ in found], [data for _, data in found])
         for c in plan.copies:
             self.store.copy(c.src, c.dst, self._local(c.tokens))
         rows = [self._row(c) for c in plan.chunks]
-        return Prepared(plan, rows, time.perf_counter() - t0 - waited, waited)
+        missing = tuple(x.key for x, data in read if data is None)
+        return Prepared(plan, rows, time.perf_counter() - t0 - waited, waited, missing)
 
     def launch(self, prepared: Prepared, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
         """Build and launch the forward of a prepared step (`execute` is both at once)."""
@@ -157,6 +164,7 @@ class Runner:
             raise SplitBrain(f"step {plan.step_id}: batch fingerprint mismatch")
         if result is None:
             result = self._result(out, batch, t0)
+        result.missing = prepared.missing
         if tokens is not None:
             waited += self._finish_previous()
         self._pending = self.store.keys + self.store.values
@@ -313,13 +321,21 @@ class Runner:
             raise SplitBrain(f"uid {c.uid}: {end} positions, its table covers {len(seq.blocks)} blocks")
         return RowSpec(c.uid, c.start, c.token_ids, tuple(seq.blocks), c.logits, holder=seq.holder)
 
-    def _read(self, key: bytes) -> BlockData:
+    def _read(self, key: bytes) -> BlockData | None:
+        """A block the plan loads, or None: the leader listed it, but this rank's copy is gone or bad (each
+        rank's SSD tier evicts, expires and fails on its own). The step goes on without it, every rank in
+        lockstep; the leader learns of it from the step's result or ACK and recomputes what read it."""
         data = self.received.load(key) if self.received is not None else None
         if data is None and self.ssd is not None:
             data = self.ssd.load(key)
         if data is None:
-            raise BlockMissing(f"prefix block {key.hex()} is not cached on this rank")
+            log.warning("prefix block %s is not cached on this rank: the leader recomputes it", key.hex())
+            return None
         problem = self.store.check_block(data)
         if problem is not None:
-            raise BlockMissing(f"prefix block {key.hex()} on this rank's disk holds {problem}")
+            log.warning("prefix block %s on this rank's disk holds %s: dropped, the leader recomputes it",
+                        key.hex(), problem)
+            if self.ssd is not None:
+                self.ssd.discard(key)
+            return None
         return data

@@ -29,7 +29,7 @@ or trailing bytes are a `ProtocolError`, never a half-built message:
 | PLAN      | l→w | `meshlm.engine.plan.StepPlan`                            |
 | TOKENS    | l→w | `TokenIds` (a plan's input ids, sent after it)           |
 | HEARTBEAT | l→w | empty                                                    |
-| ACK       | w→l | `Ack` (step id, the worker's batch fingerprint, error)   |
+| ACK       | w→l | `Ack` (step id, batch fingerprint, error, times, keys)  |
 | REJECT    | any | reason: u32 byte length + UTF-8 (a frozen layout)        |
 | SHUTDOWN  | l→w | reason, as REJECT                                        |
 
@@ -63,13 +63,15 @@ from dataclasses import dataclass, field
 import msgspec
 
 from meshlm.engine.plan import StepPlan
+from meshlm.kv.keys import KEY_BYTES
 
 MAGIC = b"MLCP"
-VERSION = 8  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+VERSION = 9  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
 # 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
 # 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens);
 # 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead);
-# 8: the roll call (HELLO..WELCOME) comes before the model load, LOADED and START after it
+# 8: the roll call (HELLO..WELCOME) comes before the model load, LOADED and START after it;
+# 9: ACKs name the blocks a plan loads that the rank could not read
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256
@@ -311,6 +313,11 @@ class Ack:
     fingerprint: int
     error: str = ""
     times: tuple[float, ...] = ()
+    missing: tuple[bytes, ...] = ()  # keys of blocks the plan loads that this rank could not read
+
+    def __post_init__(self) -> None:
+        for key in self.missing:
+            _fixed(key, KEY_BYTES, "a block key")
 
 
 @dataclass(frozen=True)

@@ -753,10 +753,12 @@ class ControlWorker:
                 return None
             wire.decode_empty(frame.payload, "HEARTBEAT")
 
-    def ack(self, step_id: int, fingerprint: int, error: str = "", times: tuple[float, ...] = ()) -> None:
+    def ack(self, step_id: int, fingerprint: int, error: str = "", times: tuple[float, ...] = (),
+            missing: tuple[bytes, ...] = ()) -> None:
         """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit);
-        `times`: this rank's seconds by phase so far (meshlm/step_times.py)."""
-        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times))))
+        `times`: this rank's seconds by phase so far (meshlm/step_times.py); `missing`: keys of blocks the
+        plan loads that this rank could not read."""
+        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times), tuple(missing))))
 
     def _send(self, kind: Kind, payload: bytes) -> None:
         data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)

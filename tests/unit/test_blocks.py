@@ -19,6 +19,9 @@ class Disk(set):
     def prefetch(self, key: bytes) -> bool:
         return key in self
 
+    def forget(self, key: bytes) -> None:
+        self.discard(key)
+
 
 def manager(num_blocks: int = 16, ssd=None, partial: bool = True, salt=SALT) -> BlockManager:
     return BlockManager(num_blocks, BS, salt, ssd, partial)
@@ -138,6 +141,25 @@ def test_blocks_found_only_on_ssd_are_loaded_into_fresh_blocks():
     assert m.tokens == 8 and [k for k, _ in m.loads] == keys[:2]
     assert [b for _, b in m.loads] == bm.table(0) and bm.stats.hits_ssd == 2
     assert bm.match(1, tokens).tokens == 8 and bm.stats.hits_ram == 2  # findable at once, in RAM
+
+
+def test_loaded_blocks_a_rank_could_not_read_are_never_found_again():
+    tokens = list(range(50, 62))
+    keys = block_keys(tokens, SALT)
+    disk = Disk(keys[:2])
+    bm = manager(ssd=disk)
+    m = bm.match(0, tokens + [1])
+    bm.match(1, tokens[:4] + [7])  # shares the first (loaded) block in RAM
+    bm.end_step()
+    bad = bm.forget_loaded(m.loads[1:])
+    assert bad == {m.loads[1][1]} and disk == {keys[0]} and bm.stats.load_failures == 1
+    assert bm.match(2, tokens + [1]).tokens == 4  # the first block, then nothing: neither RAM nor disk
+    for uid in (0, 1, 2):
+        bm.free(uid)
+    assert bm.num_cached == 1  # the bad block went back as uncached, the good one stays findable
+    # A bad block no sequence holds any more (it left before the check) leaves the LRU of cached blocks too.
+    bm.forget_loaded(m.loads[:1])
+    assert bm.num_cached == 0 and bm.num_free == 16 and bm.match(3, tokens + [1]).tokens == 0
 
 
 def test_a_block_on_the_second_tier_is_not_prefetched_when_no_block_could_hold_it():

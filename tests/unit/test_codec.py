@@ -13,7 +13,7 @@ import pytest
 from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk,
                                 NewSequence, StepPlan, TableUpdate, Trim)
 from meshlm.transport import codec
-from meshlm.transport.codec import (HEADER_SIZE, MESSAGE_TYPES, Ack, Challenge, Frame, FrameDecoder, Hello, Kind, Loaded,
+from meshlm.transport.codec import (HEADER_SIZE, MESSAGE_TYPES, VERSION, Ack, Challenge, Frame, FrameDecoder, Hello, Kind, Loaded,
                                     Proof, ProtocolError, VersionMismatch, Welcome, decode, decode_frame,
                                     decode_reason, encode, encode_frame, encode_reason, encode_reject, welcome_fields)
 
@@ -65,7 +65,8 @@ def test_other_messages_round_trip():
     for msg in (Hello(rank=3, world_size=4, nonce=bytes(range(32))),
                 Welcome(world_size=4, mac=b"\xff" * 32), Challenge(b"n" * 32), Proof(b"m" * 32),
                 Loaded(fingerprint="sha256:abc/ünï", kv_blocks=2**40),
-                Ack(step_id=2**64 - 1, fingerprint=12345, error="KeyError: uid 3")):
+                Ack(step_id=2**64 - 1, fingerprint=12345, error="KeyError: uid 3"),
+                Ack(step_id=3, fingerprint=1, times=(0.5,), missing=(b"k" * 16, b"\0" * 16))):
         kind = next(k for k, t in MESSAGE_TYPES.items() if t is type(msg))
         assert decode(kind, encode(msg)) == msg
     assert decode_reason(encode_reason("bye \ud800")) == "bye \ud800"
@@ -127,6 +128,8 @@ def test_unencodable_plans_raise_protocol_error(plan):
     (Kind.LOADED, encode(Loaded("f", 3))[:-1]),
     (Kind.LOADED, msgspec.msgpack.encode({"fingerprint": 7, "kv_blocks": 3})),  # a field of the wrong type
     (Kind.ACK, encode(Ack(1, 2))[:5]),
+    (Kind.ACK, msgspec.msgpack.encode({"step_id": 1, "fingerprint": 2, "missing": [b"short"]})),  # not a key
+    (Kind.ACK, msgspec.msgpack.encode({"step_id": 1, "fingerprint": 2, "missing": ["k" * 16]})),
     (Kind.WELCOME, b""),
     (Kind.HEARTBEAT, b""),  # carries no message
 ])
@@ -263,8 +266,8 @@ def test_a_reject_of_any_version_is_read(version):
 
 
 def test_an_unreadable_reject_of_another_version_still_names_the_version():
-    data = encode_reject(0, "why", 9)
-    with pytest.raises(VersionMismatch, match="protocol version 9"):
+    data = encode_reject(0, "why", VERSION + 1)
+    with pytest.raises(VersionMismatch, match=f"protocol version {VERSION + 1}"):
         decode_frame(data[:-1] + bytes([data[-1] ^ 1]))
 
 

@@ -485,11 +485,15 @@ def run(rank: RankState, prompts: list[list[int]], n: int = 6, blocks: BlockMana
             plan, _ = sched.schedule()
             plans.append(plan)
             result = rank.step(plan)
+            # As the engine's _check_loads: sequences that read a block the rank could not load are recomputed.
+            gone = set(sched.recompute_unloaded(plan, frozenset(result.missing))) if result.missing else set()
             sampled = {}
             if result.logits is not None:
-                sampled = {u: [t] for u, t in zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())}
+                sampled = {u: [t] for u, t in zip(result.uids, mx.argmax(result.logits, axis=-1).tolist())
+                           if u not in gone}
                 for i, u in enumerate(result.uids):
-                    logits.setdefault(u, []).append(result.logits[i])
+                    if u not in gone:
+                        logits.setdefault(u, []).append(result.logits[i])
             sched.update(plan, sampled)
         tokens[uid] = seq.output_ids
     rank.flush()
@@ -536,6 +540,26 @@ def test_a_bad_ssd_block_ends_the_match_there(path, tmp_path):
     assert [n.cached_len for p in plans for n in p.new] == [BS]  # the first block only: never a bad one
     cold = run(make_rank(path), PROMPTS[:1])
     assert tokens == cold[0] and same(logits[0], cold[1][0])
+
+
+def test_a_planned_block_a_rank_cannot_read_is_recomputed_with_the_same_tokens(path, tmp_path):
+    """Every rank reads a plan's loads from its own SSD tier, which evicts, expires and fails on its own:
+    a block the leader listed and verified may be gone on another rank. That rank used to fail the step
+    (BlockMissing), and a cluster then failed every request and restarted into the same loop. Now its
+    result names the block; the sequences that read it are recomputed, and the block is never listed again."""
+    first = run(make_rank(path, tmp_path), PROMPTS[:1])
+    rank = make_rank(path, tmp_path)
+    second = block_keys(PROMPTS[0], rank.salt)[1]
+    listed, read = rank.ssd.load, []
+    rank.ssd.load = lambda key: read.append(key) or (None if key == second else listed(key))  # "another rank's copy"
+    tokens, logits, plans, blocks = run(rank, PROMPTS[:1])
+    assert second in read and blocks.stats.load_failures == 1
+    whole = (len(PROMPTS[0]) - 1) // BS
+    # Planned from SSD, then recomputed: the first block from RAM (it loaded), the rest computed again.
+    assert [n.cached_len for p in plans for n in p.new] == [whole * BS, BS]
+    assert tokens == first[0] and same(logits[0], first[1][0])
+    again = run(make_rank(path, tmp_path), PROMPTS[:1])  # forgotten (deleted), then saved anew by the recompute
+    assert again[3].stats.hits_ssd == whole and again[0] == first[0]
 
 
 @pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
