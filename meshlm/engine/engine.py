@@ -666,9 +666,10 @@ class Engine:
             self.metrics.itl.observe(now - t.last_token_time)
         t.last_token_time = now
         text, shown = "", 0
+        before = len(t.seq.output_ids) - len(tokens)  # generated before this run
         for i, token in enumerate(tokens):
             is_eos = i == len(tokens) - 1 and t.seq.finished and t.seq.finish_reason is FinishReason.STOP
-            text += "" if is_eos else t.stop.feed(t.detok.add(token))
+            text += "" if is_eos else t.stop.feed(t.detok.add(token), armed=before + i + 1 > t.seq.params.min_tokens)
             shown = i + 1
             if t.stop.stopped:
                 break

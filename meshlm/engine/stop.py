@@ -41,7 +41,9 @@ class _Automaton:
             k = self.fail[k - 1]
         if ch == p[k]:
             k += 1
-        self.state = k
+        # After a whole match, what can still grow into the next one is its longest border (a match that
+        # was no stop, StopMatcher.feed's `armed`, is followed on from there).
+        self.state = self.fail[k - 1] if k == len(p) else k
         return k == len(p)
 
 
@@ -52,8 +54,10 @@ class StopMatcher:
         self.pending = ""  # received, not yet shown: at most the longest stop string's length
         self.stopped = False
 
-    def feed(self, piece: str) -> str:
-        """Add decoded text; return what may be shown now. Sets `stopped` on a match."""
+    def feed(self, piece: str, armed: bool = True) -> str:
+        """Add decoded text; return what may be shown now. Sets `stopped` on a match. `armed` false: a
+        match ending in this piece is no stop (the piece's token is within min_tokens; as vLLM, whose
+        detokenizer checks stop strings only past them), but the text is still followed for later ones."""
         if self.stopped:
             return ""
         if not self.automata:
@@ -62,7 +66,7 @@ class StopMatcher:
         base = len(self.pending) - len(piece)
         for i, ch in enumerate(piece):
             done = [a for a in self.automata if a.step(ch)]
-            if done:
+            if done and armed:
                 self.stopped = True
                 end = base + i + 1
                 return self.pending[: end if self.include else end - max(len(a.pattern) for a in done)]

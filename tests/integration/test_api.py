@@ -110,6 +110,29 @@ def test_a_stop_string_matched_on_the_last_allowed_token_is_a_stop(client):
     assert events[-2]["usage"]["completion_tokens"] == 80
 
 
+def test_a_stop_string_within_min_tokens_is_no_stop(client):
+    """vLLM checks stop strings only once min_tokens are out (its detokenizer skips them before): a match
+    ending within them is shown as text, and the first one ending past them stops. It used to stop there."""
+    req = {"prompt": "once upon a time", "max_tokens": 20, "temperature": 0, "logprobs": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    text, offsets = full["text"], full["logprobs"]["text_offset"]
+    stop = text[6:9]
+
+    def token_ending(end: int) -> int:  # how many tokens it takes to write text[:end]
+        return sum(1 for o in offsets if o < end)
+
+    first = text.index(stop) + len(stop)
+    min_tokens = token_ending(first)
+    later = [i for i in range(len(text)) if text.startswith(stop, i) and token_ending(i + len(stop)) > min_tokens]
+    want = (text[: later[0]], "stop") if later else (text, "length")
+    got = client.post("/v1/completions", json={**req, "stop": [stop], "min_tokens": min_tokens}).json()["choices"][0]
+    assert (got["text"], got["finish_reason"]) == want
+    with client.stream("POST", "/v1/completions", json={**req, "stop": [stop], "min_tokens": min_tokens,
+                                                      "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want[0]
+
+
 def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
     """vLLM's extension: once silently ignored (the stop string was cut), now honoured, streamed or not."""
     req = {"prompt": "once upon a time", "max_tokens": 20, "temperature": 0}

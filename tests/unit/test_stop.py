@@ -147,3 +147,13 @@ def test_include_shows_the_stop_string_and_nothing_after_it(seed):
     m = StopMatcher(stops, include=True)
     shown = "".join(m.feed(piece) for piece in random_split(text, rng)) + m.flush()
     assert shown == text[:end] and m.stopped
+
+
+def test_a_match_that_is_no_stop_is_shown_and_the_next_one_stops():
+    """Within min_tokens a stop string is no stop (vLLM checks them only past min_tokens): its text is
+    shown, and a later occurrence, overlapping it or not, stops."""
+    m = StopMatcher(("abab",))
+    assert m.feed("xabab", armed=False) == "xab" and not m.stopped  # "ab" may start the next "abab"
+    assert m.feed("ab") == "" and m.stopped  # "ab" + "ab": the border grew into a whole match
+    m = StopMatcher(("END",))
+    assert m.feed("1 END", armed=False) + m.feed(" 2 EN") == "1 END 2 " and m.feed("D tail") == "" and m.stopped
