@@ -667,9 +667,14 @@ class Engine:
         t.last_token_time = now
         text, shown = "", 0
         before = len(t.seq.output_ids) - len(tokens)  # generated before this run
+        # The token a run ended on (EOS or a stop token id) is not shown, unless include_stop_str_in_output
+        # asks for it, as vLLM's detokenizer (EOS, a special token, decodes to nothing then).
+        stop_token = t.seq.finished and t.seq.finish_reason is FinishReason.STOP and not t.stop.include
         for i, token in enumerate(tokens):
-            is_eos = i == len(tokens) - 1 and t.seq.finished and t.seq.finish_reason is FinishReason.STOP
-            text += "" if is_eos else t.stop.feed(t.detok.add(token), armed=before + i + 1 > t.seq.params.min_tokens)
+            if stop_token and i == len(tokens) - 1:
+                shown = i + 1
+                break
+            text += t.stop.feed(t.detok.add(token), armed=before + i + 1 > t.seq.params.min_tokens)
             shown = i + 1
             if t.stop.stopped:
                 break
@@ -677,14 +682,18 @@ class Engine:
         lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
         if text or lps or not t.seq.finished:
             t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps))
-        # A stop string matched on the last allowed token is a stop: vLLM checks stop strings before the
-        # length limit, and the scheduler, which sees no text, has already ended the sequence on length.
-        if t.stop.stopped and t.seq.finish_reason in (None, FinishReason.LENGTH):
-            with self._lock:
-                if shown < len(tokens):  # the rest of the run was never shown: it was not generated
-                    del t.seq.output_ids[len(t.seq.output_ids) - (len(tokens) - shown):]
+        if not t.stop.stopped:
+            return
+        ended = t.seq.finish_reason  # the scheduler's, which sees no text: None, or the run's last token's
+        with self._lock:
+            if shown < len(tokens):  # the rest of the run was never shown: it was not generated (nor counted)
+                del t.seq.output_ids[len(t.seq.output_ids) - (len(tokens) - shown):]
+            if ended in (None, FinishReason.LENGTH):
+                # A stop string matched on the last allowed token is a stop: vLLM checks stop strings before
+                # the length limit.
                 self.scheduler.finish(t.seq, FinishReason.STOP)
-            self._finish(uid, FinishReason.STOP)
+        if ended in (None, FinishReason.LENGTH):
+            self._finish(uid, FinishReason.STOP)  # else the scheduler's finish follows, with the trimmed count
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for f in finished:
@@ -696,9 +705,11 @@ class Engine:
             self.speculator.drop(uid)
         if t is None:
             return
-        # A dangling partial character or held-back stop prefix is released unless
-        # the sequence ended on a stop token or string (which are never shown).
-        tail = "" if reason is FinishReason.STOP else t.stop.feed(t.detok.flush()) + t.stop.flush()
+        # A dangling partial character and text held back as a possible stop string's start are released
+        # however the sequence ended (as vLLM's detokenizer, which holds nothing back once finished); after
+        # a matched stop string the matcher releases nothing. (EOS used to drop them: "Paris." with stop
+        # ["..."] ended "Paris".)
+        tail = t.stop.feed(t.detok.flush()) + t.stop.flush()
         self.metrics.requests.labels(status=reason.value).inc()
         self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
         t.emit(
