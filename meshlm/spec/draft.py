@@ -127,6 +127,10 @@ class DraftModel:
             fresh = uid not in self._held
             held = self._held.setdefault(uid, _Held())
             agree = held.synced + common_prefix(held.extra, seq.token_slice(held.synced, held.length))
+            # The step feeds at least the sequence's last token: its logits draw the first draft. The draft's
+            # KV may already hold it (drafts cut by the token budget, the target's own token equal to the
+            # next draft, a row that decoded plainly): an empty chunk failed the engine's step.
+            agree = min(agree, seq.num_tokens - 1)
             trim = None
             if agree < held.length:
                 self.blocks.trim(uid, agree)

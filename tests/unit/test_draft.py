@@ -89,6 +89,17 @@ def test_rollback_keeps_the_draft_kv_in_step_with_the_sequence(other):
         s.output_ids += drafts[:accepted] + [nxt % 400]
 
 
+def test_a_sequence_the_draft_kv_already_holds_whole_still_drafts(other):
+    """Regression: when the sequence's tokens were exactly the draft's KV (two drafts taken, the target's
+    own token equal to the second: drafts cut by the token budget), the catch-up chunk was empty and the
+    engine's step failed (SplitBrain: '... its table covers 2 blocks'); three such and the server exited."""
+    draft = draft_model(other)
+    s = seq(0, PROMPTS[0])
+    drafts = list(draft.propose([row(s, 3)])[0].tokens)
+    s.output_ids += drafts[:2]  # the KV holds the prompt and the first two drafts: all of the sequence
+    assert list(draft.propose([row(s, 3)])[0].tokens) == greedy(other, s.all_ids, 3)
+
+
 def test_eviction_when_the_draft_kv_is_full(other):
     budget = 2 * 1 * 1 * BS * 16 * 4 * 6  # six blocks: K and V, 1 layer, 1 kv head, head_dim 16, fp32
     draft = draft_model(other, budget)
