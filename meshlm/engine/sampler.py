@@ -1,10 +1,12 @@
 """The sampler (leader only): turns a step's logits into tokens.
 
-Per-sequence state lives in `SeqSampling`: a PRNG key (split once per token, so
-a seeded request draws the same tokens whatever else shares its batch), the
-counts of generated tokens for presence/frequency penalties, and what the
-logit processors need (the prompt's tokens for the repetition penalty, the
-tokens banned until `min_tokens`).
+Per-sequence state lives in `SeqSampling`: the seed, from which each output
+token's PRNG key is derived by the token's index alone (so a seeded request
+draws the same tokens whatever else shares its batch, and whether or not a
+step verified drafts: spec/rejection.py), the counts of generated tokens for
+presence/frequency penalties, and what the logit processors need (the
+prompt's tokens for the repetition penalty, the tokens banned until
+`min_tokens`).
 
 Order, as vLLM applies it: logit bias and the min_tokens ban, then the
 repetition, frequency and presence penalties (logprobs are reported from
@@ -24,14 +26,25 @@ from meshlm.engine.grammar import Constraint
 from meshlm.engine.request import SamplingParams, TokenLogprob
 
 
+def _mix(seed: int, index: int) -> int:
+    """splitmix64 of the seed stepped `index + 1` times: unrelated-looking 64-bit values for neighbouring
+    indices and seeds."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class SeqSampling:
     params: SamplingParams
-    key: mx.array
+    seed: int  # the request's (mod 2**64), or a random one
     counts: Counter = field(default_factory=Counter)
     prompt_ids: frozenset[int] = frozenset()  # only kept when a repetition penalty needs them
     banned: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are generated
     constraint: Constraint | None = None  # the grammar's state (structured outputs)
+    generated: int = 0  # tokens taken so far
+    _key: mx.array | None = None  # next_key's chain
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int] = (),
@@ -40,22 +53,28 @@ class SeqSampling:
         seed = params.seed % 2**64 if params.seed is not None else random.getrandbits(63)
         prompt = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
         banned = tuple(sorted(set(eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
-        return cls(params, mx.random.key(seed), prompt_ids=prompt, banned=banned, constraint=constraint)
+        return cls(params, seed, prompt_ids=prompt, banned=banned, constraint=constraint)
+
+    def token_key(self, ahead: int = 0) -> mx.array:
+        """The key that draws output token number `generated + ahead`: a function of the seed and that
+        index alone, however many keys other draws took (a verify step's, a draft model's)."""
+        return mx.random.key(_mix(self.seed, self.generated + ahead))
 
     def next_key(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
+        """A fresh key for draws that decide no output token by themselves (a draft model's drafts,
+        rejection sampling's uniforms and residuals)."""
+        if self._key is None:
+            self._key = mx.random.key(_mix(self.seed, -1))
+        self._key, sub = mx.random.split(self._key)
         return sub
 
     def record(self, tokens: list[int]) -> None:
         """The tokens a step took: counted for the penalties, consumed by the grammar."""
         for t in tokens:
             self.counts[t] += 1
+        self.generated += len(tokens)
         if self.constraint is not None:
             self.constraint.advance(tokens)
-
-    @property
-    def generated(self) -> int:
-        return sum(self.counts.values())
 
 
 def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (),
@@ -124,7 +143,7 @@ class Draw:
 
 def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
     """Build the sampling graph of one token per row. `logits` is (rows, vocab) float32; `states` one per
-    row. Each state's key is split now, so what `take` reads is what plain sampling would have drawn."""
+    row. Each row draws with its next token's key (`SeqSampling.token_key`)."""
     rows = [process_logits(logits[i], s, allowed=s.constraint.allowed() if s.constraint else None)
             for i, s in enumerate(states)]
     tokens = []
@@ -132,7 +151,7 @@ def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
         if s.params.greedy:
             tokens.append(mx.argmax(row))
         else:
-            tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.next_key()))
+            tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.token_key()))
     tokens_arr = mx.stack(tokens)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp)

@@ -17,6 +17,16 @@ top-p (engine/sampler.py's own functions).
   is accepted, sample a bonus token from p_K. The emitted tokens are then
   distributed exactly as plain sampling's. An n-gram draft is a point mass
   (q_j(d_j) = 1), so acceptance is p_j(d_j) and the residual is p_j without d_j.
+- Seeded sampling: row j draws the target's own token with the key plain
+  decoding would draw output token j with (`SeqSampling.token_key`), and
+  drafts are accepted while they equal those draws, as greedy's argmaxes. The
+  text is then exactly plain seeded sampling's, whatever the drafts, the
+  batch or the load (with rejection sampling a seeded request drew other
+  numbers on a step that verified, and whether a step verifies depends on
+  other traffic). Each token is still drawn from p_j. For an n-gram draft the
+  acceptance is p_j(d_j), as rejection sampling's; for a model draft it is
+  sum(p q), below rejection sampling's sum(min(p, q)): the price of
+  reproducibility.
 
 Everything for a batch of rows is built lazily and evaluated once.
 """
@@ -69,8 +79,11 @@ def verify(proposals: list[Proposal], on_host: bool = False) -> list[Verified]:
 
 
 @dataclass
-class _Greedy:
-    targets: mx.array  # (K + 1,) argmax per row
+class _Targets:
+    """Drafts accepted while they equal the target's own token per row: its argmax, or a seeded row's
+    draw with that position's key."""
+
+    targets: mx.array  # (K + 1,)
     rows: list[mx.array]
 
     @property
@@ -123,15 +136,18 @@ class _Stochastic:
         return list(drafts[:a]) + [last], a
 
 
-def _graph(p: Proposal) -> _Greedy | _Stochastic:
+def _graph(p: Proposal) -> _Targets | _Stochastic:
     k = len(p.drafts)
     c = p.state.constraint
     rows = [process_logits(p.logits[j], p.state, p.drafts[:j], c.allowed(j, p.drafts) if c else None)
             for j in range(k + 1)]
     params = p.state.params
     if params.greedy:
-        return _Greedy(mx.argmax(mx.stack(rows), axis=-1), rows)
+        return _Targets(mx.argmax(mx.stack(rows), axis=-1), rows)
     filtered = mx.stack([filter_logits(r, params) for r in rows])  # (K + 1, vocab), -inf outside the kept set
+    if params.seed is not None:
+        return _Targets(mx.stack([mx.random.categorical(filtered[j], key=p.state.token_key(j))
+                                  for j in range(k + 1)]), rows)
     probs = mx.softmax(filtered, axis=-1)
     bonus = mx.random.categorical(filtered[k], key=p.state.next_key())
     if k == 0:

@@ -135,6 +135,25 @@ def test_a_stop_string_on_the_last_tokens_of_an_accepted_run_is_a_stop(spec, ref
     assert got == [(cut, "stop", k) for _, _, cut, k in cases]
 
 
+def test_a_seeded_request_draws_plain_decodings_text_alone_and_under_load(spec, plain):
+    """Regression: a verify step drew other random numbers than plain decoding, so a seeded request's
+    text changed with which of its steps verified drafts, which depends on other traffic (a bug hunt:
+    'lazy dog.' alone, 'lazy dogs.' beside six other requests). Each token is now drawn with its
+    position's key, drafted or not."""
+    prompts = [p for i, p in enumerate(_prompts(8)) if i % 4]  # repetitive: n-grams match, drafts verify
+    body = {"max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 99}
+    want = _texts(asyncio.run(_complete_all(plain.url, prompts, **body)))
+    before = spec.metric("meshlm_spec_draft_tokens_total")
+    alone = [_texts(asyncio.run(_complete_all(spec.url, [p], **body)))[0] for p in prompts]
+
+    async def loaded():
+        others = _complete_all(spec.url, _prompts(), max_tokens=40)
+        return (await asyncio.gather(_complete_all(spec.url, prompts, **body), others))[0]
+
+    assert alone == want and _texts(asyncio.run(loaded())) == want
+    assert spec.metric("meshlm_spec_draft_tokens_total") > before
+
+
 def test_a_stop_string_in_one_stream_leaves_the_others_untouched(spec, plain, reference):
     """Regression: a sequence ended by a stop string while the next step ran made the engine drop that
     step's tokens for every other row."""

@@ -3,7 +3,9 @@ distribution (a chi-square test on the first two tokens of a small-vocabulary "m
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from collections import Counter
 
 import mlx.core as mx
@@ -141,16 +143,19 @@ def two_tokens(state: SeqSampling, k: int, ngram: bool, rng: np.random.Generator
     return out[0], out[1]
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
 @pytest.mark.parametrize("ngram", [True, False], ids=["ngram", "draft-model"])
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, seed=1),
-    SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
 ], ids=["plain", "top-k-top-p"])
-def test_speculative_sampling_matches_the_target_distribution(ngram, params):
+def test_speculative_sampling_matches_the_target_distribution(ngram, params, seeded):
     """Joint distribution of the first two tokens against the exact p(t1) p(t2 | t1); chi-square at a
-    1e-3 false-failure rate (the seed is fixed, so the run is deterministic)."""
+    1e-3 false-failure rate. Unseeded rows verify by rejection sampling, seeded ones by their positions'
+    draws; the seed is fixed either way (the unseeded one by `random`'s), so the run is deterministic."""
     n = 2500
-    state = SeqSampling.create(params)
+    random.seed(3)
+    state = SeqSampling.create(dataclasses.replace(params, seed=1) if seeded else params)
     rng = np.random.default_rng(0)
     seen = Counter(two_tokens(state, 3, ngram, rng) for _ in range(n))
     p1 = exact_probs((), params)
@@ -166,6 +171,33 @@ def test_speculative_sampling_matches_the_target_distribution(ngram, params):
         chi2 += (rest_o - rest_e) ** 2 / rest_e
         df += 1
     assert chi2 < chi2_critical(df), (chi2, df)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=7),
+                                    SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=8)],
+                         ids=["plain", "top-k-top-p"])
+def test_a_seeded_row_emits_what_plain_seeded_sampling_draws_whatever_the_drafts(params):
+    """Regression: a verify step drew its own keys (uniforms, residual, bonus), so a seeded request's text
+    depended on which steps verified drafts, which depends on other traffic. Now each position draws with
+    the key plain decoding draws that token with: the same text, drafted or not, whatever the drafts."""
+    plain = SeqSampling.create(params)
+    want: list[int] = []
+    for _ in range(12):
+        [tok], _ = sample(mx.array(target_logits(tuple(want)))[None], [plain])
+        want.append(tok)
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+        state, got = SeqSampling.create(params), []
+        while len(got) < len(want):
+            k = int(rng.integers(0, 5))
+            # Drafts: the plain text's next tokens, with one changed at random (or none).
+            drafts = list(want[len(got): len(got) + k])
+            if drafts and rng.random() < 0.5:
+                drafts[int(rng.integers(len(drafts)))] = int(rng.integers(V))
+            logits = mx.array(np.stack([target_logits(tuple(got) + tuple(drafts[:j])) for j in range(len(drafts) + 1)]))
+            [v] = verify([Proposal(logits, tuple(drafts), state)])
+            got += v.tokens
+        assert got[: len(want)] == want, trial
 
 
 def test_host_argmax_verifies_like_mlx_on_a_batch_of_random_rows():
