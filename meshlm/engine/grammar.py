@@ -99,7 +99,7 @@ class Grammars:
                 self._cache.move_to_end(grammar)
         if hit is None:
             hit = self._compile(grammar)  # outside the lock: compiling can take a while (it drops the GIL)
-            if isinstance(hit, _Slow):  # timed on a possibly busy machine: refused now, not remembered
+            if isinstance(hit, _Slow):  # timed, so not quite repeatable: refused now, not remembered
                 raise GrammarError(str(hit))
             with self._lock:
                 self._cache[grammar] = hit
@@ -124,10 +124,12 @@ class Grammars:
         matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         # llguidance builds its lexer lazily: the first mask is where a pathological grammar costs.
         # Computing it here (on the API's worker thread, not the engine's) bounds that cost per request.
+        # This thread's CPU time, not the wall clock: on a busy machine (a CI run, other requests) the
+        # wall clock counted time the thread waited for a core, and refused a 2 ms grammar at 116 ms.
         probe = matcher.deep_copy()
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         probe.compute_bitmask()
-        took = time.perf_counter() - t0
+        took = time.thread_time() - t0
         if matcher.is_error() or probe.is_error():
             return GrammarError(_first_line(matcher.get_error() or probe.get_error()))
         if took > MAX_FIRST_MASK_SECONDS:
