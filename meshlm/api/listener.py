@@ -13,12 +13,15 @@ import errno
 import socket
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default (it listens again on this socket with its own)
+
+
 class ListenError(ValueError):
     """The server cannot listen where it was told to; the message says why and what to change."""
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for `host:port` (uvicorn listens on it); raises ListenError."""
+    """A listening TCP socket for `host:port` (uvicorn serves on it); raises ListenError."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
@@ -33,6 +36,11 @@ def bind(host: str, port: int) -> socket.socket:
         # As uvicorn binds: a restart may reuse the port while old connections linger in TIME_WAIT.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # Listening now is what holds the port: Linux lets two SO_REUSEADDR sockets bind one port while
+        # neither listens, so a second server started beside the first loaded its model, said it served,
+        # then died in uvicorn's listen with a traceback. A client connecting meanwhile waits in the
+        # backlog and is answered once the server is ready.
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         hint = " (another server there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""

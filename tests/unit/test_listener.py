@@ -41,3 +41,17 @@ def test_a_taken_port_is_a_sentence():
         taken.listen()
         with pytest.raises(listener.ListenError, match="another server there"):
             listener.bind("127.0.0.1", taken.getsockname()[1])
+
+
+def test_a_second_server_bound_while_the_first_loads_is_refused_at_once():
+    """Regression: the listener was only bound until uvicorn listened, after the model load. Linux lets two
+    SO_REUSEADDR sockets bind one port while neither listens, so a second server on the same --port
+    loaded its model, said it served, then died with uvicorn's traceback."""
+    first = listener.bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(listener.ListenError, match="another server there"):
+            listener.bind("127.0.0.1", first.getsockname()[1]).close()
+        with socket.create_connection(first.getsockname(), timeout=5):  # a client waits in the backlog
+            pass
+    finally:
+        first.close()
