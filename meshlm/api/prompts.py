@@ -90,6 +90,9 @@ class PromptBuilder:
 
     def _chat_sync(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         messages, extra = template_messages(req, tools, self.tokenizer)
+        extra = {**(req.chat_template_kwargs or {}), **extra}
+        if req.documents is not None:
+            extra["documents"] = req.documents
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support

@@ -23,6 +23,7 @@ MAX_N = 16
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CHOICES = 1024  # structured_outputs.choice entries
+MAX_DOCUMENTS = 1024  # chat `documents`
 
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
@@ -32,6 +33,12 @@ _UNSUPPORTED_VLLM = ("prompt_logprobs", "truncate_prompt_tokens", "use_beam_sear
                      "continue_final_message")
 _VLLM_DEFAULTS = {"use_beam_search": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                   "add_generation_prompt": True, "continue_final_message": False}
+# What meshlm passes to the chat template itself, or what changes how it is called: not a template variable
+# a client may set through `chat_template_kwargs`.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                 "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+                                 "max_length", "tokenizer_kwargs"})
 # vLLM's older names for `structured_outputs` (still sent by many clients): the same constraints.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -275,6 +282,24 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's extensions: more variables for the chat template (Qwen3's `enable_thinking`, say), and
+    # retrieval documents for templates that render them.
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    echo: Any = None  # vLLM's extension (the last message prepended to the reply): refused unless false
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"may not set {', '.join(taken)}: the request's own fields say those")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: Any) -> Any:
+        return value if value is False else _refuse("echo", value)
 
     @field_validator("tools")
     @classmethod

@@ -234,3 +234,44 @@ def test_startup_log_names_blas_and_cpu_kernels(server):
     native, status = native_ops()
     assert f"CPU kernels: native: {status}" in log  # the compiled kernels, or why not
     assert ("attention: CPU kernels (compiled, paged decode)" if native else "attention: CPU kernels (MLX ops)") in log
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% for d in documents or [] %}{{ 'DOC: ' + d['text'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def test_chat_template_kwargs_and_documents_reach_the_template(tiny_model, tmp_path):
+    """vLLM's extensions: were accepted and ignored, so a client could never turn a Qwen3's thinking off
+    (`enable_thinking`) nor hand a template its `documents`. A non-object or a reserved name is a 400;
+    so is chat `echo` (it was ignored too)."""
+    import shutil
+
+    import httpx
+    from conftest import ServerProcess
+
+    model = tmp_path / "templated"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    srv = ServerProcess(model, "--max-model-len", "512", log_dir=tmp_path)
+    try:
+        def prompt_tokens(**extra) -> httpx.Response:
+            return httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={**CHAT, "max_tokens": 1, **extra})
+
+        plain = prompt_tokens().json()["usage"]["prompt_tokens"]
+        off = prompt_tokens(chat_template_kwargs={"enable_thinking": False}).json()["usage"]["prompt_tokens"]
+        on = prompt_tokens(chat_template_kwargs={"enable_thinking": True}).json()["usage"]["prompt_tokens"]
+        docs = prompt_tokens(documents=[{"title": "t", "text": "a long document"}]).json()["usage"]["prompt_tokens"]
+        refused = [prompt_tokens(chat_template_kwargs="abc"), prompt_tokens(chat_template_kwargs={"tokenize": True}),
+                   prompt_tokens(documents=[{"text": 5}]), prompt_tokens(echo=True)]
+        assert prompt_tokens(echo=False).status_code == 200
+    finally:
+        srv.stop()
+    # mlx-lm's tokenizer passes enable_thinking=False by default to a tokenizer without think tokens.
+    assert off == plain > on and plain < docs
+    assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
+    assert "tokenize" in refused[1].json()["error"]["message"]
