@@ -22,7 +22,10 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GB or 512MiB)")
     scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
-    value = int(float(m.group(1)) * scale)
+    try:
+        value = int(float(m.group(1)) * scale)
+    except (ValueError, OverflowError):  # '1.2.3', or past a float ('1e400' is infinity)
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GB or 512MiB)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError("size must be positive")
     return value

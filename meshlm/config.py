@@ -81,6 +81,8 @@ class CacheConfig:
             raise ValueError("block_size must be >= 1")
         _check_positive("--ssd-cache-gb", self.ssd_cache_gb)
         _check_positive("--ssd-ttl-days", self.ssd_ttl_days)
+        if self.enabled and self.ssd and not self.cache_dir.strip():  # Path("") is the working directory
+            raise ValueError("--kv-cache-dir must not be empty (--no-ssd-cache turns the SSD tier off)")
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
@@ -129,6 +131,7 @@ class SpeculativeConfig:
 
 
 BACKENDS = ("ring", "jaccl", "mpi")
+MAX_RANKS = 1024  # far beyond a cluster of Macs; a larger count only ever reached an OverflowError
 CP_ALGORITHMS = ("auto", "pass-kv", "pass-q")
 
 
@@ -170,6 +173,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if min(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) < 1:
             raise ValueError("--tensor-parallel, --pipeline-parallel and --context-parallel must be >= 1")
+        if max(self.tensor_parallel, self.pipeline_parallel, self.context_parallel) > MAX_RANKS:
+            raise ValueError(f"--tensor-parallel, --pipeline-parallel and --context-parallel must be <= {MAX_RANKS}")
         if sum(n > 1 for n in (self.tensor_parallel, self.pipeline_parallel, self.context_parallel)) > 1:
             raise ValueError("--tensor-parallel, --pipeline-parallel and --context-parallel cannot be combined yet: "
                              "choose one")

@@ -35,7 +35,19 @@ def test_the_defaults_parse():
     (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--role", "prefill", "--prefill-port", "8000", "--port", "8000"), "--prefill-port and --port are both 8000"),
+    (("--pipeline-parallel", str(10**30)), "must be <= 1024"),  # was an OverflowError laying out the stages
+    (("--kv-cache-dir", ""), "--kv-cache-dir must not be empty"),  # was the working directory
 ])
 def test_meaningless_values_are_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words):
         parse(*flags)
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e400GB", "1.2.3", "e", "."])
+def test_a_size_past_a_float_or_not_a_number_is_an_argument_error(text):
+    """Regression: '1e400' (infinity) raised OverflowError, which argparse does not catch: a traceback."""
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        cli.parse_bytes(text)
+    assert cli.parse_bytes("1.5KiB") == 1536 and cli.parse_bytes("1e3") == 1000
