@@ -79,7 +79,10 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
     kv_tokens = kv_blocks * rank.block_size
     max_len = min(config.model.max_model_len or loaded.context_length, kv_tokens)
     if max_len < 2:
-        raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
+        if kv_tokens < 2:
+            raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
+        given = "--max-model-len" if config.model.max_model_len else "the model's max_position_embeddings"
+        raise ValueError(f"a context of {max_len} position(s) ({given}) leaves no room to generate: at least 2")
     if max_len > loaded.context_length:  # served (long-context runs use it), but say so, as vLLM refuses it
         log.warning("max model len %d (--max-model-len) is beyond the model's own context (%d positions): "
                     "positions past it were never trained, and output there may be garbage", max_len,

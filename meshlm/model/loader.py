@@ -230,6 +230,9 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     # mlx-lm's ModelArgs: a config.json without a field the model needs, or a size MLX cannot hold (int32)
     except (TypeError, KeyError, OverflowError) as exc:
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # transformers' and mlx-lm's own checks of the JSON files (a field of the wrong
+        # type in config.json, a generation_config.json that is not an object): the model's files, not a bug
+        raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_first_line(str(exc))}") from None
     check_tokenizer(tokenizer, path)
     # Beside the tokenizer's other check, before a shard's or a stage's (lazy) weights are read.
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
@@ -258,10 +261,15 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
-    name = cfg.served_name or ("demo" if cfg.path == "demo" else path.name)
+    # The directory's own name, also for `--model .` (whose Path name is "")
+    name = cfg.served_name or ("demo" if cfg.path == "demo" else path.resolve().name or str(path))
     log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,
                        int(config["vocab_size"]), generation_defaults(path))
+
+
+def _first_line(text: str) -> str:
+    return next(iter(text.splitlines()), "")
 
 
 def keep_stage(model: nn.Module, stage: StageSlice) -> None:
@@ -292,4 +300,7 @@ def generation_defaults(path: Path) -> dict:
         return {}
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path / 'generation_config.json'} is not readable JSON: {exc}") from None
-    return {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}
+    defaults = {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}
+    if defaults.get("top_k") == -1:  # off, as vLLM and the request API read it (many exports write -1)
+        defaults["top_k"] = 0
+    return defaults

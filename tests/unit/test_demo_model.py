@@ -314,6 +314,11 @@ def test_demo_export_matches_gguf_weights(smol):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "eos_token_id": 10**9})),
      "end-of-sequence token id(s) [1000000000] are outside"),  # served, every answer ran to max_tokens
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "max_position_embeddings": "abc"})),
+     "cannot load the model in"),  # transformers' own field check: was its traceback
+    (lambda d: (d / "generation_config.json").write_text("[1]"),
+     "cannot load the model in"),  # mlx-lm read it as an object: was an AttributeError traceback
 ])
 def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, break_it, words):
     from meshlm.config import ModelConfig
@@ -336,3 +341,31 @@ def test_a_model_directory_without_its_tokenizer_files_is_refused(tmp_path):
         (model / name).unlink()
     with pytest.raises(ValueError, match="turns text into no tokens"):
         load_model(ModelConfig(str(model)))
+
+
+def test_served_names_and_shipped_defaults(tmp_path, monkeypatch):
+    """`--model .` was served as "" (a Path's name); a generation_config.json's top_k -1 (off, as vLLM and
+    the request API read it) refused to start."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import generation_defaults, load_model
+
+    model = demo.make_tiny(tmp_path / "named", layers=1, hidden=32, heads=2, kv_heads=1)
+    monkeypatch.chdir(model)
+    assert load_model(ModelConfig(".")).name == "named"
+    (model / "generation_config.json").write_text(json.dumps({"top_k": -1, "temperature": 0.6}))
+    assert generation_defaults(model) == {"top_k": 0, "temperature": 0.6}
+
+
+def test_a_context_too_short_to_generate_names_the_context_not_the_kv_budget(tmp_path):
+    """A model whose own context is 1 position was refused as 'KV budget holds only 12342016 tokens'."""
+    from meshlm.app import build_engine
+    from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
+    cfg = ServeConfig(model=ModelConfig(str(model)), cache=CacheConfig(enabled=False),
+                      scheduler=SchedulerConfig(kv_cache_memory=2**24))
+    with pytest.raises(ValueError, match="a context of 1 position.*max_position_embeddings"):
+        build_engine(cfg, load_model(cfg.model))
