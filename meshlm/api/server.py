@@ -39,7 +39,9 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), type_="invalid_request_error").response()
+        # Starlette's headers too: a 405 says which methods the route takes (`Allow`, RFC 9110 requires it)
+        return APIError(exc.status_code, str(exc.detail), type_="invalid_request_error",
+                        headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

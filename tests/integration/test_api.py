@@ -275,3 +275,11 @@ def test_chat_template_kwargs_and_documents_reach_the_template(tiny_model, tmp_p
     assert off == plain > on and plain < docs
     assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
     assert "tokenize" in refused[1].json()["error"]["message"]
+
+
+def test_a_method_the_route_does_not_take_is_a_405_saying_which_it_takes(client):
+    """The JSON 405 dropped Starlette's `Allow` header (RFC 9110 requires it; FastAPI and vLLM send it)."""
+    for method, path, allowed in (("DELETE", "/health", "GET"), ("GET", "/v1/chat/completions", "POST")):
+        r = client.request(method, path)
+        assert r.status_code == 405 and allowed in r.headers.get("allow", ""), (method, path, r.headers)
+        assert r.json()["error"]["type"] == "invalid_request_error"
