@@ -146,6 +146,10 @@ def tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tok
 
 
+MAX_TINY_VOCAB = 1 << 20  # beyond any published model's (262,144 is the largest common one)
+MAX_TINY_PARAMS = 2**31  # 8 GiB of float32
+
+
 def _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed) -> None:
     if model_type not in TINY_TYPES:
         raise ValueError(f"model_type must be one of {TINY_TYPES}, got {model_type!r}")
@@ -161,10 +165,14 @@ def _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed) -
         raise ValueError(f"head dim hidden/heads ({hidden // heads}) must be even for RoPE")
     min_vocab = 256 + 3  # byte alphabet + ChatML specials
     if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool)
-                              or vocab < min_vocab):
-        raise ValueError(f"vocab must be an int >= {min_vocab}, got {vocab!r}")
+                              or not min_vocab <= vocab <= MAX_TINY_VOCAB):
+        raise ValueError(f"vocab must be an int in {min_vocab}..{MAX_TINY_VOCAB}, got {vocab!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    # Past these the tokenizer builder crashed (a segfault at a vocabulary of 10**8) or MLX overflowed.
+    params = (vocab or 512) * hidden * 2 + layers * 8 * hidden * hidden
+    if params > MAX_TINY_PARAMS:
+        raise ValueError(f"about {params:.3g} parameters: a random test model holds at most {MAX_TINY_PARAMS:.3g}")
 
 
 TINY_DTYPES = ("float32", "bfloat16", "float16")

@@ -137,6 +137,8 @@ def test_tiny_tokenizer_round_trips(tmp_path):
         {"hidden": 12, "heads": 4, "kv_heads": 2},  # odd head dim
         {"vocab": 100},
         {"seed": "0"},
+        {"vocab": 10**8},  # the tokenizer builder segfaulted
+        {"hidden": 10**10, "heads": 10**5},  # an OverflowError traceback
     ],
 )
 def test_make_tiny_rejects_bad_args(tmp_path, kwargs):
