@@ -269,6 +269,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's answer names the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """An image or audio part: said so, not pydantic's 'content.str: Input should be a valid string'."""
+        if isinstance(value, list):
+            kinds = {p.get("type") for p in value if isinstance(p, dict)} - {"text"}
+            if kinds:
+                shown = ", ".join(sorted(repr(k)[:40] for k in kinds))
+                raise ValueError(f"content parts of type {shown} are not supported: this server takes text only")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)

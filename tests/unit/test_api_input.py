@@ -156,3 +156,16 @@ def test_sampling_defaults_resolution():
     for bad in ({"temperature": 7}, {"top_p": "high"}):
         with pytest.raises(ValueError):
             SamplingDefaults.resolve(bad)
+
+
+def test_a_content_part_that_is_not_text_is_refused_saying_so():
+    """An image_url part was refused as 'messages.0.content.str: Input should be a valid string'."""
+    from pydantic import ValidationError
+
+    from meshlm.api.schemas import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(ValidationError, match="content parts of type 'image_url' are not supported"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts[:1]}]})
+    assert ok.messages[0].text() == "what is this?"
