@@ -53,18 +53,29 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
     for flag in ("--rank", "--hostfile", "--tensor-parallel", "--backend"):
         if flag in serve_argv:
             raise ClusterError(f"{flag} is set by meshlm launch; remove it from the serve options")
-    stages = _flag_value(serve_argv, "--pipeline-parallel")
+    stages = _count(serve_argv, "--pipeline-parallel")
     if stages is not None:  # one stage per hostfile entry; the ranks talk over stage links, not a backend
-        if stages != str(n):
+        if stages != n:
             raise ClusterError(f"--pipeline-parallel {stages} but the hostfile lists {n} hosts (one per stage)")
         return [*serve_argv, "--hostfile", str(hostfile), "--rank", str(rank)]
-    ranks = _flag_value(serve_argv, "--context-parallel")
+    ranks = _count(serve_argv, "--context-parallel")
     if ranks is not None:  # one context-parallel rank per hostfile entry, in an MLX group like TP
-        if ranks != str(n):
+        if ranks != n:
             raise ClusterError(f"--context-parallel {ranks} but the hostfile lists {n} hosts (one per rank)")
         return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--rank", str(rank)]
     return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--tensor-parallel", str(n),
             "--rank", str(rank)]
+
+
+def _count(argv: list[str], flag: str) -> int | None:
+    """`flag`'s value as serve will read it (an integer: "02" is 2), or None when it is not given."""
+    text = _flag_value(argv, flag)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ClusterError(f"{flag} takes an integer, got {text!r}") from None
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -37,6 +37,14 @@ def test_rank_argv_for_pipeline_stages(tmp_path):
         rank_argv(["serve", "--pipeline-parallel=3"], hosts, "ring", 2, 0)
 
 
+@pytest.mark.parametrize("flag", ["--pipeline-parallel", "--context-parallel"])
+def test_rank_counts_are_compared_as_serve_reads_them(tmp_path, flag):
+    hosts = tmp_path / "hosts.json"
+    assert rank_argv(["serve", flag, "02"], hosts, "ring", 2, 1)[-1] == "1"  # serve reads 02 as 2
+    with pytest.raises(ClusterError, match=f"{flag} takes an integer, got 'two'"):
+        rank_argv(["serve", f"{flag}=two"], hosts, "ring", 2, 0)
+
+
 def test_rank_argv_for_context_parallel_ranks(tmp_path):
     hosts = tmp_path / "hosts.json"
     argv = rank_argv(["serve", "--model", "m", "--context-parallel", "2"], hosts, "ring", 2, 1)
