@@ -54,10 +54,11 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
         if flag in serve_argv:
             raise ClusterError(f"{flag} is set by meshlm launch; remove it from the serve options")
     stages = _count(serve_argv, "--pipeline-parallel")
-    if stages is not None:  # one stage per hostfile entry; the ranks talk over stage links, not a backend
+    if stages is not None:  # one stage per hostfile entry; the ranks talk over stage links, not a backend,
+        # but --backend mpi is still how a rank started by mpirun knows to read its rank from MPI (cli._rank)
         if stages != n:
             raise ClusterError(f"--pipeline-parallel {stages} but the hostfile lists {n} hosts (one per stage)")
-        return [*serve_argv, "--hostfile", str(hostfile), "--rank", str(rank)]
+        return [*serve_argv, "--hostfile", str(hostfile), "--backend", backend, "--rank", str(rank)]
     ranks = _count(serve_argv, "--context-parallel")
     if ranks is not None:  # one context-parallel rank per hostfile entry, in an MLX group like TP
         if ranks != n:
@@ -95,7 +96,7 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     cwd = os.getcwd()
     base = meshlm_command()
     if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
-        argv = rank_argv(serve_argv, path, backend, len(hosts), 0)[:-2]
+        argv = rank_argv(serve_argv, path, backend, len(hosts), 0)[:-2]  # every form ends in "--rank 0"
         cmds = [["mpirun", "-np", str(len(hosts)), "--host", ",".join(h.ssh for h in hosts), *base, *argv]]
     else:  # the leader's stdin is launch's line to it (ssh forwards it too): see _supervise
         cmds = [rank_command(h, base + rank_argv(serve_argv, path, backend, len(hosts), r)

@@ -32,7 +32,8 @@ def test_local_netns_and_ssh_hosts():
 def test_rank_argv_for_pipeline_stages(tmp_path):
     hosts = tmp_path / "hosts.json"
     argv = rank_argv(["serve", "--model", "m", "--pipeline-parallel", "2"], hosts, "ring", 2, 1)
-    assert argv[-4:] == ["--hostfile", str(hosts), "--rank", "1"] and "--tensor-parallel" not in argv
+    assert argv[-6:] == ["--hostfile", str(hosts), "--backend", "ring", "--rank", "1"]
+    assert "--tensor-parallel" not in argv
     with pytest.raises(ClusterError, match="--pipeline-parallel 3 but the hostfile lists 2 hosts"):
         rank_argv(["serve", "--pipeline-parallel=3"], hosts, "ring", 2, 0)
 
@@ -77,10 +78,11 @@ def test_hostfile_formats(tmp_path):
             read_hostfile(bad)
 
 
-def launch_cli(hosts, backend: str = "ring", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch_cli(hosts, backend: str = "ring", env: dict[str, str] | None = None,
+               *serve_flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hosts), "--backend", backend, "--dry-run",
-         "--", "serve", "--model", "m"], capture_output=True, text=True, env=env)
+         "--", "serve", "--model", "m", *serve_flags], capture_output=True, text=True, env=env)
 
 
 def test_dry_run_prints_one_command_per_rank_or_one_mpirun(tmp_path):
@@ -93,6 +95,16 @@ def test_dry_run_prints_one_command_per_rank_or_one_mpirun(tmp_path):
     assert not any(SECRET in line for line in ring)  # the secret never goes on a command line
     mpi = launch_cli(hosts, "mpi", env).stdout.splitlines()
     assert len(mpi) == 1 and mpi[0].startswith("mpirun -np 2 --host localhost,localhost") and "--rank" not in mpi[0]
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-parallel", "2"], ["--context-parallel", "2"]])
+def test_every_rank_under_mpirun_reads_its_rank_from_mpi(tmp_path, layout):
+    """No --rank on mpirun's one command line: each process takes its rank from MPI's environment, which
+    serve reads only with --backend mpi (cli._rank); without it every process was rank 0."""
+    hosts = tmp_path / "h.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    mpi = launch_cli(hosts, "mpi", {**os.environ, SECRET_ENV: SECRET}, *layout).stdout.splitlines()
+    assert len(mpi) == 1 and "--backend mpi" in mpi[0] and "--rank" not in mpi[0]
 
 
 # -- the cluster secret ------------------------------------------------------------------------
