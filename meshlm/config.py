@@ -132,6 +132,10 @@ class SpeculativeConfig:
 
 BACKENDS = ("ring", "jaccl", "mpi")
 MAX_RANKS = 1024  # far beyond a cluster of Macs; a larger count only ever reached an OverflowError
+# --step-timeout and --worker-timeout below this only end a healthy cluster: the watchdog looks every 0.5 s,
+# an idle leader heartbeats every 0.5 s, and a step (a first request's compile, a 1,024-token prefill chunk
+# on a CPU) takes longer than a fraction of a second. (0.000001 was accepted; the first request ended the cluster.)
+MIN_CLUSTER_TIMEOUT = 1.0
 CP_ALGORITHMS = ("auto", "pass-kv", "pass-q")
 
 
@@ -201,6 +205,10 @@ class ParallelConfig:
         for flag, seconds in (("--step-timeout", self.step_timeout), ("--worker-timeout", self.worker_timeout),
                               ("--start-timeout", self.start_timeout), ("heartbeat interval", self.heartbeat_interval)):
             _check_positive(flag, seconds)
+        for flag, seconds in (("--step-timeout", self.step_timeout), ("--worker-timeout", self.worker_timeout)):
+            if seconds < MIN_CLUSTER_TIMEOUT:
+                raise ValueError(f"{flag} must be at least {MIN_CLUSTER_TIMEOUT:g} s (a healthy step or a late "
+                                 f"heartbeat would end the cluster), got {seconds:g}")
         if self.heartbeat_interval >= self.worker_timeout:
             raise ValueError("heartbeat interval must be shorter than the worker timeout")
 

@@ -24,6 +24,9 @@ def test_the_defaults_parse():
     (("--worker-timeout", "nan"), "--worker-timeout must be a number > 0"),
     (("--worker-timeout", "inf"), "--worker-timeout must be a number > 0"),
     (("--start-timeout", "0"), "--start-timeout must be a number > 0"),
+    # accepted, these ended the cluster at its first request (or a worker at its first late heartbeat)
+    (("--tensor-parallel", "2", "--step-timeout", "0.000001"), "--step-timeout must be at least 1 s"),
+    (("--worker-timeout", "0.6"), "--worker-timeout must be at least 1 s"),
     (("--ssd-cache-gb", "nan"), "--ssd-cache-gb must be a number > 0"),  # was "cannot convert float NaN"
     (("--ssd-ttl-days", "nan"), "--ssd-ttl-days must be a number > 0"),
     (("--ssd-ttl-days", "-1"), "--ssd-ttl-days must be a number > 0"),
