@@ -17,6 +17,22 @@ def _check_positive(flag: str, value: float, limit: float = 1e7) -> None:
         raise ValueError(f"{flag} must be a number > 0 (and below {limit:g}), got {value}")
 
 
+def check_port(flag: str, port: int, count: int = 1) -> None:
+    """`count` listening ports from `port` on (rank r's is port + r), each in 1..65535: port 0 would be any
+    free one, which the ranks that must connect to it could not know."""
+    if not 0 < port <= 65536 - count:
+        span = f" (rank {count - 1}'s is {flag} + {count - 1})" if count > 1 else ""
+        raise ValueError(f"{flag} must be in 1..{65536 - count}{span}, got {port}")
+
+
+def check_address(flag: str, addr: str) -> None:
+    """A HOST:PORT other ranks connect to (an IPv6 host is everything before the last ':')."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} takes HOST:PORT, got {addr!r}")
+    check_port(f"{flag}'s port", int(port))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "demo"  # a HF-layout directory, or "demo" for SmolLM2-135M-Instruct
@@ -194,6 +210,11 @@ class ParallelConfig:
             raise ValueError("--cp-min-tokens needs --context-parallel 2 or more")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}")
+        check_port("--stage-port", self.stage_port, self.world_size)
+        if self.control_addr is not None:
+            check_address("--control-addr", self.control_addr)
+        for addr in self.stage_addrs or ():
+            check_address("--stage-addrs", addr)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
         if self.pp_split is not None and len(self.pp_split) != self.pipeline_parallel:

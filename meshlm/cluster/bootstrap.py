@@ -8,6 +8,7 @@ the backend must exist and have its settings.
 from __future__ import annotations
 
 import faulthandler
+import ipaddress
 import json
 import logging
 import math
@@ -112,10 +113,13 @@ def _host(entry: object) -> Host:
     if not isinstance(entry, dict):
         raise ValueError(f'each host is an object {{"ssh": ..., "ips": [...]}}, got {entry!r}')
     ssh = _name(entry.get("ssh"), '"ssh"')
-    ips = entry.get("ips") or [ssh]  # mlx.launch's default: the ssh name is the address too
+    ips = entry.get("ips")
+    if not ips:  # mlx.launch's default: the ssh name is the address too
+        return Host(ssh, (ssh,), _memory(entry.get("memory_gb")))
     if not isinstance(ips, list):
         raise ValueError(f'"ips" of {ssh} must be a list of addresses, got {ips!r}')
-    return Host(ssh, tuple(_name(ip, f'an "ips" entry of {ssh}') for ip in ips), _memory(entry.get("memory_gb")))
+    return Host(ssh, tuple(_ip(_name(ip, f'an "ips" entry of {ssh}'), ssh) for ip in ips),
+                _memory(entry.get("memory_gb")))
 
 
 def _name(value: object, what: str) -> str:
@@ -125,6 +129,16 @@ def _name(value: object, what: str) -> str:
     if not isinstance(value, str) or not value or value.startswith("-") or any(c.isspace() or ord(c) < 32
                                                                                   for c in value):
         raise ValueError(f"{what} must be a host name or address (no leading '-', no spaces), got {value!r}")
+    return value
+
+
+def _ip(value: str, ssh: str) -> str:
+    """An "ips" entry: an address the rank's sockets bind and connect to, so an IP and no port (ports come
+    from --ring-port, --control-port, --stage-port); "10.0.0.1:99999" failed as a traceback at the bind."""
+    try:
+        ipaddress.ip_address(value)  # IPv6 with a zone too ("fe80::1%eth0")
+    except ValueError:
+        raise ValueError(f'an "ips" entry of {ssh} must be an IP address (no port), got {value!r}') from None
     return value
 
 

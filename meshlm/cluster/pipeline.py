@@ -10,11 +10,12 @@ only accepts.
 
 from __future__ import annotations
 
+import errno
 import logging
 import subprocess
 
 from meshlm.cluster.bootstrap import ClusterError, start_watch
-from meshlm.cluster.ranks import Leader, Topology, smallest_kv_blocks
+from meshlm.cluster.ranks import Leader, Topology, control_leader, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
 from meshlm.config import ServeConfig
@@ -49,7 +50,9 @@ def _listen(topo: Topology, rank: int):
     try:
         return stage_link.listen(host, int(port))
     except OSError as exc:
-        raise ClusterError(f"rank {rank} cannot listen for its stage link on {host}:{port}: {exc}") from None
+        hint = " (another cluster there? choose another --stage-port)" if exc.errno == errno.EADDRINUSE else ""
+        raise ClusterError(f"rank {rank} cannot listen for its stage link on {host}:{port}: "
+                           f"{exc.strerror or exc}{hint}") from None
 
 
 def _join(topo: Topology, layout: StageLayout, server, spec: ActivationSpec) -> StageIO:
@@ -84,12 +87,10 @@ def follow_stage(config: ServeConfig, topo: Topology, layout: StageLayout) -> in
 def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
                   children: list[subprocess.Popen]) -> Leader:
     from meshlm.executor.pipeline import PipelineExecutor
-    from meshlm.transport.control import ControlError, ControlLeader
+    from meshlm.transport.control import ControlError
 
     p = topo.parallel
-    port = int(p.control_addr.rsplit(":", 1)[1])
-    control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
-                            heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+    control = control_leader(topo)
     server = _listen(topo, 0)
     gone = start_watch(children, p.launch_fd)
     log.info("pipeline %s: waiting up to %.0f s for ranks 1..%d on control port %s", layout.name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend,
 from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
-from meshlm.config import ParallelConfig, ServeConfig
+from meshlm.config import ParallelConfig, ServeConfig, check_port
 from meshlm.executor.rank import RankSpec, RankState, build_rank
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.platform import import_mlx_lm, interrupt_deferred, kv_budget_bytes
@@ -47,6 +48,10 @@ class ClusterPorts:
     control_port: int = 52100
     ring_port: int = 52000
     ring_hostfile: str | None = None  # given to spawned children
+
+    def __post_init__(self) -> None:
+        check_port("--control-port", self.control_port)
+        check_port("--ring-port", self.ring_port)  # its span, rank r's ring_port + r: resolve_topology
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,10 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     if len(hosts) != p.world_size:
         flag = "--pipeline-parallel" if p.pipeline else "--context-parallel" if p.context else "--tensor-parallel"
         raise ClusterError(f"hostfile lists {len(hosts)} ranks but {flag} is {p.world_size}")
-    ring = None if p.pipeline else ring_hostfile(list(hosts), ports.ring_port)  # stages use their own links
+    ring = None
+    if not p.pipeline:  # stages use their own links
+        check_port("--ring-port", ports.ring_port, p.world_size)  # rank r's is --ring-port + r
+        ring = ring_hostfile(list(hosts), ports.ring_port)
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
     stages = p.stage_addrs or tuple(f"{h.ips[0]}:{p.stage_port + r}" for r, h in enumerate(hosts))
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
@@ -303,13 +311,27 @@ def _follow(config: ServeConfig, topo: Topology) -> int:
                       on_joined=sums.join if sums is not None else None, local=topo.leader_gone is not None)
 
 
-def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
-    from meshlm.transport.control import ControlError, ControlLeader
+def control_leader(topo: Topology):
+    """Rank 0's end of the control channel, bound now; a port that is taken (or an address that is not this
+    host's) is a ClusterError saying so, as for the HTTP port (api/listener.py), not a traceback."""
+    from meshlm.transport.control import ControlLeader
 
     p = topo.parallel
     port = int(p.control_addr.rsplit(":", 1)[1])
-    control = ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
-                            heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+    try:
+        return ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
+                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+    except OSError as exc:
+        hint = " (another cluster there? choose another --control-port)" if exc.errno == errno.EADDRINUSE else ""
+        why = os.strerror(exc.errno) if exc.errno else str(exc)  # create_server's strerror repeats the address
+        raise ClusterError(f"cannot listen on {topo.control_bind}:{port} for the control channel: {why}{hint}") from None
+
+
+def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:
+    from meshlm.transport.control import ControlError
+
+    p = topo.parallel
+    control = control_leader(topo)
     gone = start_watch(children, p.launch_fd)
     log.info("waiting up to %.0f s for ranks 1..%d on control port %s", p.start_timeout, p.world_size - 1,
              p.control_addr)

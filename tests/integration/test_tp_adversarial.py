@@ -463,6 +463,36 @@ def test_bad_cluster_settings_fail_before_loading(model, args, words):
     assert "loaded" not in r.stderr and time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--control-addr", "garbage"], ["--control-addr takes HOST:PORT, got 'garbage'"]),
+    (["--control-port", "70000"], ["--control-port must be in 1..65535, got 70000"]),
+    (["--control-port", "-5"], ["--control-port must be in 1..65535, got -5"]),
+    (["--ring-port", "70000"], ["--ring-port must be in 1..65535, got 70000"]),  # the leader waited for ever
+    (["--ring-port", "65535"], ["--ring-port must be in 1..65534 (rank 1's is --ring-port + 1)"]),
+    (["--pipeline-parallel", "2", "--stage-port", "70000"], ["--stage-port must be in 1..65534"]),
+    (["--ips", "127.0.0.1:99999"], ["an \"ips\" entry of localhost must be an IP address (no port)"]),
+    (["--control-port", "TAKEN"], ["cannot listen on 127.0.0.1:", "for the control channel: Address already in use",
+                                   "choose another --control-port"]),
+    (["--pipeline-parallel", "2", "--stage-port", "TAKEN"], ["rank 0 cannot listen for its stage link on 127.0.0.1:",
+                                                             "Address already in use", "choose another --stage-port"]),
+])
+def test_bad_cluster_ports_and_addresses_fail_in_a_sentence(model, tmp_path, args, words):
+    """Each of these ended in a traceback (IndexError, OverflowError, OSError) or a wait until --start-timeout,
+    where the HTTP --port's mistakes are a sentence and status 2."""
+    ips = args[1:2] if args[0] == "--ips" else ["127.0.0.1"]
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ips}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args if args[0] != "--ips"]
+        r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", "0",
+                            "--hostfile", str(hosts), "--start-timeout", "20", *args], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "MESHLM_CLUSTER_SECRET": "a" * 64})
+    assert r.returncode == 2, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "timed out" not in r.stderr, r.stderr[-2000:]
+
+
 def test_ranks_plan_within_the_smallest_kv_budget(model, tmp_path):
     """A worker with less KV memory than the leader: the leader hands out only the blocks every rank can
     hold (it learns each rank's budget in the handshake), so no plan can name a block a rank lacks."""

@@ -40,6 +40,12 @@ def test_the_defaults_parse():
     (("--role", "prefill", "--prefill-port", "8000", "--port", "8000"), "--prefill-port and --port are both 8000"),
     (("--pipeline-parallel", str(10**30)), "must be <= 1024"),  # was an OverflowError laying out the stages
     (("--kv-cache-dir", ""), "--kv-cache-dir must not be empty"),  # was the working directory
+    # these ended in IndexError and OverflowError tracebacks as the cluster formed
+    (("--control-addr", "garbage"), "--control-addr takes HOST:PORT, got 'garbage'"),
+    (("--control-addr", "10.0.0.1:70000"), "--control-addr's port must be in 1..65535, got 70000"),
+    (("--pipeline-parallel", "2", "--stage-port", "70000"), "--stage-port must be in 1..65534"),
+    (("--pipeline-parallel", "2", "--stage-port", "65535"), r"rank 1's is --stage-port \+ 1\), got 65535"),
+    (("--stage-port", "0"), "--stage-port must be in 1..65535, got 0"),
 ])
 def test_meaningless_values_are_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words):

@@ -142,6 +142,9 @@ def test_a_readable_hostfile_with_a_secret_is_warned_about(tmp_path, caplog):
     ([{"ssh": "a", "ips": ["10.0.0.1 "]}], "an \"ips\" entry of a must be a host name"),
     ([{"ssh": "a", "ips": ["-x"]}], "an \"ips\" entry of a must be a host name"),
     ([{"ssh": "a", "ips": "10.0.0.1"}], "\"ips\" of a must be a list"),
+    # the sockets took it for a host and failed with a traceback at the bind
+    ([{"ssh": "a", "ips": ["127.0.0.1:99999"]}], "an \"ips\" entry of a must be an IP address (no port)"),
+    ([{"ssh": "a", "ips": ["mac1.local"]}], "an \"ips\" entry of a must be an IP address (no port)"),
     ([{"ssh": "a", "memory_gb": 1e400}], "\"memory_gb\" must be a positive number, got inf"),
     ([1, 2], "each host is an object"),
 ])
