@@ -11,6 +11,7 @@ import time
 
 import uvicorn
 
+from meshlm.api import listener
 from meshlm.api.body import BodyLimits
 from meshlm.api.connections import AcceptErrors, DeadlineProtocol
 from meshlm.api.prompts import PromptBuilder
@@ -173,8 +174,9 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     prompts = PromptBuilder(loaded.tokenizer, loaded.vocab_size, engine.max_model_len)
     serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults)
     app = create_app(serving, limits=BodyLimits(s.max_request_bytes, stall_seconds=s.client_timeout))
-    engine.start()
     host, port = config.server.host, sock.getsockname()[1]  # --port 0: the one the system chose
+    listener.listen(sock, host, port)  # another server bound beside this one while it loaded: refused here
+    engine.start()
     log.info("serving %s on http://%s:%d/v1", loaded.name, f"[{host}]" if ":" in host else host, port)
     protocol = functools.partial(DeadlineProtocol, timeout=s.client_timeout)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=config.server.log_level,

@@ -13,7 +13,7 @@ import errno
 import socket
 
 
-LISTEN_BACKLOG = 2048  # uvicorn's default (it listens again on this socket with its own)
+LISTEN_BACKLOG = 2048  # uvicorn's default (it listens again on the socket with its own)
 
 
 class ListenError(ValueError):
@@ -21,7 +21,7 @@ class ListenError(ValueError):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket for `host:port` (uvicorn serves on it); raises ListenError."""
+    """A bound TCP socket for `host:port` (`listen`, then uvicorn serves on it); raises ListenError."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
@@ -36,13 +36,25 @@ def bind(host: str, port: int) -> socket.socket:
         # As uvicorn binds: a restart may reuse the port while old connections linger in TIME_WAIT.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        # Listening now is what holds the port: Linux lets two SO_REUSEADDR sockets bind one port while
-        # neither listens, so a second server started beside the first loaded its model, said it served,
-        # then died in uvicorn's listen with a traceback. A client connecting meanwhile waits in the
-        # backlog and is answered once the server is ready.
-        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
-        hint = " (another server there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""
-        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+        raise _listen_error(host, port, exc) from None
     return sock
+
+
+def listen(sock: socket.socket, host: str, port: int) -> None:
+    """Listen on a socket from `bind`, once the server can answer; raises ListenError.
+
+    Only now is the port really held: Linux lets two SO_REUSEADDR sockets bind one port while neither
+    listens, so a second server started beside one still loading gets past `bind` and is refused here,
+    after its own load. It used to die in uvicorn's listen with a traceback. Listening any earlier would
+    queue connections the server cannot answer yet, and a TCP health check would call it up."""
+    try:
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        raise _listen_error(host, port, exc) from None
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> ListenError:
+    hint = " (another server there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""
+    return ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}")

@@ -43,15 +43,18 @@ def test_a_taken_port_is_a_sentence():
             listener.bind("127.0.0.1", taken.getsockname()[1])
 
 
-def test_a_second_server_bound_while_the_first_loads_is_refused_at_once():
-    """Regression: the listener was only bound until uvicorn listened, after the model load. Linux lets two
-    SO_REUSEADDR sockets bind one port while neither listens, so a second server on the same --port
-    loaded its model, said it served, then died with uvicorn's traceback."""
+def test_a_second_server_bound_while_the_first_loads_is_refused_when_it_would_listen():
+    """Regression: Linux lets two SO_REUSEADDR sockets bind one port while neither listens, so a second server
+    on the same --port got past `bind`, loaded, said it served, then died in uvicorn's listen with a traceback.
+    Now `listen` (called before serving) refuses it in a sentence; while loading, neither accepts a client."""
     first = listener.bind("127.0.0.1", 0)
+    second = listener.bind("127.0.0.1", first.getsockname()[1])
     try:
+        with pytest.raises(ConnectionRefusedError):  # nothing listens while the servers load
+            socket.create_connection(first.getsockname(), timeout=5).close()
+        listener.listen(first, "127.0.0.1", first.getsockname()[1])
         with pytest.raises(listener.ListenError, match="another server there"):
-            listener.bind("127.0.0.1", first.getsockname()[1]).close()
-        with socket.create_connection(first.getsockname(), timeout=5):  # a client waits in the backlog
-            pass
+            listener.listen(second, "127.0.0.1", first.getsockname()[1])
     finally:
         first.close()
+        second.close()
