@@ -3,8 +3,8 @@
 uvicorn binds its port only once the app starts, i.e. after the model (and every rank of a cluster)
 has loaded: a port already taken, or a --host that does not resolve, failed minutes into a big start
 with uvicorn's `[Errno 98] ... address already in use` and status 3. Bound first, the same mistakes
-are a one-line error before the load, and the port is held meanwhile (--port 0 gets a free one, which
-the log then names).
+are a one-line error before the load (--port 0 gets a free one, which the log then names). A server
+started beside this one while both load is refused later, when it would listen (`listen`).
 """
 
 from __future__ import annotations
