@@ -71,6 +71,11 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     if ports.ring_hostfile is not None or (p.backend != "ring" and p.control_addr):
         ring = Path(ports.ring_hostfile) if ports.ring_hostfile else None
         hostfile = load_hostfile(p.hostfile) if p.hostfile else None
+        if p.pipeline and not p.stage_addrs:  # a local cluster's ranks get theirs; launched ones derive them
+            if hostfile is None or len(hostfile.hosts) != p.world_size:
+                raise ClusterError("--pipeline-parallel with --control-addr needs --stage-addrs, or a --hostfile "
+                                   "listing every stage, to know where each stage listens")
+            p = dataclasses.replace(p, stage_addrs=_stage_addrs(hostfile.hosts, p.stage_port))
         # A ring file given on the command line is a local cluster's: rank 0 started this process.
         watch = local_leader_gone(ring) if ring is not None else None
         return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile),
@@ -92,10 +97,15 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         check_port("--ring-port", ports.ring_port, p.world_size)  # rank r's is --ring-port + r
         ring = ring_hostfile(list(hosts), ports.ring_port)
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
-    stages = p.stage_addrs or tuple(f"{h.ips[0]}:{p.stage_port + r}" for r, h in enumerate(hosts))
+    stages = p.stage_addrs or _stage_addrs(hosts, p.stage_port)
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
     return Topology(replaced, None, control.rsplit(":", 1)[0], secret, memory, ring_hosts=ring), None
+
+
+def _stage_addrs(hosts, stage_port: int) -> tuple[str, ...]:
+    """Where each rank's stage link listens: its host's first address, at --stage-port + rank."""
+    return tuple(f"{h.ips[0]}:{stage_port + r}" for r, h in enumerate(hosts))
 
 
 @dataclass

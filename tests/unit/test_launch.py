@@ -234,3 +234,21 @@ def test_a_worker_that_exits_is_reported_while_the_leader_runs(caplog):
             signal.signal(sig, handler)
     assert caplog.text.count("rank 1 (mac2.local) exited with status 255 while the leader runs") == 1
     assert "mac3.local" not in caplog.text
+
+
+def test_pipeline_ranks_told_the_control_address_still_find_every_stage(tmp_path, monkeypatch):
+    """With a non-ring backend (mpi, jaccl) and --control-addr, the topology took the address as given and
+    derived nothing else: a pipeline's stage addresses stayed None and its stage links failed with a
+    TypeError traceback. They now come from the hostfile, as without --control-addr; without one, a sentence."""
+    from meshlm.cluster.ranks import ClusterPorts, resolve_topology
+    from meshlm.config import ParallelConfig
+
+    monkeypatch.setenv(SECRET_ENV, "a" * 64)
+    hostfile = tmp_path / "h.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]))
+    p = ParallelConfig(pipeline_parallel=2, backend="mpi", control_addr="10.0.0.1:5000", hostfile=str(hostfile),
+                       rank=1, stage_port=6000)
+    topo, local = resolve_topology(p, ClusterPorts())
+    assert local is None and topo.parallel.stage_addrs == ("10.0.0.1:6000", "10.0.0.2:6001")
+    with pytest.raises(ClusterError, match="needs --stage-addrs, or a --hostfile"):
+        resolve_topology(dataclasses.replace(p, hostfile=None), ClusterPorts())
