@@ -7,8 +7,8 @@ first: a committed block whose sequence ended may be reused by this very
 plan), the plan's table changes and trims, SSD loads and then block copies
 (partial prefix hits, which may lend from a block loaded in the same plan)
 into the pools (a block this rank cannot read is reported in the result, not
-raised: the leader recomputes the sequences that read it), then one forward over the flattened batch (decode and prefill
-rows together).
+raised: the leader recomputes the sequences that read it), then one forward
+over the flattened batch (decode and prefill rows together).
 
 Every value of a plan is checked before it touches an array, so a plan that
 does not fit this rank's state (a missed step, a bad block id) is a clear
@@ -326,16 +326,16 @@ class Runner:
         rank's SSD tier evicts, expires and fails on its own). The step goes on without it, every rank in
         lockstep; the leader learns of it from the step's result or ACK and recomputes what read it."""
         data = self.received.load(key) if self.received is not None else None
-        if data is None and self.ssd is not None:
+        from_disk = data is None and self.ssd is not None
+        if from_disk:
             data = self.ssd.load(key)
         if data is None:
             log.warning("prefix block %s is not cached on this rank: the leader recomputes it", key.hex())
             return None
         problem = self.store.check_block(data)
         if problem is not None:
-            log.warning("prefix block %s on this rank's disk holds %s: dropped, the leader recomputes it",
-                        key.hex(), problem)
-            if self.ssd is not None:
-                self.ssd.discard(key)
+            log.warning("prefix block %s on this rank holds %s: dropped, the leader recomputes it", key.hex(), problem)
+            if from_disk:  # else a received block, which the load took out already
+                self.ssd.forget(key)  # or every later plan loading it would find it bad again
             return None
         return data

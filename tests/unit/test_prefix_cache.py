@@ -562,6 +562,22 @@ def test_a_planned_block_a_rank_cannot_read_is_recomputed_with_the_same_tokens(p
     assert again[3].stats.hits_ssd == whole and again[0] == first[0]
 
 
+def test_a_planned_block_this_rank_reads_but_cannot_hold_is_dropped_from_its_disk(path, tmp_path):
+    """The runner's own check of a loaded block (layers and shape against its store) found a problem:
+    it called a method the SSD tier does not have (AttributeError, a failed step). Now the block is a
+    miss like a missing one, and its file is deleted, or every later plan loading it would fail again."""
+    first = run(make_rank(path, tmp_path), PROMPTS[:1])
+    rank = make_rank(path, tmp_path)
+    second = block_keys(PROMPTS[0], rank.salt)[1]
+    listed = rank.ssd.load
+    rank.ssd.load = lambda key: (lambda d: Block(d.keys[:1], d.values[:1]) if key == second else d)(listed(key))
+    forgotten, forget = [], rank.ssd.forget
+    rank.ssd.forget = lambda key: forgotten.append(key) or forget(key)
+    tokens, logits, plans, blocks = run(rank, PROMPTS[:1])
+    assert blocks.stats.load_failures == 1 and tokens == first[0] and same(logits[0], first[1][0])
+    assert forgotten == [second, second]  # by the runner (this rank's file), then by the leader's listing
+
+
 @pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
 def test_a_block_of_another_layout_ends_the_match_and_never_fails_a_step(path, tmp_path, layout):
     """Regression: such a file passed the tier's checks and failed every step that loaded it (BlockMissing)."""
