@@ -10,6 +10,7 @@ started beside this one while both load is refused later, when it would listen (
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 
@@ -56,5 +57,15 @@ def listen(sock: socket.socket, host: str, port: int) -> None:
 
 
 def _listen_error(host: str, port: int, exc: OSError) -> ListenError:
-    hint = " (another server there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""
-    return ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}")
+    return ListenError(f"cannot listen on {host}:{port}: {listen_failure(exc, '--port')}")
+
+
+def listen_failure(exc: OSError, flag: str, who: str = "server") -> str:
+    """Why a socket could not bind or listen, and for a taken port which flag picks another (the HTTP port,
+    the cluster's control and stage ports). asyncio's bind errors repeat the address in their strerror, so
+    a system error is named by its number; a resolver's (a negative number) keeps its own words."""
+    if exc.errno is not None and exc.errno > 0:
+        why = os.strerror(exc.errno)
+    else:
+        why = (exc.strerror or str(exc)).split(" (while attempting")[0]
+    return why + (f" (another {who} there? choose another {flag})" if exc.errno == errno.EADDRINUSE else "")

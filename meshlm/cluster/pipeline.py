@@ -10,10 +10,10 @@ only accepts.
 
 from __future__ import annotations
 
-import errno
 import logging
 import subprocess
 
+from meshlm.api.listener import listen_failure
 from meshlm.cluster.bootstrap import ClusterError, start_watch
 from meshlm.cluster.ranks import Leader, Topology, control_leader, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
@@ -50,9 +50,8 @@ def _listen(topo: Topology, rank: int):
     try:
         return stage_link.listen(host, int(port))
     except OSError as exc:
-        hint = " (another cluster there? choose another --stage-port)" if exc.errno == errno.EADDRINUSE else ""
         raise ClusterError(f"rank {rank} cannot listen for its stage link on {host}:{port}: "
-                           f"{exc.strerror or exc}{hint}") from None
+                           f"{listen_failure(exc, '--stage-port', 'cluster')}") from None
 
 
 def _join(topo: Topology, layout: StageLayout, server, spec: ActivationSpec) -> StageIO:

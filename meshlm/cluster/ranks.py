@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from meshlm.api.listener import listen_failure
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, local_leader_gone, ring_hostfile,
                                       spawn_local_workers, start_watch)
@@ -332,9 +332,8 @@ def control_leader(topo: Topology):
         return ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                              heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
     except OSError as exc:
-        hint = " (another cluster there? choose another --control-port)" if exc.errno == errno.EADDRINUSE else ""
-        why = os.strerror(exc.errno) if exc.errno else str(exc)  # create_server's strerror repeats the address
-        raise ClusterError(f"cannot listen on {topo.control_bind}:{port} for the control channel: {why}{hint}") from None
+        raise ClusterError(f"cannot listen on {topo.control_bind}:{port} for the control channel: "
+                           f"{listen_failure(exc, '--control-port', 'cluster')}") from None
 
 
 def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen]) -> Leader:

@@ -58,3 +58,15 @@ def test_a_second_server_bound_while_the_first_loads_is_refused_when_it_would_li
     finally:
         first.close()
         second.close()
+
+
+def test_a_failure_to_listen_is_named_once_for_every_listener():
+    """The HTTP, control and stage listeners say why in one way. The control channel's used to name a
+    resolver's error by its negative number ('Unknown error -2')."""
+    import errno
+
+    resolver = OSError(-2, "Name or service not known (while attempting to bind on address ('x', 1))")
+    assert listener.listen_failure(resolver, "--control-port", "cluster") == "Name or service not known"
+    taken = OSError(errno.EADDRINUSE, "error while attempting to bind on address ('x', 1): address already in use")
+    assert listener.listen_failure(taken, "--stage-port", "cluster") == \
+        "Address already in use (another cluster there? choose another --stage-port)"
