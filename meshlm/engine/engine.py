@@ -22,7 +22,8 @@ import mlx.core as mx
 from meshlm.config import SchedulerConfig, SpeculativeConfig
 from meshlm.engine.detokenizer import IncrementalDetokenizer
 from meshlm.engine.grammar import Grammars
-from meshlm.engine.plan import LOGITS_ALL, StepPlan
+from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, StepPlan
+from meshlm.engine.prompt_scores import Scores, take_scores
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOutput
 from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
 from meshlm.kv.blocks import BlockManager
@@ -156,6 +157,15 @@ class _Tracked:
     last_token_time: float | None = None
     logprobs: list = field(default_factory=list)
     export: Export | None = None
+    prompt_logprobs: list = field(default_factory=list)  # scored so far (`params.prompt_logprobs`)
+    prompt_logprobs_sent: bool = False
+
+    def take_prompt_logprobs(self) -> tuple | None:
+        """The prompt's logprobs for the sequence's first output, None after it (or when not asked for)."""
+        if self.seq.params.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
 
 class Engine:
@@ -209,6 +219,7 @@ class Engine:
         # Plans submitted but not yet computed: a pipeline keeps one per stage in flight (micro-batches).
         self._depth = max(1, getattr(executor, "depth", 1))
         self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self._scores: dict[int, list[Scores]] = {}  # step id -> its prompt scores, read with its results
         self.handoff: Handoff | None = None  # set by disagg/wiring.py on a server with --prefill-peer
         self._handing_off: dict[int, tuple[Sequence, Any]] = {}  # uid -> (sequence, its transfer)
         self.times = executor.times
@@ -269,7 +280,7 @@ class Engine:
     def _plan_handoff(self, seq: Sequence):
         """Under the lock: a handoff for this prompt, or None to prefill it here. A handoff takes a place
         in the waiting queue from now on (QueueFull when there is none)."""
-        if self.handoff is None:
+        if self.handoff is None or seq.params.prompt_logprobs is not None:  # a prefill server scores nothing
             return None
         handoff = self.handoff.plan(seq.prompt_ids, self.scheduler.blocks.cached_prefix)
         waiting = len(self.scheduler.waiting) + len(self._handing_off)
@@ -343,6 +354,7 @@ class Engine:
             except Exception as exc:
                 pending = None
                 self._in_flight.clear()
+                self._scores.clear()
                 if self.executor.known_failure(exc):
                     log.error("engine step failed: %s: %s", type(exc).__name__, exc)
                 else:
@@ -513,7 +525,13 @@ class Engine:
     def _execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
             result = self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
-            return self._check_loads(plan, result) if plan.loads else result
+            result = self._check_loads(plan, result) if plan.loads else result
+        if result.logits is None or all(c.logits != LOGITS_ALL for c in plan.chunks):
+            return result
+        result, scores = take_scores(plan, result, lambda uid: t.seq if (t := self._tracked.get(uid)) else None)
+        if scores:
+            self._scores[plan.step_id] = scores
+        return result
 
     def _check_loads(self, plan: StepPlan, result: StepResult) -> StepResult:
         """The leader lists a block and verifies its own copy before planning a load, but every rank reads
@@ -537,8 +555,12 @@ class Engine:
         """Grammar masks for the rows this plan samples, computed while its forward runs."""
         for c in plan.chunks:
             t = self._tracked.get(c.uid) if c.sample else None
-            if t is not None and t.sampling.constraint is not None:
-                t.sampling.constraint.prefetch(tuple(c.token_ids[1:]) if c.logits == LOGITS_ALL else ())
+            if t is None or t.sampling.constraint is None:
+                continue
+            if c.verifies(t.seq.num_tokens):
+                t.sampling.constraint.prefetch(tuple(c.token_ids[1:]))
+            elif c.logits == LOGITS_LAST or c.start + len(c.token_ids) == t.seq.num_tokens:  # else it scores only
+                t.sampling.constraint.prefetch(())
 
     def _collect_within_deadline(self, plan: StepPlan, result: StepResult,
                                  launched: _Launched | None = None) -> "_Pending":
@@ -561,6 +583,7 @@ class Engine:
             mx.eval(result.logits if launched is None else launched.draw.tokens)
         waited = time.perf_counter() - t0
         self.times.add("device", waited)
+        self._record_scores(self._scores.pop(plan.step_id, ()))
         sampled, logprobs, verified = self._sample(plan, result) if launched is None else self._read(launched)
         with self._lock:
             finished, taken = self.scheduler.update(plan, sampled)
@@ -583,6 +606,18 @@ class Engine:
             self._last_collect = now
         self.times.add("sample", time.perf_counter() - t0 - waited)
         return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
+
+    def _record_scores(self, scores: list[Scores]) -> None:
+        """Keep a step's prompt scores with their sequences, for each one's first output."""
+        for s in scores:
+            t = self._tracked.get(s.uid)
+            if t is None:  # ended meanwhile
+                continue
+            if s.first > t.seq.scored:  # chunks run in order, each scored as it is read: never expected
+                raise RuntimeError(f"uid {s.uid}: prompt scores from token {s.first}, {t.seq.scored} expected")
+            entries = s.read()[t.seq.scored - s.first:]
+            t.prompt_logprobs.extend(entries)
+            t.seq.scored += len(entries)
 
     def _refused(self, taken: dict[int, list[int]]) -> list[Finished]:
         """Under the lock: sequences whose grammar refused a token they took end with its error, the token
@@ -680,8 +715,9 @@ class Engine:
                 break
         self.metrics.generation_tokens.inc(shown)
         lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
-        if text or lps or not t.seq.finished:
-            t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps))
+        prompt = t.take_prompt_logprobs()
+        if text or lps or prompt is not None or not t.seq.finished:
+            t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps, prompt_logprobs=prompt))
         if not t.stop.stopped:
             return
         ended = t.seq.finish_reason  # the scheduler's, which sees no text: None, or the run's last token's
@@ -716,6 +752,7 @@ class Engine:
             StepOutput(
                 uid,
                 tail,
+                prompt_logprobs=t.take_prompt_logprobs(),
                 finish_reason=reason,
                 error=error,
                 request_fault=request_fault,

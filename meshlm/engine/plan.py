@@ -40,6 +40,12 @@ class Chunk:
     def sample(self) -> bool:
         return self.logits != LOGITS_NONE
 
+    def verifies(self, num_tokens: int) -> bool:
+        """A speculative verify chunk: it runs past the sequence's `num_tokens` (its drafts are not the
+        sequence's yet). The other kind with every position's logits scores a prompt, and samples only
+        where it reaches the sequence's end."""
+        return self.logits == LOGITS_ALL and self.start + len(self.token_ids) > num_tokens
+
 
 @dataclass(frozen=True)
 class TableUpdate:

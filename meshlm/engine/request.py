@@ -16,7 +16,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (`SamplingP
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: compute the prompt (its logprobs, with `prompt_logprobs`) and generate nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -27,6 +27,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: prompt and output tokens' logits divided (or, if < 0, multiplied)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: none; k: chosen token plus top-k alternatives
+    # Of each prompt token after the first, its logprob and the top-k alternatives (vLLM's prompt_logprobs;
+    # OpenAI's echo with logprobs): from the raw logits of the position before it. None: not computed.
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a matched stop string ends the text
@@ -36,8 +39,8 @@ class SamplingParams:
     grammar: str | None = None  # an llguidance grammar (engine/grammar.py): output is constrained to it
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -48,6 +51,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("top_logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be between 0 and 20")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
         if self.min_tokens < 0:
@@ -94,6 +99,15 @@ class Sequence:
     # to the KV exporter as they become final (None: nothing is exported); `exported`: blocks handed so far.
     export_from: int | None = None
     exported: int = 0
+    # Prompt logprobs (`params.prompt_logprobs`): the prompt tokens before this index have theirs (the
+    # first token has none). Kept across a preemption, so a recompute does not report a token twice.
+    scored: int = 1
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt tokens whose logprobs are still to be computed: each needs the logits of the position
+        before it, so no prefix-cache hit may skip those positions."""
+        return self.params.prompt_logprobs is not None and self.scored < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +158,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs)
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,8 @@ class StepOutput:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The prompt's, once (on a sequence's first output): one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     request_fault: bool = False  # `error` is the request's own (a grammar that cannot go on), not the server's

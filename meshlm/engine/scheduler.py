@@ -27,6 +27,11 @@ from meshlm.engine.request import FinishReason, Sequence, SeqStatus
 from meshlm.kv.blocks import BlockManager
 
 
+# A chunk scoring a prompt returns every position's logits (rows x vocab float32): at most this many rows
+# a step, or a 1,024-token chunk of a 150K-token vocabulary would hold 0.6 GB of them.
+SCORING_ROWS = 256
+
+
 class QueueFull(Exception):
     """The bounded waiting queue is full; the caller should retry later."""
 
@@ -215,7 +220,7 @@ class Scheduler:
                 draft.tables.setdefault(seq.uid, []).extend(new)
                 draft.chunks.append(Chunk(seq.uid, start, (*seq.token_slice(start, start + 1), *drafts), LOGITS_ALL))
                 return 1 + len(drafts)
-        want = min(left, budget)
+        want = min(left, budget, SCORING_ROWS if seq.scoring else left)
         while (new := self.blocks.allocate(seq.uid, start + want)) is None:
             if not self._preempt_newer_than(seq):
                 break
@@ -239,9 +244,11 @@ class Scheduler:
             reach = min(self.max_model_len, len(seq.prompt_ids) + seq.params.max_tokens)  # its longest
             if not self.blocks.can_admit(seq.num_tokens, reach):
                 break
-            # The last token is always computed: its logits give the next token.
-            m = self.blocks.match(seq.uid, seq.token_slice(0, seq.num_tokens - 1), seq.num_tokens, reach)
-            want = min(seq.num_tokens - m.tokens, budget)
+            # The last token is always computed: its logits give the next token. A prompt whose logprobs
+            # are asked for is computed whole (vLLM does the same): a cached position has no logits.
+            lookup = seq.token_slice(0, seq.num_tokens - 1) if not seq.scoring else []
+            m = self.blocks.match(seq.uid, lookup, seq.num_tokens, reach)
+            want = min(seq.num_tokens - m.tokens, budget, SCORING_ROWS if seq.scoring else budget)
             if self.blocks.allocate(seq.uid, m.tokens + want) is None:
                 # The check above counted blocks the match then pinned (a partial hit's lender): it waits.
                 # Blocks the match found on SSD are findable already, so their loads still run.
@@ -341,16 +348,24 @@ class Scheduler:
                 del self._in_flight[chunk.uid]
             end = chunk.start + len(chunk.token_ids)
             tokens = sampled.get(chunk.uid)
-            verify = chunk.logits == LOGITS_ALL and len(chunk.token_ids) > 1
+            verify = chunk.verifies(seq.num_tokens)
             if verify:
                 if seq.finished:  # ended meanwhile: it leaves, and its unverified KV is never committed
                     continue
                 if tokens is None or not 1 <= len(tokens) <= len(chunk.token_ids):
                     raise ValueError(f"uid {chunk.uid}: {tokens!r} is not a verify outcome for {chunk}")
                 end = chunk.start + len(tokens)  # the current token and the accepted drafts hold KV
+            elif tokens and end < seq.num_tokens:  # a prompt chunk short of the end samples nothing (a scoring one)
+                raise ValueError(f"uid {chunk.uid}: sampled {tokens!r} for a chunk ending at {end} of {seq.num_tokens}")
             if seq.finished or not tokens:
                 seq.num_computed_tokens = end
                 self._commit(seq)
+                continue
+            if seq.params.max_tokens == 0:  # its prompt is computed (and scored): nothing is generated
+                seq.num_computed_tokens = end
+                self._commit(seq)
+                self.finish(seq, FinishReason.LENGTH)
+                finished.append(Finished(seq, FinishReason.LENGTH))
                 continue
             kept: list[int] = []
             reason = None
@@ -409,4 +424,6 @@ class Scheduler:
 
 def _chunk(seq: Sequence, start: int, n: int) -> Chunk:
     ids = seq.token_slice(start, start + n)  # decode: just the last token, not a copy of all
+    if seq.scoring and start + n >= seq.scored:  # it holds positions whose logits score a prompt token
+        return Chunk(seq.uid, start, tuple(ids), LOGITS_ALL)
     return Chunk(seq.uid, start, tuple(ids), LOGITS_LAST if start + n == seq.num_tokens else LOGITS_NONE)
