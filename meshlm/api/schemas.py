@@ -28,7 +28,7 @@ MAX_DOCUMENTS = 1024  # chat `documents`
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 # vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
-_UNSUPPORTED_VLLM = ("prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "skip_special_tokens",
+_UNSUPPORTED_VLLM = ("truncate_prompt_tokens", "use_beam_search", "skip_special_tokens",
                      "spaces_between_special_tokens", "chat_template", "add_generation_prompt",
                      "continue_final_message")
 _VLLM_DEFAULTS = {"use_beam_search": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
@@ -82,7 +82,9 @@ class _Request(BaseModel):
     structured_outputs: "StructuredOutputs | None" = None  # vLLM's extension (its current naming)
     modalities: list[str] | None = None
     include_stop_str_in_output: StrictBool = False  # vLLM's extension
-    prompt_logprobs: Any = None
+    # vLLM's extension: each prompt token's logprob (after the first) and its top alternatives; -1 (vLLM's
+    # whole vocabulary) is refused as any count above 20.
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     skip_special_tokens: Any = None
@@ -163,6 +165,10 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token, if the prompt's logprobs are to be computed."""
+        return self.prompt_logprobs
 
 
 class StreamOptions(BaseModel):
@@ -344,16 +350,16 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt leads the text (and its tokens the logprobs, the first's null)
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    # With echo, 0 returns the prompt alone: how OpenAI's legacy API scores a text (lm-eval's loglikelihood).
+    max_tokens: StrictInt | None = Field(None, ge=0)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by this server")
-        return value
+    def prompt_logprob_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("suffix")
     @classmethod

@@ -29,8 +29,10 @@ from meshlm.engine.request import SamplingParams, StepOutput, TokenLogprob
 class Choice:
     index: int
     prompt_tokens: int
+    prompt: int = 0  # which of the request's prompts it continues
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -100,6 +102,11 @@ class Serving:
                 code="context_length_exceeded",
             )
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if asked == 0 and not getattr(req, "echo", False):
+            raise bad_request("max_tokens may be 0 only with echo (the prompt is then the whole text)",
+                              param="max_tokens")
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM
+            raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         # Documented policy: more than fits in the context is clamped to what fits.
         max_tokens = min(asked if asked is not None else self.default_max_tokens, room)
         bias = req.bias_items()
@@ -113,7 +120,8 @@ class Serving:
                 top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                logit_bias=bias, logprobs=req.logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
+                logit_bias=bias, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
+                stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
                 speculative=req.speculative, grammar=grammar,
@@ -137,14 +145,14 @@ class Serving:
                               f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
         params = [self.sampling_params(req, len(p), grammar) for p in prompts]
         try:
-            for p, base in zip(prompts, params):
+            for which, (p, base) in enumerate(zip(prompts, params)):
                 for i in range(req.n):
                     index = len(choices)
                     seed = None if base.seed is None else base.seed + i
                     sp = base if seed == base.seed else _with_seed(base, seed)
                     emit = _emitter(self._outbox, queue, index)
                     uids.append(self.engine.submit(p, sp, emit))
-                    choices.append(Choice(index, len(p)))
+                    choices.append(Choice(index, len(p), which))
         except QueueFull as exc:
             self.abort(uids)
             raise APIError(429, f"Server is busy ({exc}); retry shortly.", type_="rate_limit_error",
@@ -177,6 +185,8 @@ class Serving:
             choice = choices[index]
             choice.text.append(out.text)
             choice.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                choice.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
                 open_choices -= 1
                 choice.completion_tokens = out.completion_tokens
@@ -219,19 +229,39 @@ class Serving:
             content.append({**entry(x.token_id, x.logprob, advance=True), "top_logprobs": top})
         return {"content": content}
 
-    def completion_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
+    def completion_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor, lead: int | None = None) -> dict:
+        """`lead`: a token before `lps` whose logprob is unknown (an echoed prompt's first: null, as OpenAI's)."""
         tokens, offsets, tops = [], [], []
+        if lead is not None:
+            text, _, offset = self._entry(lead, cursor, advance=True)
+            tokens.append(text)
+            offsets.append(offset)
         for x in lps:
             tops.append({self._entry(t, cursor)[0]: json_logprob(v) for t, v in x.top})
             text, _, offset = self._entry(x.token_id, cursor, advance=True)
             tokens.append(text)
             offsets.append(offset)
+        unknown = [None] if lead is not None else []
         return {
             "tokens": tokens,
-            "token_logprobs": [json_logprob(x.logprob) for x in lps],
-            "top_logprobs": tops,
+            "token_logprobs": unknown + [json_logprob(x.logprob) for x in lps],
+            "top_logprobs": unknown + tops,
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(self, lps: list[TokenLogprob]) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` layout: per prompt token (null for the first), its own and the top
+        alternatives' logprobs by token id, each with its rank and text."""
+        out: list[dict | None] = [None]
+        for x in lps:
+            entry = {str(x.token_id): self._ranked(x.token_id, x.logprob, x.rank)}
+            for rank, (t, v) in enumerate(x.top, start=1):
+                entry.setdefault(str(t), self._ranked(t, v, rank))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": self.token_bytes.name(token_id)}
 
 
 # OpenAI's and vLLM's number for a token of no probability: JSON has no -inf, nor NaN.

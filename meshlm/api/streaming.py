@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError
@@ -25,15 +26,43 @@ class Completion:
         self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
         self.cursors = [TextCursor() for _ in self.choices]  # where each choice's logprobs are in its text
         self.finished = False
+        # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
+        self.echo = bool(getattr(req, "echo", False))
+        self.echo_texts = self._echo_texts() if self.echo else []
+        self.echoed: set[int] = set()  # choices whose stream has carried the prompt
+
+    def _echo_texts(self) -> list[str]:
+        """Each prompt as the client sent it, or its ids' text."""
+        p = self.req.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], str):
+            return list(p)
+        return [self.serving.tokenizer.decode(ids, skip_special_tokens=True) for ids in self.prompts]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.model_name}
 
-    def _logprobs(self, c: Choice, lps) -> dict | None:
-        if self.req.logprob_count() is None:
+    def _logprobs(self, c: Choice, lps, echo: bool = False) -> dict | None:
+        """`echo`: the prompt's tokens lead (the first's logprob unknown), each with the request's count of
+        alternatives."""
+        k = self.req.logprob_count()
+        if k is None:
             return None
         cursor = self.cursors[c.index]
-        return self.serving.chat_logprobs(lps, cursor) if self.chat else self.serving.completion_logprobs(lps, cursor)
+        if self.chat:
+            return self.serving.chat_logprobs(lps, cursor)
+        if not echo:
+            return self.serving.completion_logprobs(lps, cursor)
+        prompt = [dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()]
+        return self.serving.completion_logprobs(prompt + list(lps), cursor, lead=self.prompts[c.prompt][0])
+
+    def _prompt_logprobs(self, c: Choice) -> list | None:
+        """vLLM's `prompt_logprobs` field, when asked for."""
+        if self.req.prompt_logprobs is None:
+            return None
+        k = self.req.prompt_logprobs
+        return self.serving.prompt_logprobs([dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()])
 
     async def whole(self) -> dict:
         try:
@@ -43,12 +72,20 @@ class Completion:
             self.finished = True
         finally:
             self.close()
-        return {**self._head(self.object), "choices": [self._choice(c) for c in self.choices],
+        body = {**self._head(self.object), "choices": [self._choice(c) for c in self.choices],
                 "usage": self.serving.usage(self.choices, self.prompts)}
+        if self.chat and self.req.prompt_logprobs is not None:  # vLLM's chat: one list, beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+        return body
 
     def _choice(self, c: Choice) -> dict:
         text = "".join(c.text)
-        body = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c, c.logprobs)}
+        if self.echo:
+            text = self.echo_texts[c.prompt] + text
+        body = {"index": c.index, "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c, c.logprobs, echo=self.echo)}
+        if not self.chat and self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(c)
         if self.chat and self.tools is not None:
             content, calls = self.tools.calls(text)
             body["message"] = {"role": "assistant", "content": content}
@@ -75,6 +112,12 @@ class Completion:
                 if c.index in calls:
                     for chunk in self._tool_chunks(c, out, calls[c.index]):
                         yield sse({**self._head(obj), "choices": [chunk]})
+                elif self.echo and c.index not in self.echoed:  # the prompt leads the choice's first chunk
+                    self.echoed.add(c.index)
+                    chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text})
+                    chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
+                    chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
+                    yield sse({**self._head(obj), "choices": [chunk]})
                 elif out.text or out.logprobs or out.finish_reason:
                     delta = {"content": out.text} if out.text else {}
                     chunk = self._delta(c, delta, list(out.logprobs))

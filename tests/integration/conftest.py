@@ -200,3 +200,52 @@ def assert_parity(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
     for g, w in zip(got, want):
         a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol
+
+
+# Prompt logprobs against stock mlx-lm's forward: meshlm's CPU kernels (base-2 softmax, fused layers) and
+# batching round differently; a few 1e-4 here.
+SCORE_TOL = 5e-4
+
+
+def scored_prompts(seed: int = 7, lengths: tuple[int, ...] = (5, 40, 300)) -> list[list[int]]:
+    """Token-id prompts to score: one short, one within a scoring chunk, one across two (SCORING_ROWS)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def reference_scores(path: Path, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob after the first, from stock mlx-lm's forward over the whole prompt."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(path))
+    out = []
+    for ids in prompts:
+        logits = model(mx.array([ids]))[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        out.append(mx.take_along_axis(lp[:-1], mx.array(ids[1:])[:, None], axis=-1)[:, 0].tolist())
+    return out
+
+
+async def score_all(url: str, prompts: list[list[int]]) -> list[list[float]]:
+    """The server's logprobs of each prompt's tokens, all at once: OpenAI's echo with max_tokens 0."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "prompt": p, "max_tokens": 0, "echo": True, "logprobs": 1}) for p in prompts])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    out = []
+    for p, r in zip(prompts, rs):
+        choice = r.json()["choices"][0]
+        lps = choice["logprobs"]["token_logprobs"]
+        assert choice["finish_reason"] == "length" and len(lps) == len(p) and lps[0] is None
+        out.append(lps[1:])
+    return out
+
+
+def assert_scores(got: list[list[float]], want: list[list[float]], tol: float) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), (i, len(g), len(w))
+        worst = max(abs(x - y) for x, y in zip(g, w))
+        assert worst < tol, f"prompt {i}: a prompt token's logprob {worst:.2e} from the reference"

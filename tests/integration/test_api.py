@@ -283,3 +283,69 @@ def test_a_method_the_route_does_not_take_is_a_405_saying_which_it_takes(client)
         r = client.request(method, path)
         assert r.status_code == 405 and allowed in r.headers.get("allow", ""), (method, path, r.headers)
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- echo and prompt logprobs (lm-eval's loglikelihood, vLLM's prompt_logprobs) ------------------------
+
+ECHOED = "the river runs past the old mill and the"
+
+
+def test_echo_scores_a_prompt_with_the_official_client(server):
+    """OpenAI's legacy way to score a text: echo, max_tokens 0, logprobs. The text is the prompt, its tokens
+    join to it, the first has no logprob, and nothing is generated or counted. With max_tokens > 0 the
+    prompt leads the generated text and logprobs, with the same prompt logprobs."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    scored = c.completions.create(model="tiny-llama", prompt=ECHOED, max_tokens=0, echo=True, logprobs=2)
+    choice, usage = scored.choices[0], scored.usage
+    lp = choice.logprobs
+    assert choice.text == ECHOED and choice.finish_reason == "length" and usage.completion_tokens == 0
+    assert "".join(lp.tokens) == ECHOED and len(lp.tokens) == usage.prompt_tokens == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    more = c.completions.create(model="tiny-llama", prompt=ECHOED, max_tokens=4, echo=True, logprobs=2, temperature=0,
+                                extra_body={"ignore_eos": True})
+    plain = c.completions.create(model="tiny-llama", prompt=ECHOED, max_tokens=4, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert more.choices[0].text == ECHOED + plain.choices[0].text and more.usage.completion_tokens == 4
+    prompt_part = more.choices[0].logprobs.token_logprobs[: len(lp.tokens)]
+    assert prompt_part[0] is None and max(abs(a - b) for a, b in zip(prompt_part[1:], lp.token_logprobs[1:])) < 1e-4
+    assert len(more.choices[0].logprobs.tokens) == len(lp.tokens) + 4
+
+
+def test_echo_streams_the_prompt_first_and_serves_every_prompt_and_choice(client):
+    whole = client.post("/v1/completions", json={"prompt": ECHOED, "max_tokens": 5, "echo": True, "logprobs": 0,
+                                                 "temperature": 0}).json()["choices"][0]
+    req = {"prompt": ECHOED, "max_tokens": 5, "echo": True, "logprobs": 0, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert events[0]["choices"][0]["text"].startswith(ECHOED)
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    tokens = [t for e in events if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == whole["logprobs"]["tokens"]
+    body = client.post("/v1/completions", json={"prompt": ["one two", "three four five"], "n": 2, "max_tokens": 0,
+                                                "echo": True}).json()
+    assert [c["text"] for c in body["choices"]] == ["one two", "one two", "three four five", "three four five"]
+    assert body["usage"]["completion_tokens"] == 0 and all(c["logprobs"] is None for c in body["choices"])
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(client):
+    """vLLM's layout: per prompt token (null for the first) a map of token id to its logprob, rank and text,
+    holding the prompt's own token and the top alternatives; per choice for completions, beside the
+    choices for chat."""
+    ids = [5, 17, 42, 99, 7, 300]
+    body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2,
+                                                "temperature": 0}).json()
+    echoed = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True,
+                                                  "logprobs": 0}).json()["choices"][0]["logprobs"]["token_logprobs"]
+    pl = body["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for i, entry in enumerate(pl[1:], start=1):
+        own = entry[str(ids[i])]
+        assert abs(own["logprob"] - echoed[i]) < 1e-4 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        ranked = sorted(v["rank"] for k, v in entry.items() if k != str(ids[i]))
+        assert ranked in ([1, 2], [1], [2]) and len(entry) in (2, 3)  # the prompt token may be a top one
+        assert all(v["logprob"] <= 0 for v in entry.values())
+    chat = client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:]) and "prompt_logprobs" not in chat["choices"][0]

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, assert_parity, children, complete_all, stream_then
+from conftest import (SCORE_TOL, ServerProcess, assert_parity, assert_scores, children, complete_all, reference_scores, score_all,
+                      scored_prompts, stream_then)
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 # shares a 9,000-token prefix with the first (a prefix-cache hit on every rank, sent after the rest).
 PROMPTS = [_prompt(1, 12000), _prompt(2, 8200), _prompt(3, LONG - 40), _prompt(4, 9999), _prompt(5, 300)]
 CACHED = [PROMPTS[0][:9000] + _prompt(6, 700)]
+# Scored prompts: held whole below --cp-min-tokens, split over the ranks by CP=4 (10 scoring chunks).
+SCORED = scored_prompts(lengths=(5, 300, 2500))
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +82,12 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
             short = asyncio.run(complete_all(srv.url, [PROMPTS[4]] * 3, 8))  # admitted together: both ranks
             after = [srv.metric(f'meshlm_cp_whole_sequences_total{{rank="{r}"}}') for r in (0, 1)]
             assert sum(after) == 5 and min(a - p for a, p in zip(after, placed)) >= 1, (placed, after)
+        scores = asyncio.run(score_all(srv.url, SCORED))  # the prompts' own logprobs, through the ring
     finally:
         srv.stop()
     assert_parity(got, reference[0], TOL)
     assert_parity(cached, reference[1], TOL)
+    assert_scores(scores, reference_scores(model, SCORED), SCORE_TOL)
     if whole:
         assert_parity(short, [reference[0][4]] * 3, TOL)
 

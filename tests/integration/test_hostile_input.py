@@ -303,7 +303,10 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     # vLLM's extensions that would change the output, not implemented: refused unless at their default
     ({"skip_special_tokens": False}, "skip_special_tokens"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
+    ({"max_tokens": 0}, "max_tokens"),  # only a completion's echo generates nothing
     ({"use_beam_search": True}, "use_beam_search"),
     ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
     ({"continue_final_message": True}, "continue_final_message"),
@@ -319,7 +322,9 @@ def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, pa
 @pytest.mark.parametrize("extra, param", [
     ({"best_of": 3}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
-    ({"echo": True}, "echo"),
+    ({"echo": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),  # without echo there would be nothing to return
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
     ({"logprobs": 21}, "logprobs"),
 ])
 def test_completion_only_parameters(server, extra, param):
@@ -391,7 +396,7 @@ def test_long_stop_strings_do_not_slow_other_streams(server):
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "user", "ignore_eos", "echo",
+          "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "user", "ignore_eos", "echo", "prompt_logprobs",
           "best_of", "suffix", "tools", "tool_choice", "response_format", "structured_outputs", "min_tokens", "stop_token_ids", "role", "content"]
 
 

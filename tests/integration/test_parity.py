@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from conftest import ServerProcess
+from conftest import SCORE_TOL, ServerProcess, assert_scores, reference_scores, score_all, scored_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,15 @@ def test_tiny_greedy_matches_mlx_lm(server, tiny_model):
         ids = tok.encode(prompt)
         want = [tok.decode([t]) for t in mlx_lm_greedy(tiny_model, ids, 24)]
         assert meshlm_greedy_texts(server.url, ids, 24) == want
+
+
+def test_prompt_logprobs_match_mlx_lm(server, tiny_model):
+    """OpenAI's echo with max_tokens 0: each prompt token's logprob given the ones before it, as stock
+    mlx-lm's forward over the whole prompt gives it; a 300-token prompt is scored over two chunks."""
+    import asyncio
+
+    prompts = scored_prompts()
+    assert_scores(asyncio.run(score_all(server.url, prompts)), reference_scores(tiny_model, prompts), tol=SCORE_TOL)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, assert_parity, children, complete_all, free_port, free_port_run, stream_error, stream_then
+from conftest import (SCORE_TOL, ServerProcess, assert_parity, assert_scores, children, complete_all, free_port, free_port_run,
+                      reference_scores, score_all, scored_prompts, stream_error, stream_then)
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +70,7 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     try:
         got = asyncio.run(complete_all(srv.url, PROMPTS, 16))
         again = asyncio.run(complete_all(srv.url, PROMPTS[:4], 16))  # prefix-cache hits on every stage
+        scores = asyncio.run(score_all(srv.url, scored_prompts()))  # the prompts' own logprobs
         assert srv.metric("meshlm_prefix_cache_hits_total") > 0
         if "--speculative" in flags:  # drafts were verified (how many a random model accepts varies)
             assert srv.metric("meshlm_spec_verify_steps_total") > 0
@@ -76,6 +78,7 @@ def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
         srv.stop()
     assert_parity(got, reference, tol=TOL)
     assert_parity(again, reference[:4], tol=TOL)
+    assert_scores(scores, reference_scores(model, scored_prompts()), tol=SCORE_TOL)
     log = srv.log.read_text()
     assert "layers 0..0 of 4" in log or "layers 0..1 of 4" in log  # the first stage holds only its layers
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, children, free_port, stream_error, stream_then
+from conftest import (SCORE_TOL, ServerProcess, assert_scores, children, free_port, reference_scores, score_all, scored_prompts,
+                      stream_error, stream_then)
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +78,7 @@ def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_pa
     srv = start(tp_model, tmp_path, "--tensor-parallel", str(tp), "--local-all-reduce", sums)
     try:
         got = asyncio.run(_complete_all(srv.url, PROMPTS, 16))
+        scores = asyncio.run(score_all(srv.url, scored_prompts()))
         shared = sums == "auto" and native_module()[0] is not None
         assert ("tensor-parallel sums: shared memory" in srv.log.read_text()) == shared
         if shared:  # rank 0 took part in every sum: two per layer per step
@@ -88,6 +90,7 @@ def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_pa
     for g, r in zip(got, single_reference):
         a, b = g["choices"][0]["logprobs"]["token_logprobs"], r["choices"][0]["logprobs"]["token_logprobs"]
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert_scores(scores, reference_scores(tp_model, scored_prompts()), tol=SCORE_TOL)  # the prompts' own logprobs
 
 
 def test_fused_decode_on_real_ranks_serves_the_module_paths_logprobs_exactly(tp_model, tmp_path):
