@@ -47,10 +47,11 @@ class PromptBuilder:
 
     # -- public, async ------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[int]:
-        self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
+        if req.truncate_prompt_tokens is None:
+            self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
         ids = await asyncio.to_thread(self._chat_sync, req, tools)
         self.check_ids(ids, "messages")
-        return ids
+        return self._truncated(ids, req.truncate_prompt_tokens)
 
     async def completion(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
@@ -59,18 +60,30 @@ class PromptBuilder:
         if not p:
             raise bad_request("prompt must not be empty", param="prompt")
         if isinstance(p[0], str):
-            self._bound_chars(max(len(s) for s in p), "prompt")
+            if req.truncate_prompt_tokens is None:
+                self._bound_chars(max(len(s) for s in p), "prompt")
             prompts = await asyncio.to_thread(self._encode_many, list(p), True)
             for i, ids in enumerate(prompts):
                 self.check_ids(ids, f"prompt[{i}]")
-            return prompts
+            return [self._truncated(ids, req.truncate_prompt_tokens) for ids in prompts]
         prompts = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
         for i, ids in enumerate(prompts):
             where = "prompt" if isinstance(p[0], int) else f"prompt[{i}]"
             if not ids:
                 raise bad_request(f"{where} must not be empty", param="prompt")
             self.check_ids(ids, where)
-        return prompts
+        return [self._truncated(ids, req.truncate_prompt_tokens) for ids in prompts]
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the last `keep` tokens (-1: as many as leave one to generate)."""
+        if keep is None:
+            return ids
+        if keep == 0 or keep >= self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len - 1} (the context is "
+                              f"{self.max_model_len} tokens, one of them left to generate)",
+                              param="truncate_prompt_tokens")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:]
 
     def check_ids(self, ids: Sequence[int], where: str, param: str | None = None) -> None:
         """400 naming the first id outside the vocabulary (negative ones included)."""
@@ -94,7 +107,9 @@ class PromptBuilder:
         if req.documents is not None:
             extra["documents"] = req.documents
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support
             raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
         return self._encode_many([text], False)[0]

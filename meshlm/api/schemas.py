@@ -28,11 +28,8 @@ MAX_DOCUMENTS = 1024  # chat `documents`
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 # vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
-_UNSUPPORTED_VLLM = ("truncate_prompt_tokens", "use_beam_search", "skip_special_tokens",
-                     "spaces_between_special_tokens", "chat_template", "add_generation_prompt",
-                     "continue_final_message")
-_VLLM_DEFAULTS = {"use_beam_search": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                  "add_generation_prompt": True, "continue_final_message": False}
+_UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template")
+_VLLM_DEFAULTS = {"use_beam_search": False, "spaces_between_special_tokens": True}
 # What meshlm passes to the chat template itself, or what changes how it is called: not a template variable
 # a client may set through `chat_template_kwargs`.
 _TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -85,13 +82,13 @@ class _Request(BaseModel):
     # vLLM's extension: each prompt token's logprob (after the first) and its top alternatives; -1 (vLLM's
     # whole vocabulary) is refused as any count above 20.
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    truncate_prompt_tokens: Any = None
+    # vLLM's extension: keep only the prompt's last k tokens (-1: as many as the context holds, one left to
+    # generate), after templating.
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     use_beam_search: Any = None
-    skip_special_tokens: Any = None
+    skip_special_tokens: StrictBool = True  # vLLM's extension: false shows special tokens in the text
     spaces_between_special_tokens: Any = None
     chat_template: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -304,6 +301,10 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
     echo: Any = None  # vLLM's extension (the last message prepended to the reply): refused unless false
+    # vLLM's extensions: the template's assistant header after the messages (default); or none, the last
+    # message left open for the model to continue (an assistant reply's start given by the client).
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -317,6 +318,13 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _no_chat_echo(cls, value: Any) -> Any:
         return value if value is False else _refuse("echo", value)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value: bool, info) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message needs add_generation_prompt false (as vLLM)")
+        return value
 
     @field_validator("tools")
     @classmethod

@@ -122,7 +122,7 @@ class Serving:
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 logit_bias=bias, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
                 stop=req.stop_list(), stop_token_ids=stop_ids,
-                include_stop_str=req.include_stop_str_in_output,
+                include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
                 speculative=req.speculative, grammar=grammar,
             )
@@ -211,7 +211,7 @@ class Serving:
     # first character does. Its `bytes` are its own, as OpenAI documents them (vLLM encodes the text).
     def _entry(self, token_id: int, cursor: TextCursor, advance: bool = False) -> tuple[str, bytes, int]:
         raw, shown = self.token_bytes(token_id)
-        if not shown:  # a special token, which the text leaves out
+        if not shown and not cursor.specials:  # a special token, which the text leaves out
             return self.token_bytes.name(token_id), raw, cursor.offset
         if advance:
             text, offset = cursor.advance(raw)

@@ -24,7 +24,7 @@ class Completion:
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
-        self.cursors = [TextCursor() for _ in self.choices]  # where each choice's logprobs are in its text
+        self.cursors = [TextCursor(not req.skip_special_tokens) for _ in self.choices]  # where each choice's logprobs are in its text
         self.finished = False
         # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
         self.echo = bool(getattr(req, "echo", False))
@@ -32,13 +32,14 @@ class Completion:
         self.echoed: set[int] = set()  # choices whose stream has carried the prompt
 
     def _echo_texts(self) -> list[str]:
-        """Each prompt as the client sent it, or its ids' text."""
+        """Each prompt as the client sent it, or its ids' text (given as ids, or truncated)."""
         p = self.req.prompt
-        if isinstance(p, str):
+        if isinstance(p, str) and self.req.truncate_prompt_tokens is None:
             return [p]
-        if p and isinstance(p[0], str):
+        if p and isinstance(p[0], str) and self.req.truncate_prompt_tokens is None:
             return list(p)
-        return [self.serving.tokenizer.decode(ids, skip_special_tokens=True) for ids in self.prompts]
+        return [self.serving.tokenizer.decode(ids, skip_special_tokens=self.req.skip_special_tokens)
+                for ids in self.prompts]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.model_name}

@@ -349,3 +349,62 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client):
     chat = client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:]) and "prompt_logprobs" not in chat["choices"][0]
+
+
+# -- vLLM's prompt-shaping extensions ---------------------------------------------------------------
+
+def prompt_ids_of(body: dict) -> list[int]:
+    """A prompt's ids after its first, read back from `prompt_logprobs: 0` (each entry is the token alone)."""
+    return [int(next(iter(e))) for e in body["prompt_logprobs"][1:]]
+
+
+def test_continue_final_message_leaves_the_last_message_open(client, tiny_model):
+    """vLLM's `continue_final_message` with `add_generation_prompt: false`: the prompt is the template's
+    text up to the end of the last message's content, which the model continues (a reply's start given by
+    the client). Both at once are a 400, as vLLM."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    messages = [{"role": "user", "content": "Tell me about cats."}, {"role": "assistant", "content": "Cats are"}]
+    base = {"messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    body = client.post("/v1/chat/completions", json={**base, "add_generation_prompt": False,
+                                                     "continue_final_message": True}).json()
+    def ids(**flags) -> list[int]:
+        return tok.encode(tok.apply_chat_template(messages, tokenize=False, **flags), add_special_tokens=False)
+
+    want = ids(add_generation_prompt=False, continue_final_message=True)
+    assert prompt_ids_of(body) == want[1:] and tok.decode(want).endswith("Cats are")
+    closed = client.post("/v1/chat/completions", json=base).json()  # the reply closed, a new one opened
+    assert prompt_ids_of(closed) == ids(add_generation_prompt=True)[1:]
+    r = client.post("/v1/chat/completions", json={**base, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
+    ids = list(range(10, 30))
+    body = client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 4, "max_tokens": 0,
+                                                "echo": True, "logprobs": 0}).json()
+    assert body["usage"]["prompt_tokens"] == 4 and len(body["choices"][0]["logprobs"]["tokens"]) == 4
+    assert prompt_ids_of(client.post("/v1/completions", json={
+        "prompt": ids, "truncate_prompt_tokens": 4, "max_tokens": 1, "prompt_logprobs": 0}).json()["choices"][0]) \
+        == ids[-3:]
+    long = client.post("/v1/completions", json={"prompt": [3 + i % 500 for i in range(600)], "truncate_prompt_tokens": -1,
+                                                "max_tokens": 1})  # the context is 512: 511 kept, one to generate
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 511
+    for bad in (0, 512, -2, "4"):
+        r = client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
+
+
+def test_skip_special_tokens_false_shows_special_tokens_in_text_and_logprobs(client):
+    """`<|im_start|>` (id 1) forced by logit_bias: left out of the text by default, shown with
+    skip_special_tokens false, and either way the logprob tokens join to the text."""
+    base = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}, "logprobs": 0}
+    hidden = client.post("/v1/completions", json=base).json()["choices"][0]
+    shown = client.post("/v1/completions", json={**base, "skip_special_tokens": False}).json()["choices"][0]
+    assert hidden["text"] == "" and shown["text"] == "<|im_start|>" * 3
+    assert "".join(shown["logprobs"]["tokens"]) == shown["text"] and shown["logprobs"]["text_offset"] == [0, 12, 24]
+    echo = {"prompt": [1, 75, 108], "max_tokens": 0, "echo": True}  # <|im_start|>, then two bytes' tokens
+    plain = client.post("/v1/completions", json=echo).json()["choices"][0]["text"]
+    echoed = client.post("/v1/completions", json={**echo, "skip_special_tokens": False}).json()["choices"][0]
+    assert echoed["text"] == "<|im_start|>" + plain and len(plain) == 2

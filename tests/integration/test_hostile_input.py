@@ -302,14 +302,17 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     # vLLM's extensions that would change the output, not implemented: refused unless at their default
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
     ({"max_tokens": 0}, "max_tokens"),  # only a completion's echo generates nothing
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
-    ({"continue_final_message": True}, "continue_final_message"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 10**9}, "truncate_prompt_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),  # needs add_generation_prompt false
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
