@@ -67,6 +67,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_SECONDS,
                    help="seconds a client may stay silent before its first request or with a request half sent "
                         "(closed; a half-sent body gets 408), or not read a response (aborted) (default 60)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins (https://host:port) whose browser pages may call the API "
+                        "(CORS), or *; none by default")
     p.add_argument("--default-temperature", type=float, default=None,
                    help="temperature for requests that name none (default: the model's generation_config.json, else 1)")
     p.add_argument("--default-top-p", type=float, default=None,
@@ -218,7 +221,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 cp_overlap=args.cp_overlap, local_all_reduce=args.local_all_reduce,
                                 launch_fd=args.launch_fd),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
-                            args.default_temperature, args.default_top_p, args.client_timeout),
+                            args.default_temperature, args.default_top_p, args.client_timeout,
+                            tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),

@@ -6,6 +6,7 @@ on the objects that derive them, never written back here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -273,8 +274,14 @@ class ServerConfig:
     default_temperature: float | None = None  # None: the model's generation_config.json, else 1.0
     default_top_p: float | None = None
     client_timeout: float = CLIENT_TIMEOUT_SECONDS
+    # Browser pages from these origins may call the API (CORS); none by default: any page the user visits
+    # could otherwise drive a server on 127.0.0.1. "*": every origin (vLLM's and mlx-lm's default).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", origin):
+                raise ValueError(f"--allowed-origins: {origin[:80]!r} is not an origin (scheme://host[:port]) or *")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_tokens_default < 1:

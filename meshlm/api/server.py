@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
@@ -23,9 +24,14 @@ from meshlm.api.tools import plan_tools
 log = logging.getLogger(__name__)
 
 
-def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits()) -> FastAPI:
-    """`health()` returns None when healthy or a message naming what is wrong."""
+def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """`health()` returns None when healthy or a message naming what is wrong; `allowed_origins`: browser
+    pages from these may call the API (CORS preflights answered, responses marked)."""
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
     engine = serving.engine
     health = health or (lambda: engine.problem)
 

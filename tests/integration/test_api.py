@@ -408,3 +408,31 @@ def test_skip_special_tokens_false_shows_special_tokens_in_text_and_logprobs(cli
     plain = client.post("/v1/completions", json=echo).json()["choices"][0]["text"]
     echoed = client.post("/v1/completions", json={**echo, "skip_special_tokens": False}).json()["choices"][0]
     assert echoed["text"] == "<|im_start|>" + plain and len(plain) == 2
+
+
+def test_cors_only_for_the_allowed_origins(server, tiny_model, tmp_path):
+    """By default no browser page may call the API: a preflight is a 405 and responses carry no CORS
+    header. With --allowed-origins, a listed origin's preflight and requests are allowed, another's not."""
+    import httpx
+
+    from conftest import ServerProcess
+
+    page = "https://chat.example:8443"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models", headers={"Origin": page}).headers
+    srv = ServerProcess(tiny_model, "--allowed-origins", page, log_dir=tmp_path)
+    try:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = httpx.post(srv.url + "/v1/chat/completions", headers={"Origin": page}, json=CHAT)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.post(srv.url + "/v1/chat/completions", headers={"Origin": page}, json={})  # errors too
+        assert r.status_code == 400 and r.headers["access-control-allow-origin"] == page
+        other = httpx.options(srv.url + "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    finally:
+        srv.stop()

@@ -15,6 +15,9 @@ def parse(*flags: str):
 def test_the_defaults_parse():
     config = parse()
     assert config.parallel.start_timeout == 180.0 and config.server.max_tokens_default >= 1
+    assert config.server.allowed_origins == ()  # no browser page may call the API unless allowed
+    assert parse("--allowed-origins", "https://a.example:8443, http://[::1]:3000").server.allowed_origins == \
+        ("https://a.example:8443", "http://[::1]:3000")
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -34,6 +37,8 @@ def test_the_defaults_parse():
     (("--max-tokens-default", "-1"), "--max-tokens-default must be >= 1"),
     (("--served-model-name", " "), "--served-model-name must not be empty"),
     (("--prefill-peer", "127.0.0.1:9", "--prefill-timeout", "nan"), "--prefill-timeout must be a number > 0"),
+    (("--allowed-origins", "example.com"), "--allowed-origins: 'example.com' is not an origin"),
+    (("--allowed-origins", "https://ok.example,javascript:alert(1)"), "is not an origin"),
     (("--client-timeout", "0"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
