@@ -112,7 +112,12 @@ class PromptBuilder:
                 continue_final_message=req.continue_final_message, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support
             raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
-        return self._encode_many([text], False)[0]
+        return self._encode_many([text], getattr(req, "add_special_tokens", False))[0]
+
+    async def text(self, text: str, special: bool) -> list[int]:
+        """A text's ids (vLLM's /tokenize), refused only when its length alone proves it cannot fit."""
+        self._bound_chars(len(text), "prompt")
+        return (await asyncio.to_thread(self._encode_many, [text], special))[0]
 
     def _encode_many(self, texts: list[str], special: bool) -> list[list[int]]:
         if self._fast is not None:

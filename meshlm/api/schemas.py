@@ -385,7 +385,33 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize of a text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """vLLM's /tokenize of chat messages: the prompt a chat completion would get (template, tools)."""
+
+    add_special_tokens: StrictBool = False  # the template writes them
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 _Request.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()

@@ -15,10 +15,12 @@ from starlette.middleware.cors import CORSMiddleware
 
 from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
-from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
+from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                TokenizeRequest)
 from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
 from meshlm.api.structured import request_grammar
+from meshlm.api.tokenize import detokenize, tokenize
 from meshlm.api.tools import plan_tools
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,20 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         grammar = await request_grammar(serving.grammars, req, limits, tools)
         return await _respond(request, Completion(serving, req, [prompt], chat=True, grammar=grammar, tools=tools))
 
+    @app.post("/tokenize")
+    async def _tokenize(request: Request):
+        data = await parse_json(await read_body(request, limits.max_bytes, limits.stall_seconds), limits)
+        chat = isinstance(data, dict) and "messages" in data
+        req = _validated(TokenizeChatRequest if chat else TokenizeRequest, data)
+        serving.check_model(req)
+        return await tokenize(serving, req, plan_tools(req, serving.tokenizer) if chat else None)
+
+    @app.post("/detokenize")
+    async def _detokenize(request: Request):
+        req = await _parse(request, DetokenizeRequest, limits)
+        serving.check_model(req)
+        return detokenize(serving, req)
+
     @app.post("/v1/completions")
     async def _completions(request: Request):
         req = await _parse(request, CompletionRequest, limits)
@@ -92,7 +108,10 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
 
 
 async def _parse(request: Request, model, limits: BodyLimits):
-    data = await parse_json(await read_body(request, limits.max_bytes, limits.stall_seconds), limits)
+    return _validated(model, await parse_json(await read_body(request, limits.max_bytes, limits.stall_seconds), limits))
+
+
+def _validated(model, data):
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -436,3 +436,27 @@ def test_cors_only_for_the_allowed_origins(server, tiny_model, tmp_path):
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     finally:
         srv.stop()
+
+
+def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
+    """vLLM's /tokenize (a text, or the prompt a chat would get) and /detokenize, with this server's
+    tokenizer and template; ids are checked against the vocabulary."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = client.post("/tokenize", json={"prompt": "hello there", "return_token_strs": True}).json()
+    assert text["tokens"] == tok.encode("hello there") and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == 512 and text["token_strs"] == tok.convert_ids_to_tokens(text["tokens"])
+    chat = client.post("/tokenize", json=CHAT).json()
+    served = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()
+    assert chat["count"] == served["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    assert client.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"] == \
+        tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False)
+    for path, body, param in (("/detokenize", {"tokens": [0, 512]}, "tokens"),
+                              ("/detokenize", {"tokens": list(range(3, 600))}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": []}, "messages")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert client.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404

@@ -400,7 +400,9 @@ def test_long_stop_strings_do_not_slow_other_streams(server):
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "user", "ignore_eos", "echo", "prompt_logprobs",
-          "best_of", "suffix", "tools", "tool_choice", "response_format", "structured_outputs", "min_tokens", "stop_token_ids", "role", "content"]
+          "best_of", "suffix", "tools", "tool_choice", "response_format", "structured_outputs", "min_tokens", "stop_token_ids", "role", "content",
+          "tokens", "add_special_tokens", "return_token_strs", "truncate_prompt_tokens", "skip_special_tokens",
+          "continue_final_message", "add_generation_prompt"]
 
 
 def _value(rng: random.Random, depth: int = 0):
@@ -452,7 +454,8 @@ def test_fuzzed_bodies_never_get_a_5xx(tiny_model, tmp_path):
             for i in range(400):
                 if time.monotonic() > deadline:
                     break
-                path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+                path = ("/v1/completions", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions",
+                        "/tokenize", "/detokenize")[i % 6]
                 body = _body(rng)
                 r = c.post(path, content=body, headers={"content-type": "application/json"})
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
