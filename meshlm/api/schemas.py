@@ -87,6 +87,10 @@ class _Request(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     use_beam_search: Any = None
     skip_special_tokens: StrictBool = True  # vLLM's extension: false shows special tokens in the text
+    # vLLM's extensions: the prompt's and the output's token ids beside the text (RL rollouts); logprob
+    # tokens named `token_id:N` instead of their text.
+    return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False
     spaces_between_special_tokens: Any = None
     chat_template: Any = None
     guided_json: Any = None

@@ -31,6 +31,7 @@ class Choice:
     prompt_tokens: int
     prompt: int = 0  # which of the request's prompts it continues
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
     completion_tokens: int = 0
@@ -184,6 +185,7 @@ class Serving:
             index, out = await queue.get()
             choice = choices[index]
             choice.text.append(out.text)
+            choice.token_ids.extend(out.token_ids)
             choice.logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 choice.prompt_logprobs = out.prompt_logprobs
@@ -212,11 +214,12 @@ class Serving:
     def _entry(self, token_id: int, cursor: TextCursor, advance: bool = False) -> tuple[str, bytes, int]:
         raw, shown = self.token_bytes(token_id)
         if not shown and not cursor.specials:  # a special token, which the text leaves out
-            return self.token_bytes.name(token_id), raw, cursor.offset
-        if advance:
+            text, offset = self.token_bytes.name(token_id), cursor.offset
+        elif advance:
             text, offset = cursor.advance(raw)
-            return text, raw, offset
-        return cursor.peek(raw), raw, cursor.offset
+        else:
+            text, offset = cursor.peek(raw), cursor.offset
+        return (f"token_id:{token_id}" if cursor.as_ids else text), raw, offset
 
     def chat_logprobs(self, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
         def entry(token_id: int, lp: float, advance: bool = False) -> dict:

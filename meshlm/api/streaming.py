@@ -24,8 +24,11 @@ class Completion:
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
-        self.cursors = [TextCursor(not req.skip_special_tokens) for _ in self.choices]  # where each choice's logprobs are in its text
+        # Where each choice's logprobs are in its text, and how their tokens are named.
+        self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.finished = False
+        self.ids = req.return_token_ids  # vLLM's: prompt and output token ids beside the text
+        self.ids_started: set[int] = set()  # text completions' choices whose stream carried their prompt's ids
         # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
         self.echo = bool(getattr(req, "echo", False))
         self.echo_texts = self._echo_texts() if self.echo else []
@@ -77,6 +80,8 @@ class Completion:
                 "usage": self.serving.usage(self.choices, self.prompts)}
         if self.chat and self.req.prompt_logprobs is not None:  # vLLM's chat: one list, beside the choices
             body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+        if self.chat and self.ids:  # likewise the prompt's ids
+            body["prompt_token_ids"] = self.prompts[0]
         return body
 
     def _choice(self, c: Choice) -> dict:
@@ -87,6 +92,10 @@ class Completion:
                 "logprobs": self._logprobs(c, c.logprobs, echo=self.echo)}
         if not self.chat and self.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(c)
+        if self.ids:
+            body["token_ids"] = list(c.token_ids)
+            if not self.chat:
+                body["prompt_token_ids"] = self.prompts[c.prompt]
         if self.chat and self.tools is not None:
             content, calls = self.tools.calls(text)
             body["message"] = {"role": "assistant", "content": content}
@@ -104,7 +113,8 @@ class Completion:
         try:
             if self.chat:
                 for c in self.choices:
-                    yield sse({**self._head(obj), "choices": [self._delta(c, {"role": "assistant", "content": ""})]})
+                    head = {**self._head(obj), **({"prompt_token_ids": self.prompts[0]} if self.ids else {})}
+                    yield sse({**head, "choices": [self._delta(c, {"role": "assistant", "content": ""})]})
             calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
@@ -115,13 +125,13 @@ class Completion:
                         yield sse({**self._head(obj), "choices": [chunk]})
                 elif self.echo and c.index not in self.echoed:  # the prompt leads the choice's first chunk
                     self.echoed.add(c.index)
-                    chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text})
+                    chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text}, ids=out.token_ids)
                     chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
                     yield sse({**self._head(obj), "choices": [chunk]})
-                elif out.text or out.logprobs or out.finish_reason:
+                elif out.text or out.logprobs or out.finish_reason or (self.ids and out.token_ids):
                     delta = {"content": out.text} if out.text else {}
-                    chunk = self._delta(c, delta, list(out.logprobs))
+                    chunk = self._delta(c, delta, list(out.logprobs), out.token_ids)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
                     yield sse({**self._head(obj), "choices": [chunk]})
             else:
@@ -137,8 +147,8 @@ class Completion:
     def _tool_chunks(self, c: Choice, out, stream: ToolStream) -> list[dict]:
         deltas = stream.feed(out.text) if out.text else []
         chunks = [self._delta(c, d) for d in deltas]
-        if out.logprobs:  # logprobs travel on their own chunk when the text is held back
-            chunks.append(self._delta(c, {}, list(out.logprobs)))
+        if out.logprobs or (self.ids and out.token_ids):  # on their own chunk: the text may be held back
+            chunks.append(self._delta(c, {}, list(out.logprobs), out.token_ids))
         if out.finish_reason:
             chunks += [self._delta(c, d) for d in stream.finish()]
             last = self._delta(c, {})
@@ -147,8 +157,15 @@ class Completion:
             chunks.append(last)
         return chunks
 
-    def _delta(self, c: Choice, delta: dict, lps=None) -> dict:
+    def _delta(self, c: Choice, delta: dict, lps=None, ids=()) -> dict:
+        """`ids`: the output token ids this chunk carries (`return_token_ids`); a text completion's first
+        chunk of a choice carries its prompt's too."""
         body = {"index": c.index, "logprobs": self._logprobs(c, lps or []) if lps else None, "finish_reason": None}
+        if self.ids:
+            body["token_ids"] = list(ids)
+            if not self.chat and c.index not in self.ids_started:
+                self.ids_started.add(c.index)
+                body["prompt_token_ids"] = self.prompts[c.prompt]
         if self.chat:
             body["delta"] = delta
         else:

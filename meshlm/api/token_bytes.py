@@ -67,10 +67,11 @@ class TextCursor:
     but not ended. A token starts where its first character does, so one that completes a character
     has that character's offset, and one holding only its first bytes has the same offset."""
 
-    def __init__(self, specials: bool = False) -> None:
+    def __init__(self, specials: bool = False, as_ids: bool = False) -> None:
         self.offset = 0  # characters of the text before the next token's first
         self.pending = b""  # a character's first bytes, not yet completed
         self.specials = specials  # the text shows special tokens' names (skip_special_tokens false)
+        self.as_ids = as_ids  # logprobs name tokens `token_id:N` (vLLM's return_tokens_as_token_ids)
 
     def peek(self, raw: bytes) -> str:
         """The characters `raw` would complete after the text so far ("" for a part of one)."""

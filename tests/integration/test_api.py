@@ -460,3 +460,31 @@ def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
         r = client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     assert client.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_token_ids_beside_the_text_whole_and_streamed(client):
+    """vLLM's `return_token_ids` (RL rollouts): the prompt's and the output's ids, which decode to the text;
+    streamed, the prompt's come first and the outputs' chunks add up to the whole. With
+    `return_tokens_as_token_ids` logprob tokens are named `token_id:N`."""
+    base = {"prompt": "the river runs", "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    whole = client.post("/v1/completions", json=base).json()["choices"][0]
+    assert whole["prompt_token_ids"] == client.post("/tokenize", json={"prompt": "the river runs"}).json()["tokens"]
+    assert len(whole["token_ids"]) == 6
+    with client.stream("POST", "/v1/completions", json={**base, "stream": True}) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert events[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
+    chat = client.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == client.post("/tokenize", json=CHAT).json()["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "return_token_ids": True, "stream": True}) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+    named = client.post("/v1/completions", json={**base, "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    lp = named["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in named["choices"][0]["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    assert named["choices"][0]["text"] == whole["text"] and lp["text_offset"][0] == 0
