@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, CacheConfig, DisaggConfig, ModelConfig,
-                           ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
+from meshlm.config import (AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, REASONING_PARSERS, CacheConfig, DisaggConfig,
+                           ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
 from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
@@ -70,6 +70,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins (https://host:port) whose browser pages may call the API "
                         "(CORS), or *; none by default")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
+                   help="a thinking model's <think>...</think> goes to the chat message's reasoning_content "
+                        "(as vLLM's parsers; qwen3 and deepseek_r1 mean the same rule)")
     p.add_argument("--default-temperature", type=float, default=None,
                    help="temperature for requests that name none (default: the model's generation_config.json, else 1)")
     p.add_argument("--default-top-p", type=float, default=None,
@@ -222,7 +225,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 launch_fd=args.launch_fd),
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p, args.client_timeout,
-                            tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())),
+                            tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+                            args.reasoning_parser),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),

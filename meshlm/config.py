@@ -264,6 +264,9 @@ class ParallelConfig:
 CLIENT_TIMEOUT_SECONDS = 60.0
 
 
+REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # vLLM's names; both mean api/reasoning.py's one rule
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -277,8 +280,11 @@ class ServerConfig:
     # Browser pages from these origins may call the API (CORS); none by default: any page the user visits
     # could otherwise drive a server on 127.0.0.1. "*": every origin (vLLM's and mlx-lm's default).
     allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: str = "none"  # api/reasoning.py: a thinking model's reasoning apart from its answer
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", origin):
                 raise ValueError(f"--allowed-origins: {origin[:80]!r} is not an origin (scheme://host[:port]) or *")

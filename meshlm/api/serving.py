@@ -72,7 +72,7 @@ class SamplingDefaults:
 
 class Serving:
     def __init__(self, engine: Engine, prompts: PromptBuilder, model_name: str, default_max_tokens: int,
-                 defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 defaults: SamplingDefaults = SamplingDefaults(), reasoning_parser: str = "none") -> None:
         self.engine = engine
         self.grammars = engine.grammars
         self.prompts = prompts
@@ -82,6 +82,7 @@ class Serving:
         self.max_model_len = prompts.max_model_len
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
+        self.reasoning_parser = reasoning_parser  # api/reasoning.py: "none", or a thinking model's
         self._outbox: Outbox | None = None  # for the running event loop, made on first use
         engine.output_batch = self._holding_outputs
 

@@ -7,11 +7,15 @@ import dataclasses
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError
+from meshlm.api.reasoning import ReasoningSplit, opens_reasoning, split
 from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
 from meshlm.api.token_bytes import TextCursor
 from meshlm.api.tools import ToolPlan, ToolStream
 from meshlm.engine.request import StepOutput
+
+
+REASONING_TAIL = 16  # prompt tokens whose text says whether the template opened a think block
 
 
 class Completion:
@@ -28,6 +32,14 @@ class Completion:
         self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.finished = False
         self.ids = req.return_token_ids  # vLLM's: prompt and output token ids beside the text
+        # A thinking model's reasoning apart from its answer (--reasoning-parser); not in constrained output,
+        # whose grammar leaves no room for it.
+        self.thinking: bool | None = None
+        if chat and serving.reasoning_parser != "none" and grammar is None:
+            tail = serving.tokenizer.decode(prompts[0][-REASONING_TAIL:], skip_special_tokens=False)
+            self.thinking = opens_reasoning(tail)
+        self.splits = {c.index: ReasoningSplit(self.thinking) for c in self.choices} if self.thinking is not None \
+            else {}
         self.ids_started: set[int] = set()  # text completions' choices whose stream carried their prompt's ids
         # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
         self.echo = bool(getattr(req, "echo", False))
@@ -88,6 +100,9 @@ class Completion:
         text = "".join(c.text)
         if self.echo:
             text = self.echo_texts[c.prompt] + text
+        reasoning = None
+        if self.thinking is not None:
+            reasoning, text = split(text, self.thinking)
         body = {"index": c.index, "finish_reason": c.finish_reason,
                 "logprobs": self._logprobs(c, c.logprobs, echo=self.echo)}
         if not self.chat and self.req.prompt_logprobs is not None:
@@ -99,11 +114,15 @@ class Completion:
         if self.chat and self.tools is not None:
             content, calls = self.tools.calls(text)
             body["message"] = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                body["message"]["reasoning_content"] = reasoning
             if calls:
                 body["message"]["tool_calls"] = calls
                 body["finish_reason"] = self.tools.finish_reason(c.finish_reason, calls)
         elif self.chat:
             body["message"] = {"role": "assistant", "content": text}
+            if reasoning is not None:  # as vLLM: an empty answer is null beside the reasoning
+                body["message"].update(content=text or None, reasoning_content=reasoning)
         else:
             body["text"] = text
         return body
@@ -120,8 +139,11 @@ class Completion:
                 if out.error:
                     yield sse(_generation_failed(out).body())
                     break
+                reasoning, answer = self._split(c, out)
+                if reasoning:
+                    yield sse({**self._head(obj), "choices": [self._delta(c, {"reasoning_content": reasoning})]})
                 if c.index in calls:
-                    for chunk in self._tool_chunks(c, out, calls[c.index]):
+                    for chunk in self._tool_chunks(c, out, calls[c.index], answer):
                         yield sse({**self._head(obj), "choices": [chunk]})
                 elif self.echo and c.index not in self.echoed:  # the prompt leads the choice's first chunk
                     self.echoed.add(c.index)
@@ -129,8 +151,8 @@ class Completion:
                     chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
                     yield sse({**self._head(obj), "choices": [chunk]})
-                elif out.text or out.logprobs or out.finish_reason or (self.ids and out.token_ids):
-                    delta = {"content": out.text} if out.text else {}
+                elif answer or out.logprobs or out.finish_reason or (self.ids and out.token_ids):
+                    delta = {"content": answer} if answer else {}
                     chunk = self._delta(c, delta, list(out.logprobs), out.token_ids)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
                     yield sse({**self._head(obj), "choices": [chunk]})
@@ -144,8 +166,19 @@ class Completion:
             # (Starlette cancels this generator): unfinished sequences are aborted.
             self.close()
 
-    def _tool_chunks(self, c: Choice, out, stream: ToolStream) -> list[dict]:
-        deltas = stream.feed(out.text) if out.text else []
+    def _split(self, c: Choice, out) -> tuple[str, str]:
+        """An output's new (reasoning, answer) text: all answer unless --reasoning-parser splits it."""
+        split = self.splits.get(c.index)
+        if split is None:
+            return "", out.text
+        reasoning, answer = split.feed(out.text)
+        if out.finish_reason:
+            held = split.finish()
+            reasoning, answer = reasoning + held[0], answer + held[1]
+        return reasoning, answer
+
+    def _tool_chunks(self, c: Choice, out, stream: ToolStream, text: str) -> list[dict]:
+        deltas = stream.feed(text) if text else []
         chunks = [self._delta(c, d) for d in deltas]
         if out.logprobs or (self.ids and out.token_ids):  # on their own chunk: the text may be held back
             chunks.append(self._delta(c, {}, list(out.logprobs), out.token_ids))

@@ -272,7 +272,7 @@ class ToolStream:
             self.in_call = True
             head, self.buffer = self.buffer[:at], self.buffer[at:]
             return [{"content": head}] if head else []
-        keep = _partial_suffix(self.buffer, p.start)
+        keep = partial_suffix(self.buffer, p.start)
         head, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return [{"content": head}] if head else []
 
@@ -290,7 +290,7 @@ class ToolStream:
         return out
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):

@@ -488,3 +488,30 @@ def test_token_ids_beside_the_text_whole_and_streamed(client):
     assert lp["tokens"] == [f"token_id:{t}" for t in named["choices"][0]["token_ids"]]
     assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
     assert named["choices"][0]["text"] == whole["text"] and lp["text_offset"][0] == 0
+
+
+def test_reasoning_parser_puts_an_open_think_block_in_reasoning_content(tiny_model, tmp_path):
+    """--reasoning-parser: a prompt leaving a think block open (here the client's own `<think>`, continued)
+    makes the output reasoning until `</think>`; a random model never closes it, so all of it is
+    reasoning and the answer null, whole or streamed. A prompt without one is answered as without the
+    parser. (Where the tags fall in the text: tests/unit/test_reasoning.py.)"""
+    import httpx
+
+    from conftest import ServerProcess
+
+    srv = ServerProcess(tiny_model, "--reasoning-parser", "qwen3", log_dir=tmp_path)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            thinking = {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>"}],
+                        "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 12,
+                        "temperature": 0}
+            whole = c.post("/v1/chat/completions", json=thinking).json()["choices"][0]["message"]
+            assert whole["content"] is None and len(whole["reasoning_content"]) > 0
+            with c.stream("POST", "/v1/chat/completions", json={**thinking, "stream": True}) as r:
+                deltas = [e["choices"][0]["delta"] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+            assert not "".join(d.get("content", "") for d in deltas)
+            plain = c.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+    finally:
+        srv.stop()
+    assert "reasoning_content" not in plain and plain["content"]

@@ -1,0 +1,72 @@
+"""Reasoning output (`--reasoning-parser`): a thinking model's `<think>...</think>` apart from its answer.
+
+Qwen3 and DeepSeek-R1 write their reasoning between `<think>` and `</think>`,
+then the answer. vLLM's reasoning parsers hand the first to clients as the
+message's `reasoning_content` and only the answer as `content`; so does this,
+whole or streamed. Where the reasoning starts is read from the prompt: a chat
+template that opens the think block itself (DeepSeek-R1's, Qwen3's thinking
+variants) leaves the model inside it from its first token; otherwise a
+`<think>` leading the output opens it, and without one the whole output is
+the answer (Qwen3 with `enable_thinking: false`). Either parser name means
+this one rule.
+"""
+
+from __future__ import annotations
+
+from meshlm.api.tools import partial_suffix
+
+START, END = "<think>", "</think>"
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """Whether the prompt's end leaves a think block open (the template wrote `<think>`)."""
+    return prompt_text.rfind(START) > prompt_text.rfind(END)
+
+
+class ReasoningSplit:
+    """One choice's text as it streams in, split into reasoning and answer. A possible start of a tag at
+    the end is held back until the next text decides it."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.state = "think" if thinking else "start"  # start: a leading <think> may still come
+        self.buffer = ""
+        self.reasoned = thinking  # whether there was a reasoning part at all
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """New (reasoning, answer) text."""
+        self.buffer += text
+        reasoning = ""
+        while True:
+            if self.state == "start":
+                lead = self.buffer.lstrip()
+                if lead.startswith(START):
+                    self.buffer, self.state, self.reasoned = lead[len(START):], "think", True
+                    continue
+                if START.startswith(lead):  # nothing yet, or a part of the tag: wait for more
+                    return reasoning, ""
+                self.state = "answer"
+            if self.state == "think":
+                at = self.buffer.find(END)
+                if at >= 0:
+                    reasoning += self.buffer[:at]
+                    self.buffer, self.state = self.buffer[at + len(END):], "answer"
+                    continue
+                keep = partial_suffix(self.buffer, END)
+                reasoning += self.buffer[: len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return reasoning, ""
+            answer, self.buffer = self.buffer, ""
+            return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output has ended."""
+        held, self.buffer = self.buffer, ""
+        return (held, "") if self.state == "think" else ("", held)
+
+
+def split(text: str, thinking: bool) -> tuple[str | None, str]:
+    """A whole output's (reasoning, answer); reasoning None when there was none."""
+    s = ReasoningSplit(thinking)
+    r1, a1 = s.feed(text)
+    r2, a2 = s.finish()
+    return (r1 + r2 if s.reasoned else None), a1 + a2
