@@ -27,24 +27,25 @@ class Completion:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
-        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
-        # Where each choice's logprobs are in its text, and how their tokens are named.
-        self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.finished = False
         self.ids = req.return_token_ids  # vLLM's: prompt and output token ids beside the text
+        self.ids_started: set[int] = set()  # text completions' choices whose stream carried their prompt's ids
+        # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
+        self.echo = bool(getattr(req, "echo", False))
+        self.echo_texts = self._echo_texts() if self.echo else []
+        self.echoed: set[int] = set()  # choices whose stream has carried the prompt
         # A thinking model's reasoning apart from its answer (--reasoning-parser); not in constrained output,
         # whose grammar leaves no room for it.
         self.thinking: bool | None = None
         if chat and serving.reasoning_parser != "none" and grammar is None:
             tail = serving.tokenizer.decode(prompts[0][-REASONING_TAIL:], skip_special_tokens=False)
             self.thinking = opens_reasoning(tail)
+        # Last: from here on the sequences run, and `close` must abort them if this completion is dropped.
+        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
+        # Where each choice's logprobs are in its text, and how their tokens are named.
+        self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.splits = {c.index: ReasoningSplit(self.thinking) for c in self.choices} if self.thinking is not None \
             else {}
-        self.ids_started: set[int] = set()  # text completions' choices whose stream carried their prompt's ids
-        # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
-        self.echo = bool(getattr(req, "echo", False))
-        self.echo_texts = self._echo_texts() if self.echo else []
-        self.echoed: set[int] = set()  # choices whose stream has carried the prompt
 
     def _echo_texts(self) -> list[str]:
         """Each prompt as the client sent it, or its ids' text (given as ids, or truncated)."""
