@@ -170,12 +170,16 @@ class Constraint:
         # A refused token would put the matcher in its error state for good: consume only valid ones.
         valid = self.valid_prefix(drafts)
         masks = []
+        consumed = 0  # what rollback counts: llguidance takes an EOS draft once the grammar is complete (the
+        # matcher stopped) as a no-op, and undoing it too rolled back one real token, so later masks
+        # followed text one token behind: a refused token (a 400), or masks allowing what the grammar does not
         for j in range(valid + 1):
             masks.append(self._mask())
             if j < valid:
+                consumed += not self.matcher.is_stopped()
                 self.matcher.consume_token(drafts[j])
-        if valid:
-            self.matcher.rollback(valid)
+        if consumed:
+            self.matcher.rollback(consumed)
         # Positions after a forbidden draft are never reached (it is rejected); they reuse its mask.
         masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
         self._ahead, self._masks = drafts, masks

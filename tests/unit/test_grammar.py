@@ -171,3 +171,21 @@ def test_bad_grammars_are_refused(grammars, make, words):
     with pytest.raises(GrammarError) as info:
         grammars.check(make(grammars))
     assert words in str(info.value)
+
+
+def test_masks_along_drafts_ending_in_eos_leave_the_state_where_it_was(grammars, tokenizer):
+    """Regression (n-gram drafts copy a turn's end): drafts that complete the grammar and then end with EOS
+    were rolled back one token too far (llguidance takes EOS after a complete grammar as a no-op), so the
+    masks followed the text one token behind: the next real token was refused (a 400), or the grammar
+    let through text it forbids ("xaabby" for x[ab]{0,3}y)."""
+    x, a, b, y = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "xaby")
+    c = grammars.constraint(grammars.from_regex("x[ab]{0,3}y"))
+    c.advance([x, a])
+    drafts = (a, y, EOS)
+    c.prefetch(drafts)
+    assert c.allowed(1, drafts)[0][b].item()  # after "xaa", "b" may follow
+    c.advance([a, b])  # the verify step took "a", then the target's "b": "xaab"
+    mask, _ = c.allowed()
+    assert not mask[b].item() and not mask[a].item() and mask[y].item() and c.error is None  # only "y" now
+    c.advance([y])
+    assert c.allowed()[1]  # complete: only the end remains
