@@ -143,8 +143,9 @@ _SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "defini
 
 def _rebase(schema: object, base: str) -> object:
     """A copy of `schema` with each local ref (`#` or `#/...`) prefixed by the JSON pointer `base`, for a
-    schema moved from a document's root to `base`. Other refs (`#anchor`, URLs) are left alone."""
-    if not isinstance(schema, dict):
+    schema moved from a document's root to `base`. Other refs (`#anchor`, URLs) are left alone, and so is a
+    schema with an `$id`: it is a resource of its own, against which its `#...` refs resolve wherever it is."""
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = dict(schema)
     ref = schema.get("$ref")

@@ -122,6 +122,21 @@ def test_required_keeps_each_tools_refs_pointing_into_that_tool():
             jsonschema.validate([{"name": name, "arguments": bad}], schema)
 
 
+def test_required_leaves_the_refs_of_a_schema_with_an_id_to_that_schema():
+    """Regression: a function whose parameters have an `$id` is its own resource, so its `#/$defs/User`
+    resolves inside it; rebased to `#/$defs/tool-user/$defs/User` it pointed nowhere, and the request got
+    a 400 that the same tool named by tool_choice, or as a response schema, did not."""
+    user = {"type": "function", "function": {"name": "user", "parameters": {
+        "$id": "https://example.com/user.json", "type": "object", "properties": {"u": {"$ref": "#/$defs/User"}},
+        "required": ["u"], "$defs": {"User": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                              "required": ["id"]}}}}}
+    schema = ToolPlan("required", (user, F)).schema
+    assert schema["$defs"]["tool-user"]["properties"]["u"]["$ref"] == "#/$defs/User"
+    jsonschema.validate([{"name": "user", "arguments": {"u": {"id": 7}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "user", "arguments": {"u": {"id": "7"}}}], schema)
+
+
 NAMED = ToolPlan("named", (F, G), named="f")
 REQUIRED = ToolPlan("required", (F, G))
 
