@@ -139,34 +139,30 @@ class Serving:
         if self._outbox is None or self._outbox.loop is not loop:
             self._outbox = Outbox(loop)
         queue: asyncio.Queue = asyncio.Queue()
-        uids: list[int] = []
         choices: list[Choice] = []
         wanted = len(prompts) * req.n
         if wanted > self.engine.max_waiting:  # a 429 would be retried, and never succeed
             raise bad_request(f"this request asks for {wanted} sequences ({len(prompts)} prompt(s), n={req.n}); "
                               f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
         params = [self.sampling_params(req, len(p), grammar) for p in prompts]
+        items = []
+        for which, (p, base) in enumerate(zip(prompts, params)):
+            for i in range(req.n):
+                index = len(choices)
+                seed = None if base.seed is None else base.seed + i
+                sp = base if seed == base.seed else _with_seed(base, seed)
+                items.append((p, sp, _emitter(self._outbox, queue, index)))
+                choices.append(Choice(index, len(p), which))
         try:
-            for which, (p, base) in enumerate(zip(prompts, params)):
-                for i in range(req.n):
-                    index = len(choices)
-                    seed = None if base.seed is None else base.seed + i
-                    sp = base if seed == base.seed else _with_seed(base, seed)
-                    emit = _emitter(self._outbox, queue, index)
-                    uids.append(self.engine.submit(p, sp, emit))
-                    choices.append(Choice(index, len(p), which))
+            uids = self.engine.submit_all(items)  # all or none: one request's 429 queues nothing
         except QueueFull as exc:
-            self.abort(uids)
             raise APIError(429, f"Server is busy ({exc}); retry shortly.", type_="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"})
         except PromptTooLong as exc:
-            self.abort(uids)
             raise bad_request(str(exc), code="context_length_exceeded")
         except ValueError as exc:  # the engine's own last check of token ids
-            self.abort(uids)
             raise bad_request(str(exc))
         except RuntimeError as exc:
-            self.abort(uids)
             raise APIError(503, str(exc), type_="server_error", code="unavailable", headers={"Retry-After": "5"})
         return uids, choices, queue
 

@@ -245,8 +245,27 @@ class Engine:
         """Queue a sequence. Raises PromptTooLong, QueueFull, ValueError (an id outside the vocabulary:
         the API checks first, this is the last line before the model), or RuntimeError when unhealthy.
         A long prompt may first go to a prefill server (`handoff`); it joins the queue once its KV is here."""
+        return self.submit_all([(prompt_ids, params, emit)], export)[0]
+
+    def submit_all(self, items: list[tuple[list[int], SamplingParams, OutputCallback]],
+                   export: Export | None = None) -> list[int]:
+        """Queue every sequence of one request (its prompts times n), or none: each is checked first, and a
+        queue without room for all of them raises QueueFull before any is queued or counted (one queued
+        and then aborted for its sibling's 429 was counted as an aborted request)."""
         if self.problem:
             raise RuntimeError(f"engine unavailable: {self.problem}")
+        constraints = [self._checked(prompt_ids, params) for prompt_ids, params, _ in items]
+        with self._wake:
+            waiting = len(self.scheduler.waiting) + len(self._handing_off)
+            if len(items) > 1 and waiting + len(items) > self.max_waiting:
+                raise QueueFull(f"{waiting} requests already waiting, and this one needs {len(items)} places")
+            uids = [self._queue(prompt_ids, params, emit, constraint, export)
+                    for (prompt_ids, params, emit), constraint in zip(items, constraints)]
+            self._wake.notify()
+        return uids
+
+    def _checked(self, prompt_ids: list[int], params: SamplingParams):
+        """Check a sequence before anything is queued; returns its grammar's constraint, if any."""
         self._check_vocab(prompt_ids, "prompt")
         self._check_vocab([t for t, _ in params.logit_bias] + list(params.stop_token_ids), "sampling parameters")
         if len(prompt_ids) >= self.max_model_len:
@@ -254,27 +273,29 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {len(prompt_ids)} tokens (at least one must be left to generate)."
             )
-        constraint = None
-        if params.grammar is not None:
-            if self.grammars is None:
-                raise ValueError("this server does not support constrained output")
-            constraint = self.grammars.constraint(params.grammar)  # GrammarError (a ValueError) if refused
-        with self._wake:
-            uid = next(self._uids)
-            seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
-            if export is not None:
-                seq.export_from = export.first_block
-            sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids, constraint)
-            tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                               StopMatcher(params.stop, params.include_stop_str), emit, export=export)
-            handoff = self._plan_handoff(seq) if export is None else None
-            if handoff is None:
-                self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
-            else:  # its end waits for this lock, so the entry is in place before it is looked for
-                self._handing_off[uid] = (seq, self.handoff.start(handoff, lambda: self._handed_back(uid)))
-            self._tracked[uid] = tracked
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
-            self._wake.notify()
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("this server does not support constrained output")
+        return self.grammars.constraint(params.grammar)  # GrammarError (a ValueError) if refused
+
+    def _queue(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback, constraint,
+               export: Export | None) -> int:
+        """Under the lock: track a checked sequence and queue it (or start its handoff)."""
+        uid = next(self._uids)
+        seq = Sequence(uid, list(prompt_ids), params, arrival=time.monotonic())
+        if export is not None:
+            seq.export_from = export.first_block
+        sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids, constraint)
+        tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                           StopMatcher(params.stop, params.include_stop_str), emit, export=export)
+        handoff = self._plan_handoff(seq) if export is None else None
+        if handoff is None:
+            self.scheduler.add(seq)  # may raise QueueFull; nothing is tracked then
+        else:  # its end waits for this lock, so the entry is in place before it is looked for
+            self._handing_off[uid] = (seq, self.handoff.start(handoff, lambda: self._handed_back(uid)))
+        self._tracked[uid] = tracked
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return uid
 
     def _plan_handoff(self, seq: Sequence):

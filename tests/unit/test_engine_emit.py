@@ -66,3 +66,21 @@ def test_the_stop_token_is_shown_only_with_include_stop_str_in_output():
     assert generate(["Paris."], end="none", stop_token_ids=(dot,), include_stop_str=True) == \
         ("Paris.", 6, FinishReason.STOP)
     assert generate(["Paris"], include_stop_str=True) == ("Paris", 6, FinishReason.STOP)  # EOS decodes to ""
+
+
+def test_a_request_whose_sequences_do_not_all_fit_the_queue_queues_none():
+    """Regression: n choices were queued one by one; the one that found the queue full made the request a
+    429, and the ones queued before it were aborted: /metrics counted an aborted request and its prompt
+    tokens for a request the client was refused."""
+    import pytest
+
+    from meshlm.engine.scheduler import QueueFull
+
+    engine = Engine(Idle(), Chars(), SchedulerConfig(max_waiting=3), 512, lambda: BlockManager(8, 4), frozenset({EOS}))
+    params = SamplingParams(max_tokens=4)
+    engine.submit([65, 66], params, lambda o: None)
+    with pytest.raises(QueueFull, match="needs 3 places"):
+        engine.submit_all([([65, 66, 67], params, lambda o: None)] * 3)
+    assert len(engine.scheduler.waiting) == 1 and len(engine._tracked) == 1
+    assert engine.metrics.prompt_tokens._value.get() == 2
+    assert len(engine.submit_all([([65], params, lambda o: None)] * 2)) == 2  # exactly the room left
