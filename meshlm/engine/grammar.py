@@ -21,6 +21,7 @@ rolling back.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 import time
@@ -73,6 +74,10 @@ class Grammars:
 
     # -- grammar sources -> llguidance grammars (no compile yet) -----------
     def from_json_schema(self, schema: dict | str) -> str:
+        inexact = _inexact_integer(schema)
+        if inexact is not None:
+            raise GrammarError(f"invalid JSON schema: {inexact} is beyond ±2**53, which this server's grammar "
+                               "engine holds only rounded (it would allow a neighbouring value instead)")
         try:
             return self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except Exception as exc:  # llguidance raises ValueError, but a schema is anything a client sent
@@ -145,6 +150,34 @@ def _first_line(error: str) -> str:
     if line == "NoExtensionBias":  # llguidance's name for "no token can begin this"
         return "the grammar matches no text: no token can begin it"
     return line
+
+
+EXACT_INTEGER = 2**53  # llguidance reads a schema's numbers as float64: integers beyond this are rounded
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _inexact_integer(schema) -> str | None:
+    """The first bound, `const` or `enum` value of `schema` (a dict, or its JSON text) that is an integer
+    float64 cannot hold: as a bound it would let a neighbouring value through, as a value it would be
+    written rounded. None when there is none (or the text is not JSON: llguidance then says why)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return None
+    stack = [(schema, False)]  # (value, inside a const or enum value)
+    while stack:
+        value, literal = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool):
+            if literal and abs(value) > EXACT_INTEGER:
+                return str(value)
+        elif isinstance(value, list):
+            stack.extend((v, literal) for v in value)
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                numeric = not literal and key in _NUMBER_KEYWORDS
+                stack.append((v, literal or numeric or key in ("const", "enum")))
+    return None
 
 
 class Constraint:

@@ -166,11 +166,22 @@ def test_compiled_grammars_are_cached(grammars):
     # llguidance builds lexers lazily: a grammar whose first step alone is slow is refused at the door
     (lambda g: g.from_regex("((a{1000}){1000}){1000}"), "too complex"),
     (lambda g: g.from_json_schema({"enum": [f"v{i}" for i in range(100_000)]}), "too large"),
+    # llguidance holds schema numbers as float64: these were enforced rounded (2**53 + 1 gave 2**53)
+    (lambda g: g.from_json_schema({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 1}), "2**53"),
+    (lambda g: g.from_json_schema({"const": 2**53 + 1}), "9007199254740993"),
+    (lambda g: g.from_json_schema('{"properties": {"x": {"enum": [1, {"y": [-1152921504606846977]}]}}}'),
+     "-1152921504606846977"),
 ])
 def test_bad_grammars_are_refused(grammars, make, words):
     with pytest.raises(GrammarError) as info:
         grammars.check(make(grammars))
     assert words in str(info.value)
+
+
+def test_large_numbers_that_float64_holds_exactly_are_kept(grammars):
+    for schema in ({"type": "integer", "maximum": 2**53}, {"const": 2**53}, {"minimum": -2**53},
+                   {"properties": {"minimum": {"type": "string"}}, "default": 2**60}):
+        grammars.check(grammars.from_json_schema(schema))
 
 
 def test_masks_along_drafts_ending_in_eos_leave_the_state_where_it_was(grammars, tokenizer):
