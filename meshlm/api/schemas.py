@@ -28,7 +28,7 @@ MAX_DOCUMENTS = 1024  # chat `documents`
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 # vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
-_UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template")
+_UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template", "guided_whitespace_pattern")
 _VLLM_DEFAULTS = {"use_beam_search": False, "spaces_between_special_tokens": True}
 # What meshlm passes to the chat template itself, or what changes how it is called: not a template variable
 # a client may set through `chat_template_kwargs`.
@@ -97,6 +97,7 @@ class _Request(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None  # structured_outputs has no whitespace_pattern here either
 
     @field_validator(*_UNSUPPORTED)
     @classmethod
@@ -367,6 +368,15 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     # With echo, 0 returns the prompt alone: how OpenAI's legacy API scores a text (lm-eval's loglikelihood).
     max_tokens: StrictInt | None = Field(None, ge=0)
+    tools: Any = None  # chat's: refused here rather than ignored
+    tool_choice: Any = None
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _chat_only(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(f"`{info.field_name}` is a chat completions parameter (/v1/chat/completions)")
+        return value
 
     def prompt_logprob_count(self) -> int | None:
         if self.echo and self.logprobs is not None:

@@ -305,6 +305,7 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # was ignored
     ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
     ({"max_tokens": 0}, "max_tokens"),  # only a completion's echo generates nothing
@@ -326,6 +327,8 @@ def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, pa
     ({"best_of": 3}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
     ({"echo": 1}, "echo"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat's: was silently ignored
+    ({"tool_choice": "auto"}, "tool_choice"),
     ({"max_tokens": 0}, "max_tokens"),  # without echo there would be nothing to return
     ({"max_tokens": -1, "echo": True}, "max_tokens"),
     ({"logprobs": 21}, "logprobs"),
