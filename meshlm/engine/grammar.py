@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar text larger than this is refused before compiling
 MAX_FIRST_MASK_SECONDS = 0.1  # a grammar whose first token mask takes longer is refused
 CACHE_SIZE = 256  # validated grammars kept (LRU), each with a compiled matcher to copy
+# ... and at most this much grammar text among them: a compiled matcher holds ~50x its text (4-5 MB for an
+# 80 KB schema here), so 256 large grammars, one client's to send, would have held GBs.
+CACHE_CHARS = 4 * 2**20
 # llguidance's own fuel limits bound compile and mask time (its defaults are generous: ~20 ms of
 # lexer work to build a grammar, ~15 ms per mask step at most); these are tighter.
 LIMITS = dict(initial_lexer_fuel=500_000, step_lexer_fuel=100_000, step_max_items=40_000,
@@ -70,6 +73,7 @@ class Grammars:
         self._limits = llguidance.LLParserLimits(**LIMITS)
         # grammar text -> an LLMatcher at its start state (copied for each sequence), or why it was refused
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._cache_chars = 0  # grammar text held in the cache (CACHE_CHARS)
         self._lock = threading.Lock()
 
     # -- grammar sources -> llguidance grammars (no compile yet) -----------
@@ -107,9 +111,11 @@ class Grammars:
             if isinstance(hit, _Slow):  # timed, so not quite repeatable: refused now, not remembered
                 raise GrammarError(str(hit))
             with self._lock:
-                self._cache[grammar] = hit
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                if grammar not in self._cache:  # another thread may have compiled it meanwhile
+                    self._cache[grammar] = hit
+                    self._cache_chars += len(grammar)
+                while len(self._cache) > CACHE_SIZE or (self._cache_chars > CACHE_CHARS and len(self._cache) > 1):
+                    self._cache_chars -= len(self._cache.popitem(last=False)[0])
         if isinstance(hit, GrammarError):
             raise hit
         return hit

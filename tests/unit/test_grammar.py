@@ -157,6 +157,18 @@ def test_compiled_grammars_are_cached(grammars):
     assert grammars._compiled(g) is grammars._compiled(g)
 
 
+def test_the_cache_holds_a_bounded_amount_of_grammar_text(grammars, monkeypatch):
+    """A compiled matcher holds ~50x its text: the cache is bounded by text, not only by count."""
+    from meshlm.engine import grammar as module
+
+    monkeypatch.setattr(module, "CACHE_CHARS", 3000)
+    texts = [grammars.from_regex(f"x{i}" + "[ab]" * 200) for i in range(6)]  # ~1 KB each
+    for t in texts:
+        grammars.check(t)
+    assert grammars._cache_chars <= 3000 and texts[-1] in grammars._cache and texts[0] not in grammars._cache
+    assert grammars._cache_chars == sum(len(t) for t in grammars._cache)
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda g: g.from_json_schema({"type": "strin"}), "strin"),
     (lambda g: g.from_json_schema({"type": "object", "if": {"type": "object"}, "then": {}}), "if"),
