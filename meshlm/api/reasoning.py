@@ -8,7 +8,11 @@ template that opens the think block itself (DeepSeek-R1's, Qwen3's thinking
 variants) leaves the model inside it from its first token; otherwise a
 `<think>` leading the output opens it, and without one the whole output is
 the answer (Qwen3 with `enable_thinking: false`). Either parser name means
-this one rule.
+this one rule. A grammar (a schema, a forced tool call) applies to the answer
+once the reasoning is over, as vLLM's structured outputs with a reasoning
+parser: engine/grammar.py's `Constraint` follows the think tags by their
+token ids, so only where they are single tokens (else it holds the whole
+output, which is then not split).
 """
 
 from __future__ import annotations
@@ -16,6 +20,18 @@ from __future__ import annotations
 from meshlm.api.tools import partial_suffix
 
 START, END = "<think>", "</think>"
+
+
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """`<think>` and `</think>` as single tokens (Qwen3's, DeepSeek-R1's), or None: a grammar can wait for
+    the reasoning to end only by a token."""
+    ids = []
+    for tag in (START, END):
+        i = tokenizer.convert_tokens_to_ids(tag)
+        if not isinstance(i, int) or tokenizer.decode([i], skip_special_tokens=False) != tag:
+            return None
+        ids.append(i)
+    return ids[0], ids[1]
 
 
 def opens_reasoning(prompt_text: str) -> bool:

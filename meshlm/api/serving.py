@@ -19,10 +19,11 @@ from typing import AsyncIterator
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.outbox import Outbox
 from meshlm.api.prompts import PromptBuilder
+from meshlm.api.reasoning import think_token_ids
 from meshlm.api.schemas import ChatCompletionRequest, _Request
 from meshlm.api.token_bytes import TextCursor, TokenBytes
 from meshlm.engine.engine import Engine, PromptTooLong, QueueFull
-from meshlm.engine.request import SamplingParams, StepOutput, TokenLogprob
+from meshlm.engine.request import Reasoning, SamplingParams, StepOutput, TokenLogprob
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Serving:
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
         self.reasoning_parser = reasoning_parser  # api/reasoning.py: "none", or a thinking model's
+        # Its think tags' ids, when single tokens: a grammar then applies after the reasoning.
+        self.think_tags = think_token_ids(self.tokenizer) if reasoning_parser != "none" else None
         self._outbox: Outbox | None = None  # for the running event loop, made on first use
         engine.output_batch = self._holding_outputs
 
@@ -92,7 +95,8 @@ class Serving:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def sampling_params(self, req: _Request, prompt_len: int, grammar: str | None = None) -> SamplingParams:
+    def sampling_params(self, req: _Request, prompt_len: int, grammar: str | None = None,
+                        reasoning: Reasoning | None = None) -> SamplingParams:
         if prompt_len == 0:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         room = self.max_model_len - prompt_len
@@ -126,14 +130,14 @@ class Serving:
                 stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
-                speculative=req.speculative, grammar=grammar,
+                speculative=req.speculative, grammar=grammar, reasoning=reasoning if grammar else None,
             )
         except ValueError as exc:
             raise bad_request(str(exc))
 
     # -- engine ------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], req: _Request,
-               grammar: str | None = None) -> tuple[list[int], list[Choice], asyncio.Queue]:
+    def submit(self, prompts: list[list[int]], req: _Request, grammar: str | None = None,
+               reasoning: Reasoning | None = None) -> tuple[list[int], list[Choice], asyncio.Queue]:
         """Submit n sequences per prompt; outputs arrive on the returned queue as (choice index, StepOutput)."""
         loop = asyncio.get_running_loop()
         if self._outbox is None or self._outbox.loop is not loop:
@@ -144,7 +148,7 @@ class Serving:
         if wanted > self.engine.max_waiting:  # a 429 would be retried, and never succeed
             raise bad_request(f"this request asks for {wanted} sequences ({len(prompts)} prompt(s), n={req.n}); "
                               f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
-        params = [self.sampling_params(req, len(p), grammar) for p in prompts]
+        params = [self.sampling_params(req, len(p), grammar, reasoning) for p in prompts]
         items = []
         for which, (p, base) in enumerate(zip(prompts, params)):
             for i in range(req.n):

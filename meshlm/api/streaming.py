@@ -12,7 +12,7 @@ from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
 from meshlm.api.token_bytes import TextCursor
 from meshlm.api.tools import ToolPlan, ToolStream
-from meshlm.engine.request import StepOutput
+from meshlm.engine.request import Reasoning, StepOutput
 
 
 REASONING_TAIL = 16  # prompt tokens whose text says whether the template opened a think block
@@ -34,14 +34,18 @@ class Completion:
         self.echo = bool(getattr(req, "echo", False))
         self.echo_texts = self._echo_texts() if self.echo else []
         self.echoed: set[int] = set()  # choices whose stream has carried the prompt
-        # A thinking model's reasoning apart from its answer (--reasoning-parser); not in constrained output,
-        # whose grammar leaves no room for it.
+        # A thinking model's reasoning apart from its answer (--reasoning-parser). A grammar (a schema, a
+        # forced tool call) then applies after the reasoning; where the think tags are not single tokens it
+        # cannot wait for them, and constrained output is not split.
         self.thinking: bool | None = None
-        if chat and serving.reasoning_parser != "none" and grammar is None:
+        reasoning = None
+        if chat and serving.reasoning_parser != "none" and (grammar is None or serving.think_tags is not None):
             tail = serving.tokenizer.decode(prompts[0][-REASONING_TAIL:], skip_special_tokens=False)
             self.thinking = opens_reasoning(tail)
+            if grammar is not None:
+                reasoning = Reasoning(*serving.think_tags, open=self.thinking)
         # Last: from here on the sequences run, and `close` must abort them if this completion is dropped.
-        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar)
+        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar, reasoning)
         # Where each choice's logprobs are in its text, and how their tokens are named.
         self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.splits = {c.index: ReasoningSplit(self.thinking) for c in self.choices} if self.thinking is not None \

@@ -277,7 +277,7 @@ class Engine:
             return None
         if self.grammars is None:
             raise ValueError("this server does not support constrained output")
-        return self.grammars.constraint(params.grammar)  # GrammarError (a ValueError) if refused
+        return self.grammars.constraint(params.grammar, params.reasoning)  # GrammarError (a ValueError) if refused
 
     def _queue(self, prompt_ids: list[int], params: SamplingParams, emit: OutputCallback, constraint,
                export: Export | None) -> int:

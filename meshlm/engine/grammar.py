@@ -29,6 +29,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from meshlm.engine.request import Reasoning
+
 log = logging.getLogger(__name__)
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar text larger than this is refused before compiling
@@ -98,8 +100,8 @@ class Grammars:
         """Compile (or find cached) `grammar`; GrammarError saying why it cannot be used."""
         self._compiled(grammar)
 
-    def constraint(self, grammar: str) -> "Constraint":
-        return Constraint(self._compiled(grammar).deep_copy(), self.vocab_size, self.eos_token_ids)
+    def constraint(self, grammar: str, reasoning: "Reasoning | None" = None) -> "Constraint":
+        return Constraint(self._compiled(grammar).deep_copy(), self.vocab_size, self.eos_token_ids, reasoning)
 
     def _compiled(self, grammar: str):
         with self._lock:
@@ -186,13 +188,22 @@ def _inexact_integer(schema) -> str | None:
     return None
 
 
+# A sequence's phase under a Reasoning: `start` (a leading <think> may open the reasoning; any other token is
+# the answer's first), `think` (anything but EOS, until </think>), `answer` (the grammar's).
+START, THINK, ANSWER = "start", "think", "answer"
+
+
 class Constraint:
     """One sequence's grammar state and the masks it allows (bool arrays over the model's vocabulary)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 reasoning: Reasoning | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.reasoning = reasoning
+        self.phase = ANSWER if reasoning is None else THINK if reasoning.open else START
+        self._thinking_mask: tuple[mx.array, bool] | None = None  # made on first use
         self._words = (vocab_size + 31) // 32
         self._ahead: tuple[int, ...] = ()  # drafts the cached masks were computed along
         self._masks: list[tuple[mx.array, bool]] = []  # per position: (allowed, only EOS/end allowed)
@@ -212,11 +223,14 @@ class Constraint:
         consumed = 0  # what rollback counts: llguidance takes an EOS draft once the grammar is complete (the
         # matcher stopped) as a no-op, and undoing it too rolled back one real token, so later masks
         # followed text one token behind: a refused token (a 400), or masks allowing what the grammar does not
+        phase = self.phase
         for j in range(valid + 1):
-            masks.append(self._mask())
+            masks.append(self._mask(phase))
             if j < valid:
-                consumed += not self.matcher.is_stopped()
-                self.matcher.consume_token(drafts[j])
+                phase, grammar_token = self._step(phase, drafts[j])
+                if grammar_token:
+                    consumed += not self.matcher.is_stopped()
+                    self.matcher.consume_token(drafts[j])
         if consumed:
             self.matcher.rollback(consumed)
         # Positions after a forbidden draft are never reached (it is rejected); they reuse its mask.
@@ -232,7 +246,24 @@ class Constraint:
     def valid_prefix(self, drafts: tuple[int, ...]) -> int:
         """How many leading drafts the grammar allows (n-gram drafts are cut there: they are a point mass,
         so cutting changes nothing but the wasted work)."""
-        return self.matcher.validate_tokens(list(drafts)) if drafts else 0
+        phase = self.phase
+        for i, t in enumerate(drafts):
+            if phase == ANSWER:
+                return i + self.matcher.validate_tokens(list(drafts[i:]))
+            if phase == THINK and t in self.eos_token_ids:
+                return i
+            phase, grammar_token = self._step(phase, t)
+            if grammar_token:  # the answer's first token
+                return i + self.matcher.validate_tokens(list(drafts[i:]))
+        return len(drafts)
+
+    def _step(self, phase: str, token: int) -> tuple[str, bool]:
+        """The phase after `token`, and whether the grammar takes it."""
+        if phase == ANSWER:
+            return ANSWER, True
+        if phase == START:
+            return (THINK, False) if token == self.reasoning.start else (ANSWER, True)
+        return (ANSWER if token == self.reasoning.end else THINK), False
 
     def advance(self, tokens: list[int]) -> None:
         """Consume the tokens a step took. A refused token cannot happen (it was masked); should it, the
@@ -240,7 +271,8 @@ class Constraint:
         sequence with it rather than pass off text the grammar does not allow as constrained output."""
         masks, self._ahead, self._masks = self._masks, (), []
         for i, t in enumerate(tokens):
-            if not self.matcher.consume_token(t):
+            self.phase, grammar_token = self._step(self.phase, t)
+            if grammar_token and not self.matcher.consume_token(t):
                 reason = next(iter((self.matcher.get_error() or "").splitlines()), "no reason given")
                 if self.error is None:
                     self.request_fault = i < len(masks) and 0 <= t < self.vocab_size and bool(masks[i][0][t].item())
@@ -250,10 +282,19 @@ class Constraint:
                 log.error("%s", self.error)
                 break
 
-    def _mask(self) -> tuple[mx.array, bool]:
+    def _mask(self, phase: str = ANSWER) -> tuple[mx.array, bool]:
+        if phase == THINK:  # reasoning is free, but it must end before the answer can
+            if self._thinking_mask is None:
+                bits = np.ones(self.vocab_size, dtype=np.bool_)
+                bits[list(self.eos_token_ids)] = False
+                self._thinking_mask = (mx.array(bits), False)
+            return self._thinking_mask
         words = np.full(self._words, -1, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size].astype(np.bool_)
         if not bits.any():  # a matcher in its error state allows nothing: end the sequence instead
             bits[list(self.eos_token_ids)] = True
+        if phase == START:  # or the reasoning opens first
+            bits[self.reasoning.start] = True
+            return mx.array(bits), False
         return mx.array(bits), self.matcher.is_stopped()

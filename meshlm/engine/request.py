@@ -15,6 +15,16 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (`SamplingP
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """A thinking model's reasoning comes before its constrained answer (--reasoning-parser): the grammar
+    applies once it is over, as vLLM's structured outputs with a reasoning parser (engine/grammar.py)."""
+
+    start: int  # `<think>`'s token id
+    end: int  # `</think>`'s
+    open: bool  # the prompt opened the think block: the output is reasoning from its first token
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # 0: compute the prompt (its logprobs, with `prompt_logprobs`) and generate nothing
     temperature: float = 1.0
@@ -38,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True  # False: this request never speculates, whatever the server does
     grammar: str | None = None  # an llguidance grammar (engine/grammar.py): output is constrained to it
+    reasoning: Reasoning | None = None  # with a grammar: it applies after the reasoning
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.model.gguf import DTYPES, export_gguf, gguf_path, write_hf_tokenizer, write_json
 from meshlm.platform import import_mlx_lm
@@ -214,16 +214,20 @@ def make_tiny(
     max_position: int = 4096,
     dtype: str = "float32",
     tied: bool = False,
+    think: bool = False,
 ) -> Path:
     """Write a tiny random-weight model (HF layout) into `out`; `max_position`: its context window
     (long-context tests and benchmarks); `dtype`: how its weights are stored (`bfloat16` as most
-    published checkpoints are); `tied`: the embedding table is the LM head (its greedy text echoes)."""
+    published checkpoints are); `tied`: the embedding table is the LM head (its greedy text echoes);
+    `think`: `<think>` and `</think>` are tokens of their own, as a thinking model's (Qwen3's) are."""
     _check_tiny_args(model_type, layers, hidden, heads, kv_heads, vocab, seed)
     if not isinstance(max_position, int) or isinstance(max_position, bool) or not 16 <= max_position <= 1 << 22:
         raise ValueError(f"max_position must be an int in 16..{1 << 22}, got {max_position!r}")
     if dtype not in TINY_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(TINY_DTYPES)}, got {dtype!r}")
     tok = tiny_tokenizer(vocab or 512)
+    if think:  # after training: every other id stays as it was
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
     vocab_size = max(vocab or 0, tok.get_vocab_size())
     config = tiny_config(model_type, layers, hidden, heads, kv_heads, vocab_size,
                          tok.token_to_id(IM_END), max_position, dtype, tied)

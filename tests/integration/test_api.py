@@ -515,3 +515,37 @@ def test_reasoning_parser_puts_an_open_think_block_in_reasoning_content(tiny_mod
     finally:
         srv.stop()
     assert "reasoning_content" not in plain and plain["content"]
+
+
+def test_a_schema_applies_after_the_reasoning(tmp_path):
+    """--reasoning-parser with a response schema, on a model whose <think> and </think> are tokens (as
+    Qwen3's): the model reasons freely (a logit bias makes this random one end its reasoning soon), then
+    the schema holds its answer; whole or streamed, the reasoning is reasoning_content and the JSON the
+    content. Before, constrained output began with the grammar's first token and had no reasoning."""
+    import httpx
+
+    from conftest import ServerProcess
+    from meshlm.model.demo import make_tiny
+
+    model = make_tiny(tmp_path / "thinky", "qwen3", think=True)
+    end = 513  # </think>, added after the 512 trained tokens
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>"}],
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 40, "temperature": 0,
+            "logit_bias": {str(end): 8}, "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "n", "schema": schema}}}
+    srv = ServerProcess(model, "--reasoning-parser", "qwen3", log_dir=tmp_path)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.post("/tokenize", json={"prompt": "</think>"}).json()["tokens"] == [end]
+            whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+            with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                deltas = [e["choices"][0]["delta"] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    finally:
+        srv.stop()
+    message = whole["message"]
+    assert whole["finish_reason"] == "stop" and message["reasoning_content"] and "</think>" not in message["content"]
+    assert set(json.loads(message["content"])) == {"n"}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]

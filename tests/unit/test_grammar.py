@@ -212,3 +212,51 @@ def test_masks_along_drafts_ending_in_eos_leave_the_state_where_it_was(grammars,
     assert not mask[b].item() and not mask[a].item() and mask[y].item() and c.error is None  # only "y" now
     c.advance([y])
     assert c.allowed()[1]  # complete: only the end remains
+
+
+# -- a grammar after a thinking model's reasoning (--reasoning-parser) ------------------------------------
+
+def _tags(tokenizer):
+    """Stand-ins for <think> and </think>: single tokens the grammar below never takes."""
+    return tuple(tokenizer.encode(t, add_special_tokens=False)[0] for t in ("s", "e"))
+
+
+def test_the_grammar_waits_for_the_reasoning_to_end(grammars, tokenizer):
+    from meshlm.engine.request import Reasoning
+
+    start, end = _tags(tokenizer)
+    x, a, y, q = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "xayq")
+    g = grammars.from_regex("x[ab]{0,3}y")
+    opened = grammars.constraint(g, Reasoning(start, end, open=True))  # the prompt opened the reasoning
+    mask, ends = opened.allowed()
+    assert mask[q].item() and mask[end].item() and not mask[EOS].item() and not ends  # free, but no EOS
+    opened.advance([q, q, end])
+    mask, _ = opened.allowed()
+    assert mask[x].item() and not mask[q].item() and not mask[end].item()  # the grammar's, from its start
+    opened.advance([x, a, y])
+    assert opened.allowed()[1] and opened.error is None
+
+    leading = grammars.constraint(g, Reasoning(start, end, open=False))  # a leading <think> may open it
+    mask, _ = leading.allowed()
+    assert mask[start].item() and mask[x].item() and not mask[q].item()
+    leading.advance([x])  # no reasoning: the grammar took the first token
+    assert not leading.allowed()[0][start].item() and leading.phase == "answer"
+
+
+def test_drafts_across_the_end_of_the_reasoning(grammars, tokenizer):
+    """Masks along drafts follow the phases (free, then the grammar's), a draft the grammar refuses after
+    the end tag cuts them, an EOS draft within the reasoning too; the state is left where it was."""
+    from meshlm.engine.request import Reasoning
+
+    start, end = _tags(tokenizer)
+    x, a, y, q = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "xayq")
+    c = grammars.constraint(grammars.from_regex("x[ab]{0,3}y"), Reasoning(start, end, open=True))
+    assert c.valid_prefix((q, end, x, q)) == 3 and c.valid_prefix((q, EOS, end)) == 1
+    drafts = (q, end, x, a)
+    c.prefetch(drafts)
+    assert c.allowed(1, drafts)[0][q].item()  # still reasoning after the first draft
+    assert not c.allowed(2, drafts)[0][q].item() and c.allowed(2, drafts)[0][x].item()  # the grammar's start
+    assert c.allowed(4, drafts)[0][y].item() and not c.allowed(4, drafts)[0][x].item()  # after "xa"
+    assert c.phase == "think" and c.allowed()[0][q].item()  # nothing consumed
+    c.advance([q, end, x])
+    assert c.phase == "answer" and c.allowed()[0][a].item() and not c.allowed()[0][x].item()
