@@ -64,6 +64,7 @@ class _Request(BaseModel):
     repetition_penalty: StrictFloat = Field(1.0, gt=0, le=10)  # vLLM's extension
     logit_bias: dict[str, StrictFloat] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
+    allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it
     speculative: StrictBool = True  # meshlm's: false keeps this request out of speculative decoding

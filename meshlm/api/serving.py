@@ -119,6 +119,11 @@ class Serving:
         self.prompts.check_ids([t for t, _ in bias], "logit_bias")
         stop_ids = tuple(req.stop_token_ids or ())
         self.prompts.check_ids(stop_ids, "stop_token_ids")
+        only = tuple(sorted(set(req.allowed_token_ids or ())))
+        self.prompts.check_ids(only, "allowed_token_ids")
+        if only and grammar is not None:  # their intersection could be empty, and no token left to sample
+            raise bad_request("allowed_token_ids cannot be combined with a response_format, structured_outputs "
+                              "or a forced tool call", param="allowed_token_ids")
         d = self.defaults
         try:
             return SamplingParams(
@@ -126,7 +131,7 @@ class Serving:
                 top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                logit_bias=bias, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
+                logit_bias=bias, allowed_token_ids=only, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
                 stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,

@@ -267,7 +267,8 @@ class Engine:
     def _checked(self, prompt_ids: list[int], params: SamplingParams):
         """Check a sequence before anything is queued; returns its grammar's constraint, if any."""
         self._check_vocab(prompt_ids, "prompt")
-        self._check_vocab([t for t, _ in params.logit_bias] + list(params.stop_token_ids), "sampling parameters")
+        self._check_vocab([t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+                          + list(params.allowed_token_ids), "sampling parameters")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. "

@@ -43,6 +43,7 @@ class SeqSampling:
     prompt_ids: frozenset[int] = frozenset()  # only kept when a repetition penalty needs them
     banned: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are generated
     constraint: Constraint | None = None  # the grammar's state (structured outputs)
+    _only: mx.array | None = None  # `allowed_token_ids` as a mask over the vocabulary, made on first use
     generated: int = 0  # tokens taken so far
     _key: mx.array | None = None  # next_key's chain
 
@@ -68,6 +69,16 @@ class SeqSampling:
         self._key, sub = mx.random.split(self._key)
         return sub
 
+    def only(self, vocab: int) -> mx.array | None:
+        """`allowed_token_ids` as a bool mask over `vocab` ids, or None when not given."""
+        if not self.params.allowed_token_ids:
+            return None
+        if self._only is None:
+            bits = np.zeros(vocab, dtype=np.bool_)
+            bits[[t for t in self.params.allowed_token_ids if t < vocab]] = True
+            self._only = mx.array(bits)
+        return self._only
+
     def record(self, tokens: list[int]) -> None:
         """The tokens a step took: counted for the penalties, consumed by the grammar."""
         for t in tokens:
@@ -79,7 +90,7 @@ class SeqSampling:
 
 def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (),
                    allowed: tuple[mx.array, bool] | None = None) -> mx.array:
-    """The grammar's mask, logit bias, the min_tokens ban and the penalties, for one row. `ahead`:
+    """The grammar's mask, allowed_token_ids, logit bias, the min_tokens ban and the penalties, for one row. `ahead`:
     tokens taken after the state's (accepted drafts before this position), counted as if already
     generated. `allowed`: the constraint's (mask, ends) for this position."""
     p = state.params
@@ -88,6 +99,9 @@ def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (
     if allowed is not None:
         mask, ends = allowed
         row = mx.where(mask, row, mx.array(-float("inf"), dtype=row.dtype))
+    only = state.only(row.shape[-1])
+    if only is not None:
+        row = mx.where(only, row, mx.array(-float("inf"), dtype=row.dtype))
     if ahead and (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0):
         counts = counts + Counter(ahead)
     if p.logit_bias:
@@ -95,8 +109,8 @@ def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (
         row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
     if state.banned and state.generated + len(ahead) < p.min_tokens and not ends:  # a complete grammar wins
         banned = row.at[mx.array(state.banned)].add(-float("inf"))
-        # So does a grammar that allows nothing but banned tokens: no token at all would be left.
-        row = banned if allowed is None else mx.where(banned.max() > -float("inf"), banned, row)
+        # So does a grammar (or allowed_token_ids) that allows nothing but banned tokens: no token would be left.
+        row = banned if allowed is None and only is None else mx.where(banned.max() > -float("inf"), banned, row)
     if p.repetition_penalty != 1 and (counts or state.prompt_ids):
         ids = mx.array(sorted(state.prompt_ids | counts.keys()))
         picked = row[ids]
@@ -188,6 +202,7 @@ def plain_greedy(state: SeqSampling) -> bool:
     logits' argmax."""
     p = state.params
     return (p.greedy and state.constraint is None and not p.logit_bias and not state.banned
+            and not p.allowed_token_ids
             and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
             and p.logprobs is None)
 

@@ -549,3 +549,16 @@ def test_a_schema_applies_after_the_reasoning(tmp_path):
     assert set(json.loads(message["content"])) == {"n"}
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+def test_allowed_token_ids_limit_the_output(client):
+    allowed = [100, 200, 300]
+    body = client.post("/v1/completions", json={"prompt": "the river", "max_tokens": 12, "temperature": 1.0,
+                                                "seed": 1, "allowed_token_ids": allowed,
+                                                "return_token_ids": True}).json()["choices"][0]
+    assert len(body["token_ids"]) == 12 and set(body["token_ids"]) <= set(allowed)
+    for extra, param in (({"allowed_token_ids": [512]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [5], "structured_outputs": {"regex": "a+"}}, "allowed_token_ids")):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

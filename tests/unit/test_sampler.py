@@ -234,3 +234,21 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     s = SeqSampling.create(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)),
                            eos_token_ids=frozenset({0}))
     assert [sample(logits, [s])[0][0] for _ in range(3)] == [1, 1, 0]
+
+
+def test_allowed_token_ids_are_all_that_can_be_sampled():
+    """vLLM's allowed_token_ids: every other token is masked, greedy or sampled, on the host path's
+    stead too (a plain greedy row would otherwise take the raw argmax)."""
+    logits = mx.array([LOGITS])
+    assert sample(logits, [state(temperature=0, allowed_token_ids=(2, 3))], on_host=True)[0] == [2]
+    counts = draws(LOGITS, 300, temperature=1.0, seed=5, allowed_token_ids=(1, 3))
+    assert set(counts) == {1, 3} and counts[1] > counts[3]
+    [tok], [lp] = sample(logits, [state(temperature=0, allowed_token_ids=(3,), logprobs=2)])
+    assert tok == 3 and abs(lp.logprob) < 1e-6 and [t for t, _ in lp.top] == [3]  # others are -inf: no alternatives
+
+
+def test_min_tokens_yields_when_only_banned_tokens_are_allowed():
+    """allowed_token_ids holding only EOS under min_tokens: the ban would leave no token (a NaN draw)."""
+    s = SeqSampling.create(SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=(0,)),
+                           eos_token_ids=frozenset({0}))
+    assert sample(mx.array([[1.0, 5.0, 2.0]]), [s])[0] == [0]
