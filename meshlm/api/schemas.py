@@ -169,6 +169,11 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's: every chunk carries its choice's usage so far (with include_usage, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def prompt_logprob_count(self) -> int | None:
         """Alternatives per prompt token, if the prompt's logprobs are to be computed."""
         return self.prompt_logprobs
@@ -176,6 +181,7 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's
 
 
 class JsonSchemaFormat(BaseModel):

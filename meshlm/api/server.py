@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from meshlm import __version__
 from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -66,6 +67,10 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     @app.get("/metrics")
     async def _metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def _version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def _models():

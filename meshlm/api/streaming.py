@@ -138,7 +138,7 @@ class Completion:
             if self.chat:
                 for c in self.choices:
                     head = {**self._head(obj), **({"prompt_token_ids": self.prompts[0]} if self.ids else {})}
-                    yield sse({**head, "choices": [self._delta(c, {"role": "assistant", "content": ""})]})
+                    yield self._event(head, c, self._delta(c, {"role": "assistant", "content": ""}))
             calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
@@ -146,21 +146,21 @@ class Completion:
                     break
                 reasoning, answer = self._split(c, out)
                 if reasoning:
-                    yield sse({**self._head(obj), "choices": [self._delta(c, {"reasoning_content": reasoning})]})
+                    yield self._event(self._head(obj), c, self._delta(c, {"reasoning_content": reasoning}))
                 if c.index in calls:
                     for chunk in self._tool_chunks(c, out, calls[c.index], answer):
-                        yield sse({**self._head(obj), "choices": [chunk]})
+                        yield self._event(self._head(obj), c, chunk)
                 elif self.echo and c.index not in self.echoed:  # the prompt leads the choice's first chunk
                     self.echoed.add(c.index)
                     chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text}, ids=out.token_ids)
                     chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
-                    yield sse({**self._head(obj), "choices": [chunk]})
+                    yield self._event(self._head(obj), c, chunk)
                 elif answer or out.logprobs or out.finish_reason or (self.ids and out.token_ids):
                     delta = {"content": answer} if answer else {}
                     chunk = self._delta(c, delta, list(out.logprobs), out.token_ids)
                     chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
-                    yield sse({**self._head(obj), "choices": [chunk]})
+                    yield self._event(self._head(obj), c, chunk)
             else:
                 self.finished = True
                 if self.req.include_usage:
@@ -170,6 +170,15 @@ class Completion:
             # Runs on normal end, on error, and when the client disconnects
             # (Starlette cancels this generator): unfinished sequences are aborted.
             self.close()
+
+    def _event(self, head: dict, c: Choice, chunk: dict) -> str:
+        """One choice's chunk as an SSE event; with vLLM's `continuous_usage_stats`, the usage so far."""
+        event = {**head, "choices": [chunk]}
+        if self.req.continuous_usage:
+            done = len(c.token_ids)
+            event["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": done,
+                              "total_tokens": c.prompt_tokens + done}
+        return sse(event)
 
     def _split(self, c: Choice, out) -> tuple[str, str]:
         """An output's new (reasoning, answer) text: all answer unless --reasoning-parser splits it."""

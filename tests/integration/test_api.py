@@ -562,3 +562,17 @@ def test_allowed_token_ids_limit_the_output(client):
                          ({"allowed_token_ids": [5], "structured_outputs": {"regex": "a+"}}, "allowed_token_ids")):
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continuous_usage_stats_and_version(client):
+    req = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    chunks, final = events[:-1], events[-1]
+    done = [e["usage"]["completion_tokens"] for e in chunks]
+    assert all("usage" in e for e in chunks) and done == sorted(done) and done[0] == 0
+    assert done[-1] == final["usage"]["completion_tokens"] == 12
+    assert {e["usage"]["prompt_tokens"] for e in chunks} == {final["usage"]["prompt_tokens"]}
+    import meshlm
+
+    assert client.get("/version").json() == {"version": meshlm.__version__}
