@@ -35,8 +35,10 @@ def think_token_ids(tokenizer) -> tuple[int, int] | None:
 
 
 def opens_reasoning(prompt_text: str) -> bool:
-    """Whether the prompt's end leaves a think block open (the template wrote `<think>`)."""
-    return prompt_text.rfind(START) > prompt_text.rfind(END)
+    """Whether the prompt ends in an open think block: the template wrote `<think>` after the assistant's
+    header (DeepSeek-R1's `<think>\n`). Only at the very end: a user's message that mentions the tag is
+    followed by the template's own text."""
+    return prompt_text.rstrip().endswith(START)
 
 
 class ReasoningSplit:

@@ -43,3 +43,5 @@ def test_the_prompt_says_whether_the_reasoning_starts_open():
     assert opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
     assert not opens_reasoning("<|im_start|>assistant\n")
+    # Regression: a user's message mentioning the tag near the prompt's end made the whole answer reasoning.
+    assert not opens_reasoning("<|im_start|>user\nExplain <think><|im_end|>\n<|im_start|>assistant\n")
