@@ -219,7 +219,7 @@ class Serving:
     # first character does. Its `bytes` are its own, as OpenAI documents them (vLLM encodes the text).
     def _entry(self, token_id: int, cursor: TextCursor, advance: bool = False) -> tuple[str, bytes, int]:
         raw, shown = self.token_bytes(token_id)
-        if not shown and not cursor.specials:  # a special token, which the text leaves out
+        if not shown and not cursor.shows(self.token_bytes.name(token_id)):  # a special token the text leaves out
             text, offset = self.token_bytes.name(token_id), cursor.offset
         elif advance:
             text, offset = cursor.advance(raw)

@@ -32,7 +32,12 @@ class Completion:
         self.ids_started: set[int] = set()  # text completions' choices whose stream carried their prompt's ids
         # Text completions' `echo`: each choice's text (and logprobs) starts with its prompt's.
         self.echo = bool(getattr(req, "echo", False))
-        self.echo_texts = self._echo_texts() if self.echo else []
+        # Each prompt as the client sent it (strings, which spell the special tokens they hold), or its ids' text.
+        sent = self._sent_strings() if self.echo else None
+        self.echo_sent = sent is not None
+        if self.echo and sent is None:
+            sent = [serving.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in prompts]
+        self.echo_texts = sent or []
         self.echoed: set[int] = set()  # choices whose stream has carried the prompt
         # A thinking model's reasoning apart from its answer (--reasoning-parser). A grammar (a schema, a
         # forced tool call) then applies after the reasoning; where the think tags are not single tokens it
@@ -51,15 +56,14 @@ class Completion:
         self.splits = {c.index: ReasoningSplit(self.thinking) for c in self.choices} if self.thinking is not None \
             else {}
 
-    def _echo_texts(self) -> list[str]:
-        """Each prompt as the client sent it, or its ids' text (given as ids, or truncated)."""
+    def _sent_strings(self) -> list[str] | None:
+        """The prompts as the strings the client sent; None when sent as ids, or truncated."""
         p = self.req.prompt
-        if isinstance(p, str) and self.req.truncate_prompt_tokens is None:
+        if self.req.truncate_prompt_tokens is not None:
+            return None
+        if isinstance(p, str):
             return [p]
-        if p and isinstance(p[0], str) and self.req.truncate_prompt_tokens is None:
-            return list(p)
-        return [self.serving.tokenizer.decode(ids, skip_special_tokens=self.req.skip_special_tokens)
-                for ids in self.prompts]
+        return list(p) if p and isinstance(p[0], str) else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.model_name}
@@ -76,7 +80,11 @@ class Completion:
         if not echo:
             return self.serving.completion_logprobs(lps, cursor)
         prompt = [dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()]
-        return self.serving.completion_logprobs(prompt + list(lps), cursor, lead=self.prompts[c.prompt][0])
+        cursor.echoed = self.echo_texts[c.prompt] if self.echo_sent else None
+        head = self.serving.completion_logprobs(prompt, cursor, lead=self.prompts[c.prompt][0])
+        cursor.echoed = None
+        tail = self.serving.completion_logprobs(list(lps), cursor)
+        return {key: head[key] + tail[key] for key in head}
 
     def _prompt_logprobs(self, c: Choice) -> list | None:
         """vLLM's `prompt_logprobs` field, when asked for."""

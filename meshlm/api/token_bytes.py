@@ -72,6 +72,13 @@ class TextCursor:
         self.pending = b""  # a character's first bytes, not yet completed
         self.specials = specials  # the text shows special tokens' names (skip_special_tokens false)
         self.as_ids = as_ids  # logprobs name tokens `token_id:N` (vLLM's return_tokens_as_token_ids)
+        # An echoed prompt as the client sent it, while its tokens are read: a special token's name shows
+        # where this text spells it there (not, say, a BOS the tokenizer added).
+        self.echoed: str | None = None
+
+    def shows(self, name: str) -> bool:
+        """Whether the text shows a special token's `name` next."""
+        return self.specials or (self.echoed is not None and self.echoed.startswith(name, self.offset))
 
     def peek(self, raw: bytes) -> str:
         """The characters `raw` would complete after the text so far ("" for a part of one)."""

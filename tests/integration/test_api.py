@@ -576,3 +576,17 @@ def test_continuous_usage_stats_and_version(client):
     import meshlm
 
     assert client.get("/version").json() == {"version": meshlm.__version__}
+
+
+def test_echoed_logprobs_index_the_echoed_text_special_tokens_and_all(client):
+    """Regression: a prompt string spelling special tokens is echoed as sent, but their logprob entries
+    did not advance text_offset, so the offsets stopped indexing the text. Every token is now found at its
+    offset, whether the text shows special tokens or not; generated specials stay out of the text."""
+    prompt = "<|im_start|>user\nHi<|im_end|>"
+    for skip in (True, False):
+        ch = client.post("/v1/completions", json={"prompt": prompt, "echo": True, "max_tokens": 3, "logprobs": 0,
+                                                  "temperature": 0, "skip_special_tokens": skip}).json()["choices"][0]
+        lp = ch["logprobs"]
+        assert ch["text"].startswith(prompt) and lp["tokens"][0] == "<|im_start|>"
+        for token, offset in zip(lp["tokens"], lp["text_offset"]):
+            assert ch["text"][offset:offset + len(token)] == token, (skip, token, offset, ch["text"])
