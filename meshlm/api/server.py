@@ -140,7 +140,7 @@ async def _respond(request: Request, completion: Completion):
     task = asyncio.ensure_future(completion.whole())
     watcher = asyncio.ensure_future(watch_disconnect(request, completion, task))
     try:
-        return JSONResponse(await task)
+        return Response(await task, media_type="application/json")
     except asyncio.CancelledError:
         completion.close()
         return Response(status_code=499)

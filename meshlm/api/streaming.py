@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError
@@ -93,7 +94,11 @@ class Completion:
         k = self.req.prompt_logprobs
         return self.serving.prompt_logprobs([dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()])
 
-    async def whole(self) -> dict:
+    async def whole(self) -> bytes:
+        """The response body, encoded. With logprobs over long prompts and many choices it runs to millions
+        of entries (94 MB for n=16 x 3,000 prompt tokens x 21): built and encoded on a worker thread, a choice
+        at a time, so that the event loop, which streams everyone else's tokens, gets its turns meanwhile
+        (it had stalled 13 s)."""
         try:
             async for _, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
@@ -101,13 +106,18 @@ class Completion:
             self.finished = True
         finally:
             self.close()
-        body = {**self._head(self.object), "choices": [self._choice(c) for c in self.choices],
-                "usage": self.serving.usage(self.choices, self.prompts)}
+        return await asyncio.to_thread(self._encoded)
+
+    def _encoded(self) -> bytes:
+        body = {**self._head(self.object), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)}
         if self.chat and self.req.prompt_logprobs is not None:  # vLLM's chat: one list, beside the choices
             body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
         if self.chat and self.ids:  # likewise the prompt's ids
             body["prompt_token_ids"] = self.prompts[0]
-        return body
+        # Each choice its own json.dumps: one call holds the GIL from start to end. In the body's own
+        # encoding '"choices":[]' can only be that field (quotes inside strings are escaped).
+        choices = ",".join(_json(self._choice(c)) for c in self.choices)
+        return _json(body).replace('"choices":[]', f'"choices":[{choices}]', 1).encode("utf-8")
 
     def _choice(self, c: Choice) -> dict:
         text = "".join(c.text)
@@ -160,10 +170,8 @@ class Completion:
                         yield self._event(self._head(obj), c, chunk)
                 elif self.echo and c.index not in self.echoed:  # the prompt leads the choice's first chunk
                     self.echoed.add(c.index)
-                    chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text}, ids=out.token_ids)
-                    chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
-                    chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
-                    yield self._event(self._head(obj), c, chunk)
+                    # On a worker thread, as `whole` builds its body: a long prompt's logprobs are many entries.
+                    yield await asyncio.to_thread(self._echo_event, self._head(obj), c, out)
                 elif answer or out.logprobs or out.finish_reason or (self.ids and out.token_ids):
                     delta = {"content": answer} if answer else {}
                     chunk = self._delta(c, delta, list(out.logprobs), out.token_ids)
@@ -178,6 +186,12 @@ class Completion:
             # Runs on normal end, on error, and when the client disconnects
             # (Starlette cancels this generator): unfinished sequences are aborted.
             self.close()
+
+    def _echo_event(self, head: dict, c: Choice, out: StepOutput) -> str:
+        chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text}, ids=out.token_ids)
+        chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
+        chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
+        return self._event(head, c, chunk)
 
     def _event(self, head: dict, c: Choice, chunk: dict) -> str:
         """One choice's chunk as an SSE event; with vLLM's `continuous_usage_stats`, the usage so far."""
@@ -242,6 +256,11 @@ async def watch_disconnect(request, completion: Completion, task: asyncio.Task) 
         if message["type"] == "http.disconnect":
             task.cancel()
             return
+
+
+def _json(value) -> str:
+    """As Starlette's JSONResponse encodes (NaN is not JSON: logprobs are made finite before)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def _generation_failed(out: StepOutput) -> APIError:
