@@ -100,14 +100,14 @@ class Serving:
         if prompt_len == 0:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         room = self.max_model_len - prompt_len
-        if room < 1:
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if room < (0 if asked == 0 else 1):  # echo with max_tokens 0 scores a whole context's worth
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
                 f"{prompt_len} tokens, leaving none to generate. Please shorten it.",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
-        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if asked == 0 and not getattr(req, "echo", False):
             raise bad_request("max_tokens may be 0 only with echo (the prompt is then the whole text)",
                               param="max_tokens")

@@ -590,3 +590,13 @@ def test_echoed_logprobs_index_the_echoed_text_special_tokens_and_all(client):
         assert ch["text"].startswith(prompt) and lp["tokens"][0] == "<|im_start|>"
         for token, offset in zip(lp["tokens"], lp["text_offset"]):
             assert ch["text"][offset:offset + len(token)] == token, (skip, token, offset, ch["text"])
+
+
+def test_echo_scores_a_whole_context(client):
+    """Nothing is generated with max_tokens 0, so a prompt may fill the context (512 here): lm-eval scores
+    full windows. One more token to generate does not fit."""
+    ids = [3 + i % 500 for i in range(512)]
+    r = client.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 0})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 512
+    r = client.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
