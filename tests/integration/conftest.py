@@ -203,8 +203,9 @@ def assert_parity(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
 
 
 # Prompt logprobs against stock mlx-lm's forward: meshlm's CPU kernels (base-2 softmax, fused layers) and
-# batching round differently; a few 1e-4 here.
-SCORE_TOL = 5e-4
+# batching round differently, up to 8e-4 seen on the tiny qwen3's 300-token prompt (logprobs near -10); a
+# token scored at the wrong position is off by units.
+SCORE_TOL = 2e-3
 
 
 def scored_prompts(seed: int = 7, lengths: tuple[int, ...] = (5, 40, 300)) -> list[list[int]]:

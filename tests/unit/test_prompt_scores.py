@@ -20,7 +20,7 @@ from meshlm.model.runner import StepResult
 
 BS = 4
 TOKEN = 7
-SCORE_TOL = 5e-4  # against stock mlx-lm: meshlm's CPU kernels round differently
+SCORE_TOL = 2e-3  # against stock mlx-lm: meshlm's CPU kernels round differently (tests/integration/conftest.py)
 
 
 def make_scheduler(max_tokens_per_step: int = 64, blocks: int = 256) -> Scheduler:
