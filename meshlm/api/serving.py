@@ -160,6 +160,10 @@ class Serving:
                 index = len(choices)
                 seed = None if base.seed is None else base.seed + i
                 sp = base if seed == base.seed else _with_seed(base, seed)
+                if i and not req.stream and sp.prompt_logprobs is not None:
+                    # A whole response takes every choice's prompt logprobs from the first's: the other n - 1
+                    # need not compute the prompt whole (they may hit the cache the first one fills).
+                    sp = dataclasses.replace(sp, prompt_logprobs=None)
                 items.append((p, sp, _emitter(self._outbox, queue, index)))
                 choices.append(Choice(index, len(p), which))
         try:

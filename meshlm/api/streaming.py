@@ -80,7 +80,7 @@ class Completion:
             return self.serving.chat_logprobs(lps, cursor)
         if not echo:
             return self.serving.completion_logprobs(lps, cursor)
-        prompt = [dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()]
+        prompt = [dataclasses.replace(x, top=x.top[:k]) for x in self._scored(c)]
         cursor.echoed = self.echo_texts[c.prompt] if self.echo_sent else None
         head = self.serving.completion_logprobs(prompt, cursor, lead=self.prompts[c.prompt][0])
         cursor.echoed = None
@@ -92,7 +92,13 @@ class Completion:
         if self.req.prompt_logprobs is None:
             return None
         k = self.req.prompt_logprobs
-        return self.serving.prompt_logprobs([dataclasses.replace(x, top=x.top[:k]) for x in c.prompt_logprobs or ()])
+        return self.serving.prompt_logprobs([dataclasses.replace(x, top=x.top[:k]) for x in self._scored(c)])
+
+    def _scored(self, c: Choice) -> tuple:
+        """The logprobs of `c`'s prompt: its own when streamed, else its prompt's first choice's, the one
+        sequence of the n that scored it (`Serving.submit`)."""
+        first = c if self.req.stream else self.choices[c.prompt * self.req.n]
+        return first.prompt_logprobs or ()
 
     async def whole(self) -> bytes:
         """The response body, encoded. With logprobs over long prompts and many choices it runs to millions

@@ -600,3 +600,20 @@ def test_echo_scores_a_whole_context(client):
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 512
     r = client.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": 0})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_n_choices_share_their_prompts_logprobs(client):
+    """A whole response's n choices of a prompt take its logprobs from the one sequence that scored it
+    (the others may read the prompt from the cache): every choice shows the same, for each prompt."""
+    prompts = ["the river runs past the old mill", "a story about the sea and the sky and the"]
+    body = client.post("/v1/completions", json={"prompt": prompts, "n": 3, "max_tokens": 2, "temperature": 1.0,
+                                                "seed": 7, "echo": True, "logprobs": 1, "prompt_logprobs": 1}).json()
+    choices = body["choices"]
+    assert len(choices) == 6
+    for p in range(2):
+        group = choices[3 * p: 3 * p + 3]
+        assert all(c["text"].startswith(prompts[p]) for c in group)
+        assert len({json.dumps(c["prompt_logprobs"]) for c in group}) == 1 and group[0]["prompt_logprobs"][1]
+        n = len(group[0]["prompt_logprobs"])
+        assert len({json.dumps(c["logprobs"]["token_logprobs"][:n]) for c in group}) == 1
+    assert choices[0]["prompt_logprobs"] != choices[3]["prompt_logprobs"]
