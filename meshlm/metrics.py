@@ -11,6 +11,8 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("meshlm_requests", "Requests by final status", ["status"], registry=r)
+        self.rejected = Counter("meshlm_rejected_requests", "Requests answered with an error before any sequence ran "
+                                "(a 400, 404, 413, 429, 503 ...), by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("meshlm_prompt_tokens", "Prompt tokens received", registry=r)
         self.cached_tokens = Counter("meshlm_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
         self.generation_tokens = Counter("meshlm_generation_tokens", "Tokens generated", registry=r)

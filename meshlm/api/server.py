@@ -38,19 +38,23 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     engine = serving.engine
     health = health or (lambda: engine.problem)
 
+    def rejected(error: APIError):
+        engine.metrics.rejected.labels(status=str(error.status)).inc()
+        return error.response()
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return exc.response()
+        return rejected(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        return _validation_response(exc.errors())
+        return rejected(_validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         # Starlette's headers too: a 405 says which methods the route takes (`Allow`, RFC 9110 requires it)
-        return APIError(exc.status_code, str(exc.detail), type_="invalid_request_error",
-                        headers=dict(exc.headers or {})).response()
+        return rejected(APIError(exc.status_code, str(exc.detail), type_="invalid_request_error",
+                                 headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
@@ -129,10 +133,6 @@ def _validation_error(errors: list) -> APIError:
     return bad_request(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None)
 
 
-def _validation_response(errors: list) -> JSONResponse:
-    return _validation_error(errors).response()
-
-
 async def _respond(request: Request, completion: Completion):
     if completion.req.stream:
         return StreamingResponse(completion.stream(), media_type="text/event-stream",
@@ -141,6 +141,8 @@ async def _respond(request: Request, completion: Completion):
     watcher = asyncio.ensure_future(watch_disconnect(request, completion, task))
     try:
         return Response(await task, media_type="application/json")
+    except APIError as exc:  # its sequences ran and ended with an error: counted as requests, not rejections
+        return exc.response()
     except asyncio.CancelledError:
         completion.close()
         return Response(status_code=499)

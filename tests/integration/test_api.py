@@ -617,3 +617,19 @@ def test_n_choices_share_their_prompts_logprobs(client):
         n = len(group[0]["prompt_logprobs"])
         assert len({json.dumps(c["logprobs"]["token_logprobs"][:n]) for c in group}) == 1
     assert choices[0]["prompt_logprobs"] != choices[3]["prompt_logprobs"]
+
+
+def test_requests_refused_before_running_are_counted_by_status(server, client):
+    def rejected(status: str) -> float:
+        try:
+            return server.metric(f'meshlm_rejected_requests_total{{status="{status}"}}')
+        except KeyError:  # no such request yet
+            return 0.0
+
+    before = {s: rejected(s) for s in ("400", "404", "405")}
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "x", "model": "nope"}).status_code == 404
+    assert client.get("/v1/completions").status_code == 405
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    after = {s: rejected(s) for s in ("400", "404", "405")}
+    assert {s: after[s] - before[s] for s in after} == {"400": 1, "404": 1, "405": 1}
