@@ -10,7 +10,7 @@ OpenAI's documentation where it gives one (README.md lists them all).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
@@ -19,6 +19,7 @@ MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1000  # per stop string; matching costs O(new text) per token whatever the length
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 256  # each checked against the output's end every step
 MAX_N = 16
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -65,6 +66,8 @@ class _Request(BaseModel):
     logit_bias: dict[str, StrictFloat] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it
     speculative: StrictBool = True  # meshlm's: false keeps this request out of speculative decoding

@@ -119,6 +119,7 @@ class Serving:
         self.prompts.check_ids([t for t, _ in bias], "logit_bias")
         stop_ids = tuple(req.stop_token_ids or ())
         self.prompts.check_ids(stop_ids, "stop_token_ids")
+        bad_words = self._bad_words(req.bad_words or ())
         only = tuple(sorted(set(req.allowed_token_ids or ())))
         self.prompts.check_ids(only, "allowed_token_ids")
         if only and grammar is not None:  # their intersection could be empty, and no token left to sample
@@ -131,7 +132,7 @@ class Serving:
                 top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                logit_bias=bias, allowed_token_ids=only, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
+                logit_bias=bias, allowed_token_ids=only, bad_words=bad_words, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
                 stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
@@ -139,6 +140,17 @@ class Serving:
             )
         except ValueError as exc:
             raise bad_request(str(exc))
+
+    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's `bad_words` as token sequences: each word as written and after a space (how it follows
+        another word in most tokenizers)."""
+        out = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    out.add(ids)
+        return tuple(sorted(out))
 
     # -- engine ------------------------------------------------------------
     def submit(self, prompts: list[list[int]], req: _Request, grammar: str | None = None,

@@ -37,6 +37,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: prompt and output tokens' logits divided (or, if < 0, multiplied)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: when given, every other token is masked (EOS too)
+    # vLLM's bad_words, tokenized: a sequence's last token is masked where the output so far ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # None: none; k: chosen token plus top-k alternatives
     # Of each prompt token after the first, its logprob and the top-k alternatives (vLLM's prompt_logprobs;
     # OpenAI's echo with logprobs): from the raw logits of the position before it. None: not computed.

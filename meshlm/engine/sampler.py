@@ -44,6 +44,7 @@ class SeqSampling:
     banned: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are generated
     constraint: Constraint | None = None  # the grammar's state (structured outputs)
     _only: mx.array | None = None  # `allowed_token_ids` as a mask over the vocabulary, made on first use
+    recent: tuple[int, ...] = ()  # the last output tokens, as many as `bad_words` can need
     generated: int = 0  # tokens taken so far
     _key: mx.array | None = None  # next_key's chain
 
@@ -79,11 +80,20 @@ class SeqSampling:
             self._only = mx.array(bits)
         return self._only
 
+    def banned_words(self, ahead: tuple[int, ...] = ()) -> list[int]:
+        """The tokens `bad_words` forbid next, after the output so far and `ahead`."""
+        tail = self.recent + ahead
+        return [w[-1] for w in self.params.bad_words
+                if len(w) == 1 or (len(tail) >= len(w) - 1 and tail[len(tail) - len(w) + 1:] == w[:-1])]
+
     def record(self, tokens: list[int]) -> None:
         """The tokens a step took: counted for the penalties, consumed by the grammar."""
         for t in tokens:
             self.counts[t] += 1
         self.generated += len(tokens)
+        if self.params.bad_words:
+            keep = max(len(w) for w in self.params.bad_words) - 1
+            self.recent = (self.recent + tuple(tokens))[-keep:] if keep else ()
         if self.constraint is not None:
             self.constraint.advance(tokens)
 
@@ -104,6 +114,8 @@ def process_logits(row: mx.array, state: SeqSampling, ahead: tuple[int, ...] = (
         row = mx.where(only, row, mx.array(-float("inf"), dtype=row.dtype))
     if ahead and (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0):
         counts = counts + Counter(ahead)
+    if p.bad_words and (bad := state.banned_words(ahead)):
+        row = row.at[mx.array(bad)].add(-float("inf"))
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         row = row.at[mx.array(ids)].add(mx.array(bias, dtype=row.dtype))
@@ -202,7 +214,7 @@ def plain_greedy(state: SeqSampling) -> bool:
     logits' argmax."""
     p = state.params
     return (p.greedy and state.constraint is None and not p.logit_bias and not state.banned
-            and not p.allowed_token_ids
+            and not p.allowed_token_ids and not p.bad_words
             and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
             and p.logprobs is None)
 

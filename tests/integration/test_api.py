@@ -633,3 +633,16 @@ def test_requests_refused_before_running_are_counted_by_status(server, client):
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
     after = {s: rejected(s) for s in ("400", "404", "405")}
     assert {s: after[s] - before[s] for s in after} == {"400": 1, "404": 1, "405": 1}
+
+
+def test_bad_words_are_never_generated(client):
+    base = {"prompt": "the river runs past the old mill and", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    plain = client.post("/v1/completions", json=base).json()["choices"][0]
+    word = next(t for t in plain["logprobs"]["tokens"] if t.strip())  # the first token of the greedy text with a letter
+    banned = client.post("/v1/completions", json={**base, "bad_words": [word.strip()]}).json()["choices"][0]
+    assert banned["text"] != plain["text"]
+    assert all(t.strip() != word.strip() for t in banned["logprobs"]["tokens"])
+    for bad in ([""], ["x" * 1001], ["w"] * 257, "word"):
+        r = client.post("/v1/completions", json={**base, "bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("bad_words"), (bad, r.text)

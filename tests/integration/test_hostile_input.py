@@ -406,7 +406,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "best_of", "suffix", "tools", "tool_choice", "response_format", "structured_outputs", "min_tokens", "stop_token_ids", "role", "content",
           "tokens", "add_special_tokens", "return_token_strs", "truncate_prompt_tokens", "skip_special_tokens",
           "continue_final_message", "add_generation_prompt", "return_token_ids", "return_tokens_as_token_ids",
-          "allowed_token_ids"]
+          "allowed_token_ids", "bad_words"]
 
 
 def _value(rng: random.Random, depth: int = 0):

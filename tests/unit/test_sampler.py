@@ -252,3 +252,19 @@ def test_min_tokens_yields_when_only_banned_tokens_are_allowed():
     s = SeqSampling.create(SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=(0,)),
                            eos_token_ids=frozenset({0}))
     assert sample(mx.array([[1.0, 5.0, 2.0]]), [s])[0] == [0]
+
+
+def test_bad_words_mask_the_token_that_would_complete_them():
+    """vLLM's bad_words: a one-token word never comes; a longer one's last token is masked only right after
+    the rest of it, counting drafts ahead of the state (a verify step's rows)."""
+    logits = mx.array([[0.0, 5.0, 4.0, 3.0]])
+    s = state(temperature=0, bad_words=((1, 2), (3,)))
+    assert sample(logits, [s])[0] == [1]  # nothing before: 2 is allowed, so is 1
+    assert sample(logits, [s])[0] == [1]  # after 1: 2 would complete (1, 2), so the best left is 1 again
+    assert s.banned_words() == [2, 3] and s.banned_words(ahead=(0,)) == [3]
+    row = mx.array([0.0, 1.0, 4.0, 5.0])
+    fresh = state(temperature=0, bad_words=((1, 2), (3,)))
+    fresh.record([1])
+    assert sample(row[None], [fresh])[0] == [1]  # 3 always, 2 after 1: masked
+    fresh.record([0, 0, 0])
+    assert fresh.recent == (0,)  # only as many as the longest word needs
