@@ -256,7 +256,7 @@ class Engine:
             raise RuntimeError(f"engine unavailable: {self.problem}")
         constraints = [self._checked(prompt_ids, params) for prompt_ids, params, _ in items]
         with self._wake:
-            waiting = len(self.scheduler.waiting) + len(self._handing_off)
+            waiting = self._num_queued
             if len(items) > 1 and waiting + len(items) > self.max_waiting:
                 raise QueueFull(f"{waiting} requests already waiting, and this one needs {len(items)} places")
             uids = [self._queue(prompt_ids, params, emit, constraint, export)
@@ -297,7 +297,13 @@ class Engine:
             self._handing_off[uid] = (seq, self.handoff.start(handoff, lambda: self._handed_back(uid)))
         self._tracked[uid] = tracked
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.queue_depth.set(self._num_queued)
         return uid
+
+    @property
+    def _num_queued(self) -> int:
+        """Sequences holding a place in the queue: waiting, or waiting for a prefill server's KV."""
+        return len(self.scheduler.waiting) + len(self._handing_off)
 
     def _plan_handoff(self, seq: Sequence):
         """Under the lock: a handoff for this prompt, or None to prefill it here. A handoff takes a place
@@ -305,7 +311,7 @@ class Engine:
         if self.handoff is None or seq.params.prompt_logprobs is not None:  # a prefill server scores nothing
             return None
         handoff = self.handoff.plan(seq.prompt_ids, self.scheduler.blocks.cached_prefix)
-        waiting = len(self.scheduler.waiting) + len(self._handing_off)
+        waiting = self._num_queued
         if handoff is not None and waiting >= self.scheduler.config.max_waiting:
             raise QueueFull(f"{waiting} requests already waiting")
         return handoff
@@ -318,6 +324,7 @@ class Engine:
             if entry is None:  # the engine failed meanwhile: the request has its error already
                 return
             self.scheduler.add(entry[0], reserved=True)
+            self.metrics.queue_depth.set(self._num_queued)
             self._wake.notify()
 
     def deliver(self, uid: int, index: int, data) -> None:
@@ -868,7 +875,7 @@ class Engine:
         self._fail(message)
 
     def _update_gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.scheduler.waiting))
+        self.metrics.queue_depth.set(self._num_queued)
         self.metrics.batch_size.set(len(self.scheduler.running))
         self.metrics.kv_bytes.set(self.executor.kv_bytes())
         self.metrics.kv_blocks_used.set(self.scheduler.blocks.num_used)

@@ -288,3 +288,25 @@ def test_prefill_server_killed_mid_transfer(cluster):
     assert re.search(r"prefilling locally \([1-9]\d* of \d+ blocks received\)", decode.log.read_text())
     # With the peer gone, long prompts are served locally at once.
     assert complete(decode.url, [words(800, 777)])
+
+
+def test_a_prompt_waiting_for_a_prefill_server_counts_in_the_queue_gauge(cluster):
+    """Regression: a handoff holds a place in the queue (a 429 counts it), but meshlm_queue_depth showed 0."""
+    import threading
+
+    _, decode, single, relay = cluster
+    prompt = [words(400, 4545)]
+    relay.mode = "stall"  # the transfer waits after its first block until the job gives up
+    try:
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(complete(decode.url, prompt)))
+        worker.start()
+        seen, deadline = 0.0, time.monotonic() + TIMEOUT
+        while not seen and time.monotonic() < deadline:
+            seen = metric(decode, "meshlm_queue_depth")
+            time.sleep(0.05)
+        worker.join(60)
+    finally:
+        relay.mode = "pass"
+    assert seen == 1
+    assert texts(result[0]) == texts(complete(single.url, prompt)) and metric(decode, "meshlm_queue_depth") == 0
