@@ -153,8 +153,9 @@ class PrefillClient:
             self._transfer(peer, transfer)
             self.metrics.disagg_transfer_time.observe(time.monotonic() - t0)
         except _Fallback as exc:
-            if transfer.cancelled:
-                self.received.discard(h.keys)
+            if transfer.cancelled:  # only what this transfer put: the blocks before first_block (and any
+                # prefix shared with another prompt) may be another request's received blocks, not yet loaded
+                self.received.discard(h.keys[h.first_block:h.first_block + transfer.blocks])
             else:
                 self.metrics.disagg_fallbacks.labels(reason=exc.reason).inc()
                 log.warning("prefill handoff: %s; prefilling locally (%d of %d blocks received)", exc,
@@ -173,11 +174,14 @@ class PrefillClient:
         limit = timeout * (1 + tokens / TOKENS_PER_TIMEOUT)
         clock = _Deadlines(timeout, time.monotonic() + limit)
         try:
-            conn = connect(peer, self.secret, min(timeout, CONNECT_SECONDS))
+            conn = connect(peer, self.secret, min(timeout, CONNECT_SECONDS),
+                           on_socket=lambda c: setattr(transfer, "conn", c))  # a cancel may shut it from now
         except Unreachable as exc:
             self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
             raise _Fallback("unreachable", str(exc)) from None
         except PrefillWireError as exc:  # it answered, but not as a prefill server of this cluster
+            if transfer.cancelled:  # our own cancel shut the socket mid-handshake: the peer is not to blame
+                raise _Fallback("cancelled", "the request was aborted") from None
             self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
             raise _Fallback("refused", f"handshake failed: {exc}") from None
         transfer.conn = conn

@@ -152,8 +152,9 @@ class Conn:
             pass
 
 
-def connect(addr: str, secret: ClusterSecret, timeout: float) -> Conn:
-    """Connect to a prefill server at host:port and prove the cluster secret both ways."""
+def connect(addr: str, secret: ClusterSecret, timeout: float, on_socket=None) -> Conn:
+    """Connect to a prefill server at host:port and prove the cluster secret both ways. `on_socket(conn)`:
+    called once connected, before the handshake (whoever may cancel takes the connection then)."""
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
     try:
@@ -161,6 +162,8 @@ def connect(addr: str, secret: ClusterSecret, timeout: float) -> Conn:
     except (OSError, ValueError) as exc:
         raise Unreachable(f"{addr}: unreachable: {exc}") from None
     conn = Conn(sock, addr)
+    if on_socket is not None:
+        on_socket(conn)
     try:
         nonce = new_nonce()
         conn.send(_HELLO.pack(MAGIC, VERSION, nonce), deadline)
