@@ -25,7 +25,7 @@ from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.kv.received import ReceivedBlocks
 from meshlm.metrics import Metrics
 from meshlm.disagg.prefill_wire import (Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError, Unreachable,
-                                        WireClosed, WireTimeout, connect, read_block)
+                                        Waiting, WireClosed, WireTimeout, connect, read_block)
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,8 @@ class PrefillClient:
                     return
                 elif isinstance(msg, Failed):
                     raise _Fallback("busy", f"{peer} gave up the job: {msg.reason}")
+                elif isinstance(msg, Waiting):  # queued or computing there: the silence limit starts again
+                    continue
                 else:
                     raise _Fallback("bad_packet", f"{peer} sent {type(msg).__name__} during a job")
         except PrefillWireError as exc:

@@ -22,8 +22,8 @@ from meshlm.engine.request import FinishReason, SamplingParams, StepOutput
 from meshlm.engine.scheduler import QueueFull
 from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.metrics import Metrics
-from meshlm.disagg.prefill_wire import (Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError, accept,
-                                        block_packet)
+from meshlm.disagg.prefill_wire import (WAITING_SECONDS, Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError,
+                                        Waiting, accept, block_packet)
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +143,18 @@ class PrefillService:
         except (QueueFull, PromptTooLong, ValueError, RuntimeError) as exc:
             return self._refuse(conn, str(exc))
         sent = 0
+        progress = time.monotonic()
         try:
             while True:
                 try:
-                    item = items.get(timeout=self.timeout)
+                    item = items.get(timeout=WAITING_SECONDS)
                 except queue.Empty:
-                    self.engine.abort(uid)
-                    return self._refuse(conn, f"no progress within {self.timeout:.0f} s")
+                    if time.monotonic() - progress > self.timeout:
+                        self.engine.abort(uid)
+                        return self._refuse(conn, f"no progress within {self.timeout:.0f} s")
+                    conn.send_message(Waiting(), self._deadline())  # busy, not silent (or the client is gone)
+                    continue
+                progress = time.monotonic()
                 if item[0] == "block":
                     _, index, packet, crc = item
                     conn.send_message(Block(index, keys[index], crc), self._deadline())

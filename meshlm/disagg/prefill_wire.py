@@ -34,7 +34,7 @@ from meshlm.transport.auth import ClusterSecret, new_nonce, prefill_proof, proof
 from meshlm.transport.link import recv_exactly, send_all, tune
 
 MAGIC = b"MLPF"
-VERSION = 1
+VERSION = 2  # 2: Waiting
 MAX_MESSAGE_BYTES = 16 << 20  # a Job of 1M token ids is ~5 MiB of msgpack
 _HELLO = struct.Struct("!4sI32s")
 _LEN = struct.Struct("!I")
@@ -99,7 +99,14 @@ class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True, frozen=Tr
     reason: str
 
 
-Message = Union[PeerInfo, Job, Block, Done, Failed]
+class Waiting(msgspec.Struct, tag="waiting", forbid_unknown_fields=True, frozen=True):
+    """The job is queued or computing, with no block ready: sent every WAITING_SECONDS meanwhile, so that a
+    busy prefill server is not taken for a silent one (its queued jobs had timed out and been prefilled
+    again by the decode server), and so that it learns at once when its client has gone."""
+
+
+WAITING_SECONDS = 1.0
+Message = Union[PeerInfo, Job, Block, Done, Failed, Waiting]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

@@ -278,18 +278,6 @@ def test_a_peer_dripping_blocks_is_given_up_by_the_job_deadline(cluster):
     assert re.search(r"the job took over \d+\.\d s, its limit for \d+ tokens", decode.log.read_text())
 
 
-def test_prefill_server_killed_mid_transfer(cluster):
-    prefill, decode, single, relay = cluster
-    prompts = [words(900, 500 + i) for i in range(3)]
-    relay.after_block = lambda sent: sent == 3 and prefill.proc.kill()  # the 4th block has just gone out
-    got = complete(decode.url, prompts)
-    assert prefill.proc.wait(5) is not None
-    assert texts(got) == texts(complete(single.url, prompts))
-    assert re.search(r"prefilling locally \([1-9]\d* of \d+ blocks received\)", decode.log.read_text())
-    # With the peer gone, long prompts are served locally at once.
-    assert complete(decode.url, [words(800, 777)])
-
-
 def test_a_prompt_waiting_for_a_prefill_server_counts_in_the_queue_gauge(cluster):
     """Regression: a handoff holds a place in the queue (a 429 counts it), but meshlm_queue_depth showed 0."""
     import threading
@@ -310,3 +298,16 @@ def test_a_prompt_waiting_for_a_prefill_server_counts_in_the_queue_gauge(cluster
         relay.mode = "pass"
     assert seen == 1
     assert texts(result[0]) == texts(complete(single.url, prompt)) and metric(decode, "meshlm_queue_depth") == 0
+
+
+def test_prefill_server_killed_mid_transfer(cluster):
+    prefill, decode, single, relay = cluster
+    prompts = [words(900, 500 + i) for i in range(3)]
+    relay.after_block = lambda sent: sent == 3 and prefill.proc.kill()  # the 4th block has just gone out
+    got = complete(decode.url, prompts)
+    assert prefill.proc.wait(5) is not None
+    assert texts(got) == texts(complete(single.url, prompts))
+    assert re.search(r"prefilling locally \([1-9]\d* of \d+ blocks received\)", decode.log.read_text())
+    # With the peer gone, long prompts are served locally at once.
+    assert complete(decode.url, [words(800, 777)])
+

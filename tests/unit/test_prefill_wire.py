@@ -249,3 +249,70 @@ def test_scheduler_exports_every_prompt_block_once_final():
         if seq.finished and not plan.exports and not sched.running:
             break
     assert exported == [1, 2, 3, 4]  # from first_block on, each once, the last one after the last chunk
+
+
+class _SlowEngine:
+    """A prefill server's engine whose job waits `delay` s in its queue, then exports every block."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.aborted = delay, threading.Event()
+
+    def submit(self, token_ids, params, emit, export):
+        from meshlm.engine.request import FinishReason, StepOutput
+
+        def later() -> None:
+            if self.aborted.wait(self.delay):
+                return
+            for i in range(export.first_block, len(token_ids) // INFO.block_size):
+                export.sink(i, block(i))
+            emit(StepOutput(0, finish_reason=FinishReason.LENGTH))
+
+        threading.Thread(target=later, daemon=True).start()
+        return 0
+
+    def abort(self, uid: int) -> None:
+        self.aborted.set()
+
+
+def _service(engine, timeout: float = 30.0):
+    from meshlm.disagg.prefill_server import PrefillService
+    from meshlm.metrics import Metrics
+
+    salt = CacheSalt("f" * 24, "float32", "tp1", INFO.block_size)
+    return PrefillService(engine, INFO, salt, ClusterSecret("0" * 64), "127.0.0.1", 0, timeout, Metrics()), salt
+
+
+def test_a_queued_job_says_it_is_waiting_until_its_blocks_come():
+    """Regression: a job waiting in a busy prefill server's queue sent nothing, and its decode server took
+    the silence past --prefill-timeout for a dead peer and prefilled the prompt itself. Now Waiting comes
+    every WAITING_SECONDS until the blocks do."""
+    service, salt = _service(_SlowEngine(delay=2.5))
+    job = pw.Job(3, list(range(12)), 1)
+    a, b = pair()
+    threading.Thread(target=service._run, args=(b, job, block_keys(job.token_ids, salt)), daemon=True).start()
+    got = []
+    while not got or not isinstance(got[-1], pw.Done):
+        msg = a.recv_message(time.monotonic() + 2 * pw.WAITING_SECONDS)  # never silent for longer
+        if isinstance(msg, pw.Block):
+            pw.read_block(a, INFO, mx.float32, job.job_id, msg.index, msg.crc, soon())
+        got.append(msg)
+    kinds = [type(m).__name__ for m in got]
+    assert kinds[:2] == ["Waiting", "Waiting"] and kinds[-3:] == ["Block", "Block", "Done"], kinds
+    service.close()
+
+
+def test_a_queued_job_whose_client_left_is_aborted():
+    """The Waiting it sends finds the connection closed: the job stops instead of computing for no one."""
+    engine = _SlowEngine(delay=30)
+    service, salt = _service(engine)
+    a, b = pair()
+    job = pw.Job(4, list(range(12)), 0)
+
+    def run() -> None:
+        with pytest.raises(pw.WireClosed):  # after the abort, as the connection's handler expects
+            service._run(b, job, block_keys(job.token_ids, salt))
+
+    threading.Thread(target=run, daemon=True).start()
+    a.close()
+    assert engine.aborted.wait(4 * pw.WAITING_SECONDS)
+    service.close()
