@@ -132,8 +132,8 @@ class Serving:
                 top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                logit_bias=bias, allowed_token_ids=only, bad_words=bad_words, logprobs=req.logprob_count(), prompt_logprobs=req.prompt_logprob_count(),
-                stop=req.stop_list(), stop_token_ids=stop_ids,
+                logit_bias=bias, allowed_token_ids=only, bad_words=bad_words, logprobs=req.logprob_count(),
+                prompt_logprobs=req.prompt_logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
                 speculative=req.speculative, grammar=grammar, reasoning=reasoning if grammar else None,
@@ -235,8 +235,9 @@ class Serving:
     # first character does. Its `bytes` are its own, as OpenAI documents them (vLLM encodes the text).
     def _entry(self, token_id: int, cursor: TextCursor, advance: bool = False) -> tuple[str, bytes, int]:
         raw, shown = self.token_bytes(token_id)
-        if not shown and not cursor.shows(self.token_bytes.name(token_id)):  # a special token the text leaves out
-            text, offset = self.token_bytes.name(token_id), cursor.offset
+        name = None if shown else self.token_bytes.name(token_id)  # a special token's: the text may leave it out
+        if name is not None and not cursor.shows(name):
+            text, offset = name, cursor.offset
         elif advance:
             text, offset = cursor.advance(raw)
         else:

@@ -248,12 +248,10 @@ class Constraint:
         so cutting changes nothing but the wasted work)."""
         phase = self.phase
         for i, t in enumerate(drafts):
-            if phase == ANSWER:
-                return i + self.matcher.validate_tokens(list(drafts[i:]))
             if phase == THINK and t in self.eos_token_ids:
                 return i
             phase, grammar_token = self._step(phase, t)
-            if grammar_token:  # the answer's first token
+            if grammar_token:  # the answer's (first) token: the grammar judges the rest
                 return i + self.matcher.validate_tokens(list(drafts[i:]))
         return len(drafts)
 
