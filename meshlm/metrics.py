@@ -36,7 +36,10 @@ class Metrics:
                                     "plus the target's own token); / verify steps = mean accepted length", registry=r)
         self.spec_accepted_at = Counter("meshlm_spec_accepted_per_position", "Drafts accepted, by draft position "
                                         "(0: the first draft)", ["position"], registry=r)
-        self.disagg_handoffs = Counter("meshlm_disagg_handoffs", "Prompts handed to a prefill server", registry=r)
+        self.disagg_handoffs = Counter("meshlm_disagg_handoffs", "Transfers from a prefill server (a prompt's, or "
+                                       "those of prompts sharing its blocks)", registry=r)
+        self.disagg_joined = Counter("meshlm_disagg_joined", "Prompts that waited on a running transfer of their "
+                                     "blocks instead of starting one", registry=r)
         self.disagg_fallbacks = Counter("meshlm_disagg_fallbacks", "Handoffs that ended early, by why: the rest of the "
                                         "prompt was prefilled here", ["reason"], registry=r)
         self.disagg_kv_bytes = Counter("meshlm_disagg_kv_bytes", "KV bytes exchanged with other servers",

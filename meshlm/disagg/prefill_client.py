@@ -1,6 +1,10 @@
 """The decode server's side of disaggregated prefill: hand a long prompt to a prefill server, receive its
 KV blocks, and stage them where the prefix cache finds them (kv/received.py).
 
+Prompts whose blocks a running transfer already fetches (a request's n > 1
+choices, or the same prompt sent again meanwhile) wait on that transfer
+instead of starting their own: one job, one copy of the KV on the wire.
+
 A handoff never costs a request: whatever goes wrong (no peer reachable,
 another model or KV dtype, a peer that dies, hangs or sends a bad packet), the
 transfer ends, the log says why, and the prompt is prefilled here. Blocks that
@@ -71,14 +75,21 @@ class _Fallback(Exception):
         self.reason = reason  # a metric label: unreachable, refused, busy, timeout, bad_packet, closed
 
 
-@dataclass
+@dataclass(eq=False)
 class Transfer:
-    """One running handoff; `cancel` ends it (the request was aborted)."""
+    """One running handoff, and the prompts waiting on it; `cancel` ends it (every one of them left)."""
 
     handoff: Handoff
     cancelled: bool = False
     blocks: int = 0  # received so far
     conn: Conn | None = field(default=None, repr=False)
+    waiters: list[Waiter] = field(default_factory=list, repr=False)
+
+    def covers(self, handoff: Handoff) -> bool:
+        """Its blocks hold all of `handoff`'s: the keys chain, so the same last key means the same prefix."""
+        last = len(handoff.keys) - 1
+        return (not self.cancelled and self.handoff.first_block <= handoff.first_block
+                and last < len(self.handoff.keys) and self.handoff.keys[last] == handoff.keys[last])
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -88,6 +99,18 @@ class Transfer:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the transfer thread's read at once
             except OSError:
                 pass
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One prompt's wait on a transfer; `cancel` when its request was aborted."""
+
+    client: PrefillClient
+    transfer: Transfer
+    done: Callable[[], None]
+
+    def cancel(self) -> None:
+        self.client._leave(self)
 
 
 class PrefillClient:
@@ -104,6 +127,7 @@ class PrefillClient:
         self._down_until: dict[str, float] = {}
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._running: list[Transfer] = []
 
     def plan(self, prompt_ids: list[int], cached: Callable[[list[bytes]], int]) -> Handoff | None:
         """A handoff for this prompt, or None to prefill it here: too few uncached tokens, or no peer up.
@@ -136,14 +160,42 @@ class PrefillClient:
         with self._lock:
             self._down_until[peer] = time.monotonic() + seconds
 
-    def start(self, handoff: Handoff, done: Callable[[], None]) -> Transfer:
-        """Run the handoff on its own thread; `done()` is called once it ended, however it ended."""
-        transfer = Transfer(handoff)
-        threading.Thread(target=self._run, args=(transfer, done), name=f"meshlm-handoff-{handoff.job_id}",
-                         daemon=True).start()
-        return transfer
+    def start(self, handoff: Handoff, done: Callable[[], None]) -> Waiter:
+        """Run the handoff on its own thread, or wait on a running one that fetches all its blocks; `done()`
+        is called once it ended, however it ended (or at once on another thread, if this prompt left a
+        transfer others still wait on)."""
+        with self._lock:
+            transfer = next((t for t in self._running if t.covers(handoff)), None)
+            joined = transfer is not None
+            if not joined:
+                transfer = Transfer(handoff)
+                self._running.append(transfer)
+            waiter = Waiter(self, transfer, done)
+            transfer.waiters.append(waiter)
+        if joined:
+            self.metrics.disagg_joined.inc()
+        else:
+            threading.Thread(target=self._run, args=(transfer,), name=f"meshlm-handoff-{handoff.job_id}",
+                             daemon=True).start()
+        return waiter
 
-    def _run(self, transfer: Transfer, done: Callable[[], None]) -> None:
+    def _leave(self, waiter: Waiter) -> None:
+        """A waiting prompt's request was aborted: the transfer ends if nobody else waits on it."""
+        transfer = waiter.transfer
+        with self._lock:
+            if waiter not in transfer.waiters:  # the transfer ended: its done is called already
+                return
+            last = len(transfer.waiters) == 1
+            if last:
+                transfer.cancelled = True  # under the lock: no prompt joins it from now on
+            else:
+                transfer.waiters.remove(waiter)
+        if last:
+            transfer.cancel()  # done is called as the transfer thread ends
+        else:  # not under the engine's lock, which the caller may hold
+            threading.Thread(target=waiter.done, name="meshlm-handoff-left", daemon=True).start()
+
+    def _run(self, transfer: Transfer) -> None:
         h = transfer.handoff
         t0 = time.monotonic()
         peer = ""
@@ -164,7 +216,11 @@ class PrefillClient:
             self.metrics.disagg_fallbacks.labels(reason="error").inc()
             log.exception("prefill handoff to %s failed: %s; prefilling locally", peer or "-", exc)
         finally:
-            done()
+            with self._lock:
+                self._running.remove(transfer)
+                waiters, transfer.waiters = transfer.waiters, []
+            for waiter in waiters:
+                waiter.done()
 
     def _transfer(self, peer: str, transfer: Transfer) -> None:
         """Receive the job's blocks into the received tier. Raises _Fallback."""

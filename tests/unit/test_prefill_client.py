@@ -1,0 +1,100 @@
+"""The decode side's handoffs share transfers: prompts whose blocks one transfer fetches wait on it.
+
+The network part of a transfer (`_transfer`) is replaced by one the test releases; the real wire runs in
+tests/integration/test_disaggregated.py."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from meshlm.config import DisaggConfig
+from meshlm.disagg.prefill_client import PrefillClient
+from meshlm.kv.keys import CacheSalt
+from meshlm.kv.received import ReceivedBlocks
+from meshlm.metrics import Metrics
+
+BS = 4
+
+
+class HeldTransfers:
+    """Stands in for the socket work: each transfer runs until the test releases it, or is cancelled."""
+
+    def __init__(self) -> None:
+        self.started: list = []
+        self.release = threading.Event()
+
+    def __call__(self, peer: str, transfer) -> None:
+        self.started.append(transfer)
+        while not (self.release.is_set() or transfer.cancelled):
+            self.release.wait(0.01)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    config = DisaggConfig(peers=("127.0.0.1:1",), min_tokens=8)
+    c = PrefillClient(config, None, None, CacheSalt("m", "float32", "tp1", BS), mx.float32,
+                      ReceivedBlocks(1 << 20), Metrics())
+    held = HeldTransfers()
+    monkeypatch.setattr(c, "_transfer", held)
+    return c, held
+
+
+class Done:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __call__(self) -> None:
+        assert not self.event.is_set(), "done called twice"
+        self.event.set()
+
+
+def plan(c: PrefillClient, ids: list[int], cached: int = 0):
+    return c.plan(ids, lambda keys: min(cached, len(keys)))
+
+
+def test_prompts_with_the_same_blocks_wait_on_one_transfer(client):
+    c, held = client
+    prompt = list(range(40))
+    dones = [Done() for _ in range(3)]
+    waiters = [c.start(plan(c, prompt), d) for d in dones]
+    shorter = Done()  # a prompt whose blocks are a prefix of the running transfer's joins it too
+    c.start(plan(c, prompt[:21]), shorter)
+    other = Done()  # other tokens: a transfer of their own
+    c.start(plan(c, list(range(1, 41))), other)
+    later = Done()  # its first blocks are held here, so it needs only the transfer's later ones
+    c.start(plan(c, prompt, cached=2), later)
+    assert len({id(w.transfer) for w in waiters}) == 1
+    assert c.metrics.disagg_joined._value.get() == 4 and c.metrics.disagg_handoffs._value.get() == 2
+    assert not any(d.event.wait(0.1) for d in dones)
+    held.release.set()
+    assert all(d.event.wait(5) for d in dones + [shorter, other, later])
+    assert len(held.started) == 2
+
+
+def test_a_transfer_starting_later_in_the_prompt_is_not_joined(client):
+    c, held = client
+    prompt = list(range(40))
+    c.start(plan(c, prompt, cached=3), Done())
+    c.start(plan(c, prompt), Done())  # needs the blocks the running transfer skips
+    assert c.metrics.disagg_joined._value.get() == 0
+    held.release.set()
+
+
+def test_a_prompt_leaving_a_shared_transfer_ends_at_once_and_the_transfer_goes_on(client):
+    c, held = client
+    prompt = list(range(40))
+    first, second = Done(), Done()
+    w1 = c.start(plan(c, prompt), first)
+    w2 = c.start(plan(c, prompt), second)
+    w1.cancel()
+    assert first.event.wait(5)
+    assert not w1.transfer.cancelled and not second.event.wait(0.1)
+    w1.cancel()  # twice: nothing more
+    w2.cancel()  # the last one: the transfer is cancelled, and its done comes as it ends
+    assert second.event.wait(5) and w2.transfer.cancelled
+    third = Done()  # a cancelled transfer is not joined
+    w3 = c.start(plan(c, prompt), third)
+    assert w3.transfer is not w2.transfer
+    held.release.set()
+    assert third.event.wait(5)
