@@ -216,6 +216,7 @@ class PrefillClient:
             self.metrics.disagg_fallbacks.labels(reason="error").inc()
             log.exception("prefill handoff to %s failed: %s; prefilling locally", peer or "-", exc)
         finally:
+            self.received.end(h.job_id)
             with self._lock:
                 self._running.remove(transfer)
                 waiters, transfer.waiters = transfer.waiters, []
@@ -265,7 +266,7 @@ class PrefillClient:
                         raise _Fallback("bad_packet", f"{peer}: block {index} has key {msg.key.hex()[:16]}..., "
                                                       f"expected {h.keys[index].hex()[:16]}... (other tokens?)")
                     data = read_block(conn, self.info, self.dtype, h.job_id, index, msg.crc, clock.next())
-                    self.received.put(msg.key, data)
+                    self.received.put(msg.key, data, h.job_id)
                     self.metrics.disagg_kv_bytes.labels(direction="received").inc(data.nbytes)
                     transfer.blocks += 1
                     index += 1

@@ -4,8 +4,8 @@ The transfer threads put validated blocks here under their keys (the same hash
 chain as the prefix cache, so a received block is found by the block
 manager's lookup exactly like an SSD block); the engine's plan then loads them
 into the pools and they leave. The tier is bounded in bytes: when a transfer
-would overflow it, the least recently received blocks are dropped (a dropped
-block is recomputed, never wrong). Thread-safe: transfers put, the engine
+would overflow it, blocks are dropped from the end of a prompt's chain (a
+dropped block is recomputed, never wrong). Thread-safe: transfers put, the engine
 thread looks up and loads.
 """
 
@@ -59,13 +59,26 @@ class ReceivedBlocks:
     """Received blocks by key, within `max_bytes`. A block a plan will load is *pinned* (`pin`, when the block
     manager's lookup finds it) until the plan's `load` takes it: neither a transfer's `put` into a full tier
     nor an aborted transfer's `discard` may take it away between the lookup and the load, which would make
-    the engine recompute the prefix. A put that finds only pinned blocks to evict drops its own."""
+    the engine recompute the prefix.
+
+    A full tier makes room from the *end* of a transfer's chain: a block is only found after every block
+    before it, so dropping a prompt's first block would make all its others useless (a prefill server
+    computes concurrent jobs side by side, so their blocks arrive interleaved, and plain least-recently-
+    received order dropped every prompt's first blocks first). The victim is the transfer that put least
+    recently, other than the one putting (an abandoned transfer's leftovers go first); with none, the new
+    block is dropped. A transfer that lost a block puts none after it: they would follow a gap."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError("the received-block budget must be positive")
         self.max_bytes = max_bytes
-        self._blocks: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()  # evictable, LRU
+        self._blocks: dict[bytes, HostBlock] = {}  # evictable
+        self._group_of: dict[bytes, int] = {}  # the transfer that put each evictable block
+        # Per transfer, least recently put first: its keys in chain order (stale entries are skipped) and
+        # how many of them are still evictable here.
+        self._groups: collections.OrderedDict[int, list[bytes]] = collections.OrderedDict()
+        self._live: dict[int, int] = {}
+        self._cut: set[int] = set()  # transfers that lost a block (until `end`)
         self._pinned: dict[bytes, HostBlock] = {}
         self._bytes = 0  # of both
         self._lock = threading.Lock()
@@ -77,36 +90,55 @@ class ReceivedBlocks:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks or key in self._pinned
 
-    def put(self, key: bytes, data: HostBlock) -> None:
+    def put(self, key: bytes, data: HostBlock, group: int) -> None:
+        """Block `key` of transfer `group` (its blocks come in chain order)."""
         size = data.nbytes
         with self._lock:
             if key in self._pinned:  # the same key is the same tokens' KV: keep the one a plan will load
                 return
+            if group in self._cut:
+                self.dropped += 1
+                return
             self._pop(key)
-            while self._blocks and self._bytes + size > self.max_bytes:
-                self._pop(next(iter(self._blocks)))
+            while self._bytes + size > self.max_bytes:
+                victim = next((g for g in self._groups if g != group), None)
+                if victim is None:
+                    break
+                self._drop_last(victim)
+            if self._bytes + size > self.max_bytes:
+                self._cut.add(group)
                 self.dropped += 1
-            if self._bytes + size <= self.max_bytes:
-                self._blocks[key] = data
-                self._bytes += size
-            else:
-                self.dropped += 1
+                return
+            self._add(key, data, group)
+            self._groups.move_to_end(group)
+
+    def end(self, group: int) -> None:
+        """Transfer `group` puts nothing more."""
+        with self._lock:
+            self._cut.discard(group)
 
     def pin(self, key: bytes) -> bool:
         """Set the block aside for a plan that will load it; False if it is not here."""
         with self._lock:
             data = self._pinned.get(key)
             if data is None:
-                data = self._blocks.pop(key, None)
+                data = self._pop(key)
+                if data is not None:
+                    self._bytes += data.nbytes  # still held, now pinned
             if data is not None:
                 self._pinned[key] = data
             return data is not None
 
     def unpin_all(self) -> None:
-        """Plans that pinned blocks will not run (the engine restarts): the blocks are evictable again."""
+        """Plans that pinned blocks will not run (the engine restarts): the blocks are evictable again, before
+        any transfer's."""
         with self._lock:
-            self._blocks.update(self._pinned)
+            for key, data in self._pinned.items():
+                self._bytes -= data.nbytes
+                self._add(key, data, -1)
             self._pinned.clear()
+            if -1 in self._groups:
+                self._groups.move_to_end(-1, last=False)
 
     def load(self, key: bytes) -> BlockData | None:
         """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
@@ -126,6 +158,25 @@ class ReceivedBlocks:
             for key in keys:
                 self._pop(key)
 
+    def _add(self, key: bytes, data: HostBlock, group: int) -> None:
+        self._blocks[key] = data
+        self._group_of[key] = group
+        self._groups.setdefault(group, []).append(key)
+        self._live[group] = self._live.get(group, 0) + 1
+        self._bytes += data.nbytes
+
+    def _drop_last(self, group: int) -> None:
+        """Evict the last evictable block `group` put; it puts none after it (hold the lock)."""
+        keys = self._groups[group]
+        while keys:
+            key = keys.pop()
+            if self._group_of.get(key) == group:
+                self._pop(key)
+                self.dropped += 1
+                if group != -1:
+                    self._cut.add(group)
+                return
+
     def _take(self, key: bytes) -> HostBlock | None:
         """Remove a block, pinned or not, and its bytes from the count (hold the lock)."""
         data = self._pinned.pop(key, None)
@@ -135,10 +186,15 @@ class ReceivedBlocks:
         return data
 
     def _pop(self, key: bytes) -> HostBlock | None:
-        """Remove an unpinned block and its bytes from the count (hold the lock)."""
+        """Remove an evictable block and its bytes from the count (hold the lock)."""
         data = self._blocks.pop(key, None)
-        if data is not None:
-            self._bytes -= data.nbytes
+        if data is None:
+            return None
+        self._bytes -= data.nbytes
+        group = self._group_of.pop(key)
+        self._live[group] -= 1
+        if not self._live[group]:  # its list holds only stale keys now
+            del self._live[group], self._groups[group]
         return data
 
 

@@ -188,18 +188,44 @@ def test_received_tier_is_bounded_and_found_by_the_block_manager():
     host = HostBlock(np.zeros((2, 1, 2, 4, 8), np.float32), np.zeros((2, 1, 2, 4, 8), np.float32), mx.float32)
     tier = ReceivedBlocks(max_bytes=2 * host.nbytes)
     for key in (b"k1", b"k2", b"k3"):
-        tier.put(key, host)
-    assert b"k1" not in tier and len(tier) == 2 and tier.dropped == 1  # oldest out first
+        tier.put(key, host, 1)
+    assert b"k3" not in tier and len(tier) == 2 and tier.dropped == 1  # a chain keeps its start
     salt = CacheSalt("m", "float32", "tp1", 4)
     tokens = list(range(12))
     keys = block_keys(tokens, salt)
-    tier.put(keys[0], host)
-    tier.put(keys[1], host)
+    tier.put(keys[0], host, 2)  # another transfer: the first one's last block makes room, then its first
+    tier.put(keys[1], host, 2)
+    assert len(tier) == 2 and tier.dropped == 3
     blocks = BlockManager(16, 4, salt, ReceivedThenSSD(tier))
     assert blocks.cached_prefix(keys) == 2
     m = blocks.match(0, tokens + [99])
     assert m.tokens == 8 and [k for k, _ in m.loads] == keys[:2]
     assert tier.load(keys[0]) is not None and tier.load(keys[0]) is None  # a load takes it out
+
+
+def test_a_full_tier_keeps_whole_prefixes_of_interleaved_transfers():
+    """Regression: concurrent jobs' blocks arrive interleaved; least-recently-received eviction dropped every
+    prompt's first blocks, so none of what stayed could be found (each prompt was prefilled again)."""
+    host = HostBlock(np.zeros((2, 1, 2, 4, 8), np.float32), np.zeros((2, 1, 2, 4, 8), np.float32), mx.float32)
+    tier = ReceivedBlocks(max_bytes=10 * host.nbytes)
+    salt = CacheSalt("m", "float32", "tp1", 4)
+    prompts = [list(range(100 * p, 100 * p + 24)) for p in range(3)]  # 6 blocks each, 18 for room for 10
+    chains = [block_keys(tokens, salt) for tokens in prompts]
+    for i in range(6):
+        for job, keys in enumerate(chains, 1):
+            tier.put(keys[i], host, job)
+    blocks = BlockManager(64, 4, salt, ReceivedThenSSD(tier))
+    found = [blocks.cached_prefix(keys) for keys in chains]
+    assert sum(found) == len(tier) == 10 and tier.dropped == 8  # every block kept is found
+    assert found[0] == 6  # the first to fill the tier is kept whole
+    cut = found.index(min(found))
+    for key in chains[0]:
+        tier.load(key)  # room again
+    tier.put(chains[cut][found[cut] + 1], host, cut + 1)  # after its gap: refused
+    assert chains[cut][found[cut] + 1] not in tier
+    tier.end(cut + 1)  # that transfer ended: its id is free again
+    tier.put(chains[cut][found[cut]], host, cut + 1)
+    assert blocks.cached_prefix(chains[cut]) == found[cut] + 1
 
 
 def test_blocks_a_plan_will_load_outlive_transfers_meanwhile():
@@ -212,22 +238,22 @@ def test_blocks_a_plan_will_load_outlive_transfers_meanwhile():
     tokens = list(range(8))
     keys = block_keys(tokens, salt)
     for key in keys:
-        tier.put(key, host)
+        tier.put(key, host, 1)
     m = BlockManager(16, 4, salt, ReceivedThenSSD(tier)).match(0, tokens + [99])
     assert [k for k, _ in m.loads] == keys
-    for key in (b"x1", b"x2", b"x3"):
-        tier.put(key, host)  # room for one more: x1 goes in, x2 displaces x1, x3 displaces x2
-    tier.put(keys[0], host)  # a transfer sending a planned block again keeps it set aside
+    for job, key in enumerate((b"x1", b"x2", b"x3"), 2):
+        tier.put(key, host, job)  # room for one more: x1 goes in, x2 displaces x1, x3 displaces x2
+    tier.put(keys[0], host, 5)  # a transfer sending a planned block again keeps it set aside
     tier.discard(keys[1:])
     assert all(tier.load(key) is not None for key in keys)  # what runner._read does
     assert b"x3" in tier and len(tier) == 1 and tier.dropped == 2
     # Set aside blocks a plan never loaded (a failed step) become evictable again once the engine resets.
-    tier.put(b"x4", host)
-    tier.put(b"x5", host)
+    tier.put(b"x4", host, 6)
+    tier.put(b"x5", host, 7)
     ReceivedThenSSD(tier).prefetch(b"x4")
     tier.unpin_all()
     for key in (b"y1", b"y2", b"y3"):
-        tier.put(key, host)
+        tier.put(key, host, 8)
     assert b"x4" not in tier and len(tier) == 3
 
 
