@@ -105,6 +105,11 @@ class Completion:
         of entries (94 MB for n=16 x 3,000 prompt tokens x 21): built and encoded on a worker thread, a choice
         at a time, so that the event loop, which streams everyone else's tokens, gets its turns meanwhile
         (it had stalled 13 s)."""
+        await self.run()
+        return await asyncio.to_thread(self._encoded)
+
+    async def run(self) -> None:
+        """Wait until every choice has finished (APIError if one failed)."""
         try:
             async for _, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
@@ -112,7 +117,6 @@ class Completion:
             self.finished = True
         finally:
             self.close()
-        return await asyncio.to_thread(self._encoded)
 
     def _encoded(self) -> bytes:
         body = {**self._head(self.object), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)}
@@ -122,10 +126,11 @@ class Completion:
             body["prompt_token_ids"] = self.prompts[0]
         # Each choice its own json.dumps: one call holds the GIL from start to end. In the body's own
         # encoding '"choices":[]' can only be that field (quotes inside strings are escaped).
-        choices = ",".join(_json(self._choice(c)) for c in self.choices)
+        choices = ",".join(_json(self.choice_body(c)) for c in self.choices)
         return _json(body).replace('"choices":[]', f'"choices":[{choices}]', 1).encode("utf-8")
 
-    def _choice(self, c: Choice) -> dict:
+    def choice_body(self, c: Choice) -> dict:
+        """A finished choice as the whole response lists it."""
         text = "".join(c.text)
         if self.echo:
             text = self.echo_texts[c.prompt] + text
@@ -157,6 +162,12 @@ class Completion:
         return body
 
     async def stream(self) -> AsyncIterator[str]:
+        async for event in self.events():
+            yield event if isinstance(event, str) else sse(event)
+
+    async def events(self) -> AsyncIterator[dict | str]:
+        """The stream's events: chunks, an error's body (`{"error": ...}`, the last), and SSE text already
+        encoded (an echoed prompt's chunk, encoded off the loop; the closing `[DONE]`)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             if self.chat:
@@ -166,7 +177,7 @@ class Completion:
             calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
-                    yield sse(_generation_failed(out).body())
+                    yield _generation_failed(out).body()
                     break
                 reasoning, answer = self._split(c, out)
                 if reasoning:
@@ -186,7 +197,7 @@ class Completion:
             else:
                 self.finished = True
                 if self.req.include_usage:
-                    yield sse({**self._head(obj), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)})
+                    yield {**self._head(obj), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)}
             yield sse("[DONE]")
         finally:
             # Runs on normal end, on error, and when the client disconnects
@@ -197,16 +208,16 @@ class Completion:
         chunk = self._delta(c, {"content": self.echo_texts[c.prompt] + out.text}, ids=out.token_ids)
         chunk["logprobs"] = self._logprobs(c, list(out.logprobs), echo=True)
         chunk["finish_reason"] = c.finish_reason if out.finish_reason else None
-        return self._event(head, c, chunk)
+        return sse(self._event(head, c, chunk))
 
-    def _event(self, head: dict, c: Choice, chunk: dict) -> str:
+    def _event(self, head: dict, c: Choice, chunk: dict) -> dict:
         """One choice's chunk as an SSE event; with vLLM's `continuous_usage_stats`, the usage so far."""
         event = {**head, "choices": [chunk]}
         if self.req.continuous_usage:
             done = len(c.token_ids)
             event["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": done,
                               "total_tokens": c.prompt_tokens + done}
-        return sse(event)
+        return event
 
     def _split(self, c: Choice, out) -> tuple[str, str]:
         """An output's new (reasoning, answer) text: all answer unless --reasoning-parser splits it."""
