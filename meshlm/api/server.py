@@ -18,6 +18,8 @@ from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                 TokenizeRequest)
+from meshlm.api.responses import ResponseRun
+from meshlm.api.responses_request import ResponsesRequest, chat_request
 from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
 from meshlm.api.structured import request_grammar
@@ -91,6 +93,28 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         grammar = await request_grammar(serving.grammars, req, limits, tools)
         return await _respond(request, Completion(serving, req, [prompt], chat=True, grammar=grammar, tools=tools))
 
+    @app.post("/v1/responses")
+    async def _responses(request: Request):
+        req = await _parse(request, ResponsesRequest, limits)
+        serving.check_model(req)
+        try:
+            chat = chat_request(req)
+        except ValidationError as exc:  # what the chat path refuses, named by its fields
+            raise _validation_error(exc.errors())
+        except ValueError as exc:
+            raise bad_request(str(exc))
+        tools = plan_tools(chat, serving.tokenizer)
+        prompt = await serving.prompts.chat(chat, tools)
+        grammar = await request_grammar(serving.grammars, chat, limits, tools)
+        completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
+        return await _respond(request, ResponseRun(req, completion))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def _stored_response(response_id: str):
+        raise APIError(404, f"No response {response_id[:64]!r}: this server does not store responses",
+                       code="response_not_found")
+
     @app.post("/tokenize")
     async def _tokenize(request: Request):
         data = await parse_json(await read_body(request, limits.max_bytes, limits.stall_seconds), limits)
@@ -133,7 +157,7 @@ def _validation_error(errors: list) -> APIError:
     return bad_request(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None)
 
 
-async def _respond(request: Request, completion: Completion):
+async def _respond(request: Request, completion: Completion | ResponseRun):
     if completion.req.stream:
         return StreamingResponse(completion.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,235 @@
+"""OpenAI's Responses API request (`POST /v1/responses`), and the chat completion request it amounts to.
+
+A response here is a chat completion under another shape: the input items
+become chat messages (instructions first, a system message), function tools
+and `text.format` become chat's `tools` and `response_format`, and the chat
+path then does everything (template, tool calls, structured output,
+reasoning split). What needs state on the server (`previous_response_id`,
+`conversation`, `background`, stored prompts) or tools meshlm does not run
+(web search, files, code) is refused with a 400 naming it: the client sends
+the whole conversation in `input`, as with `store: false`. Responses are not
+stored, so `GET /v1/responses/{id}` is a 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+
+from meshlm.api.schemas import MAX_TOOLS, ChatCompletionRequest, _refuse
+
+MAX_METADATA = 16  # OpenAI's limit: pairs, keys up to 64 characters, values up to 512
+# `include` values that need nothing from this server: encrypted reasoning only matters to a server that
+# keeps it hidden (this one returns the reasoning text itself).
+_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+_ROLES = ("user", "assistant", "system", "developer")
+# Chat completion fields a response request may carry too (vLLM's extensions and OpenAI's older sampling
+# parameters), passed on as they are: the chat request validates them.
+_CHAT_FIELDS = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
+                "stop_token_ids", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
+                "skip_special_tokens", "speculative", "top_k", "min_p", "repetition_penalty", "seed",
+                "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept for `_CHAT_FIELDS`; other unknown fields are ignored
+
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    stream: StrictBool = False
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)
+    store: StrictBool | None = None  # nothing is stored whatever it says (see the module's doc)
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    user: str | None = None
+    # Server-side state, tools and prompts this server does not have.
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    background: Any = None
+
+    @field_validator("previous_response_id", "conversation")
+    @classmethod
+    def _stateless(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(f"`{info.field_name}` needs stored responses, which this server does not keep: "
+                             "send the whole conversation in `input`")
+        return value
+
+    @field_validator("prompt", "max_tool_calls")
+    @classmethod
+    def _unsupported(cls, value: Any, info) -> Any:
+        return _refuse(info.field_name, value)
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: Any) -> Any:
+        return value if value in (None, False) else _refuse("background", value)
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("needs at least one item")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, item in (value or {}).items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError("keys may be at most 64 characters and values at most 512")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[str] | None) -> list[str] | None:
+        other = sorted(set(value or ()) - _INCLUDABLE)
+        if other:
+            raise ValueError(f"{', '.join(repr(v)[:60] for v in other)} cannot be included by this server")
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, value: str | None) -> str | None:
+        if value == "auto":  # dropping the conversation's start silently is not this server's call
+            raise ValueError("'auto' is not supported by this server: the input must fit the context")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        return _refuse("top_logprobs", value or None)
+
+    @field_validator("reasoning")
+    @classmethod
+    def _no_effort(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if (value or {}).get("effort") is not None:
+            raise ValueError("`effort` is not supported by this server (a thinking model's template may take "
+                             "`chat_template_kwargs`, as Qwen3's `enable_thinking`)")
+        return value
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion request this response amounts to (validated as one by the caller). Raises
+        ValueError naming what in the request cannot be."""
+        extra = self.model_extra or {}
+        body: dict[str, Any] = {
+            **{k: extra[k] for k in _CHAT_FIELDS if k in extra},
+            "model": self.model, "messages": self._messages(), "stream": self.stream,
+            "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+        }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}  # the completed response carries the usage
+        if self.tools:
+            body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if isinstance(self.tool_choice, dict):
+            if self.tool_choice.get("type") != "function" or not isinstance(self.tool_choice.get("name"), str):
+                raise ValueError("tool_choice: an object must be {\"type\": \"function\", \"name\": ...}")
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice["name"]}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            body["response_format"] = _response_format(fmt)
+        verbosity = (self.text or {}).get("verbosity")
+        if verbosity not in (None, "medium"):
+            raise ValueError("text.verbosity: only 'medium' is supported by this server")
+        return {k: v for k, v in body.items() if v is not None}
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message" if "role" in item else None)
+            where = f"input.{i}"
+            if kind == "message":
+                role = item.get("role")
+                if role not in _ROLES:
+                    raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}")
+                messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            elif kind == "function_call":
+                call = {"id": _string(item, "call_id", where), "type": "function",
+                        "function": {"name": _string(item, "name", where),
+                                     "arguments": _string(item, "arguments", where)}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":  # calls made beside (or after) a text
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                                 "content": _text(item.get("output"), f"{where}.output")})
+            elif kind == "reasoning":
+                continue  # an earlier turn's reasoning: chat templates leave it out of the prompt too
+            elif kind == "item_reference":
+                raise ValueError(f"{where}: item references need stored responses, which this server does not "
+                                 "keep: send the items themselves")
+            else:
+                raise ValueError(f"{where}: items of type {str(kind)[:40]!r} are not supported by this server")
+        return messages
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}.{key} must be a string")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content (a string or text parts) as one string; anything but text is refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            out.append(part["refusal"])
+        else:
+            raise ValueError(f"{where}.{j}: parts of type {str(kind)[:40]!r} are not supported: this server "
+                             "takes text only")
+    return "".join(out)
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise ValueError(f"tools.{i}: tools of type {str(tool.get('type'))[:40]!r} are not supported: this "
+                         "server calls functions only")
+    fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fields}
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": schema}
+    raise ValueError("text.format.type must be text, json_object or json_schema")
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """Raises ValueError (what cannot be a chat request) or pydantic's ValidationError (what chat refuses)."""
+    return ChatCompletionRequest.model_validate(req.chat_body())

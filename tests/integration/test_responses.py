@@ -1,0 +1,190 @@
+"""OpenAI's Responses API (`/v1/responses`) over a real socket, with the official client: the same output
+as the chat completion it amounts to, whole and streamed, with tools, schemas, reasoning, and 400s for
+what this server cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False}}
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = ServerProcess(tiny_model, "--max-model-len", "2048", log_dir=tmp_path_factory.mktemp("responses"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def chat(client, model, messages, **kw):
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, **kw)
+
+
+@pytest.mark.parametrize("max_tokens", [6, 40])
+def test_a_response_is_the_chat_completion_it_amounts_to(client, model, max_tokens):
+    want = chat(client, model, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                max_tokens=max_tokens)
+    got = client.responses.create(model=model, instructions="Be brief.", input="Hi", temperature=0,
+                                  max_output_tokens=max_tokens)
+    assert got.output_text == want.choices[0].message.content
+    cut = want.choices[0].finish_reason == "length"
+    assert got.status == ("incomplete" if cut else "completed")
+    assert (got.incomplete_details.reason if cut else got.incomplete_details) == ("max_output_tokens" if cut else None)
+    assert got.usage.input_tokens == want.usage.prompt_tokens
+    assert got.usage.output_tokens == want.usage.completion_tokens
+    assert got.usage.total_tokens == want.usage.total_tokens and got.usage.output_tokens_details.reasoning_tokens == 0
+    assert [item.type for item in got.output] == ["message"] and got.output[0].role == "assistant"
+    assert got.model == model and got.id.startswith("resp")
+
+
+def test_streamed_events_build_the_same_response(client, model):
+    kw = dict(model=model, input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}],
+              temperature=0, max_output_tokens=20)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and kinds[-1].endswith(whole.status)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done) == 1 and done[0].text == text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    # The client's own accumulation of the events (it needs `response.completed`: a schema makes this random
+    # model end its output).
+    kw["text"] = {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}}
+    kw["max_output_tokens"] = 60
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == client.responses.create(**kw).output_text
+    jsonschema.validate(json.loads(final.output_text), SCHEMA)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_is_a_function_call_item(client, model, stream):
+    kw = dict(model=model, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=60,
+              tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    if stream:
+        events = list(client.responses.create(**kw, stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        response = events[-1].response
+        assert events[-1].type == "response.completed"
+        assert deltas == response.output[-1].arguments
+    else:
+        response = client.responses.create(**kw)
+    call = response.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
+def test_a_function_round_trip_prompts_as_chat_does(client, model):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris", "days": 1}'}
+    got = client.responses.create(model=model, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Weather?"}, call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    want = chat(client, model, [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], max_tokens=8)
+    assert got.usage.input_tokens == want.usage.prompt_tokens
+    assert got.output_text == (want.choices[0].message.content or "")
+
+
+def test_text_format_json_schema_holds_the_output(client, model):
+    r = client.responses.create(model=model, input="A number?", max_output_tokens=40, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "n", "schema": SCHEMA,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+
+
+def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
+    from meshlm.model.demo import make_tiny
+
+    model = make_tiny(tmp_path / "thinky", "qwen3", think=True)
+    srv = ServerProcess(model, "--reasoning-parser", "qwen3", log_dir=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        name = c.models.list().data[0].id
+        # The reply's start given as `<think>` (vLLM's continue_final_message passes on to the chat request),
+        # and a bias on </think> (513) makes this random model end its reasoning soon.
+        extra = {"logit_bias": {"513": 8}, "add_generation_prompt": False, "continue_final_message": True}
+        messages = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>"}]
+        kw = dict(model=name, temperature=0, max_output_tokens=30, extra_body=extra, input=messages)
+        whole = httpx.post(srv.url + "/v1/chat/completions", json={
+            "messages": messages, "temperature": 0, "max_tokens": 30, **extra}, timeout=60).json()
+        whole = whole["choices"][0]["message"]
+        r = c.responses.create(**kw)
+        events = list(c.responses.create(**kw, stream=True))
+    finally:
+        srv.stop()
+    reasoning = [i for i in r.output if i.type == "reasoning"]
+    assert whole["reasoning_content"] and reasoning[0].content[0].text == whole["reasoning_content"]
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == whole["reasoning_content"]
+    assert r.output_text == (whole["content"] or "")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "stored responses"),
+    ({"input": "x", "conversation": "conv_1"}, "stored responses"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "stored responses"),
+    ({"input": []}, "at least one item"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "text only"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
+    ({"input": [{"type": "computer_call"}]}, "computer_call"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "functions only"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "cannot be included"),
+    ({"input": "x", "truncation": "auto"}, "auto"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "effort"),
+    ({"input": "x", "model": "gpt-9"}, "does not exist"),
+    ({"input": "w " * 3000}, "context length"),
+])
+def test_what_cannot_be_done_is_a_400_naming_it(server, body, words):
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code in (400, 404) and words in r.json()["error"]["message"], r.text
+    assert (r.status_code == 404) == ("model" in body)
+
+
+def test_responses_are_not_stored(server):
+    for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel")):
+        r = httpx.request(method, server.url + path, timeout=10)
+        assert r.status_code == 404 and "does not store" in r.json()["error"]["message"]
