@@ -270,9 +270,10 @@ class Engine:
         self._check_vocab([t for t, _ in params.logit_bias] + list(params.stop_token_ids)
                           + list(params.allowed_token_ids), "sampling parameters")
         if len(prompt_ids) > self.max_model_len - min(params.max_tokens, 1):  # max_tokens 0 generates nothing
+            room = " (at least one must be left to generate)" if params.max_tokens else ""
             raise PromptTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {len(prompt_ids)} tokens (at least one must be left to generate)."
+                f"However, your prompt has {len(prompt_ids)} tokens{room}."
             )
         if params.grammar is None:
             return None

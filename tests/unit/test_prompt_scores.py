@@ -3,6 +3,7 @@ leader splits a step's rows into scores and samples, and an engine's scores agai
 
 from __future__ import annotations
 
+import re
 import threading
 
 import mlx.core as mx
@@ -11,6 +12,7 @@ import pytest
 
 from meshlm.config import SchedulerConfig
 from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, StepPlan
+from meshlm.engine.engine import PromptTooLong
 from meshlm.engine.prompt_scores import take_scores
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence
 from meshlm.engine.scheduler import SCORING_ROWS, Scheduler
@@ -191,6 +193,10 @@ def test_an_engine_scores_prompts_as_mlx_lm_over_chunks_and_alongside_decoding(m
         return put
 
     try:
+        for max_tokens, says in ((0, "512 tokens. However, your prompt has 513 tokens."),
+                                 (1, "512 tokens (at least one must be left to generate)")):
+            with pytest.raises(PromptTooLong, match=re.escape(says)):  # the engine's last line, for each way
+                engine.submit([5] * (513 - max_tokens), SamplingParams(max_tokens=max_tokens), emit(0))
         engine.submit(prompts[0], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1), emit(0))
         engine.submit(prompts[1], SamplingParams(max_tokens=20, temperature=0), emit(1))  # decodes meanwhile
         engine.submit(prompts[2], SamplingParams(max_tokens=0, prompt_logprobs=0), emit(2))
