@@ -174,7 +174,7 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     prompts = PromptBuilder(loaded.tokenizer, loaded.vocab_size, engine.max_model_len)
     serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults, s.reasoning_parser)
     app = create_app(serving, limits=BodyLimits(s.max_request_bytes, stall_seconds=s.client_timeout),
-                     allowed_origins=s.allowed_origins)
+                     allowed_origins=s.allowed_origins, api_key=s.api_key)
     host, port = config.server.host, sock.getsockname()[1]  # --port 0: the one the system chose
     listener.listen(sock, host, port)  # another server bound beside this one while it loaded: refused here
     engine.start()

@@ -15,6 +15,8 @@ from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
 
+API_KEY_ENV = "MESHLM_API_KEY"
+
 
 def parse_bytes(text: str) -> int:
     """'8GB', '512MiB', '1e9' -> bytes."""
@@ -70,6 +72,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins (https://host:port) whose browser pages may call the API "
                         "(CORS), or *; none by default")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
+                        f"/version); default ${API_KEY_ENV}, which other users cannot read in the process list")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
                    help="a thinking model's <think>...</think> goes to the chat message's reasoning_content "
                         "(as vLLM's parsers; qwen3 and deepseek_r1 mean the same rule)")
@@ -226,7 +231,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p, args.client_timeout,
                             tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-                            args.reasoning_parser),
+                            args.reasoning_parser, args.api_key),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),

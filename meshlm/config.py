@@ -281,8 +281,12 @@ class ServerConfig:
     # could otherwise drive a server on 127.0.0.1. "*": every origin (vLLM's and mlx-lm's default).
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: str = "none"  # api/reasoning.py: a thinking model's reasoning apart from its answer
+    api_key: str | None = field(default=None, repr=False)  # api/auth.py; never in a log line
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()
+                                         or not self.api_key.isascii() or not self.api_key.isprintable()):
+            raise ValueError("--api-key (or MESHLM_API_KEY) must be printable ASCII, without spaces around it")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         for origin in self.allowed_origins:

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from meshlm import __version__
+from meshlm.api.auth import APIKeyMiddleware
 from meshlm.api.body import BodyLimits, parse_json, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -30,10 +31,14 @@ log = logging.getLogger(__name__)
 
 
 def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
-               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), api_key: str | None = None) -> FastAPI:
     """`health()` returns None when healthy or a message naming what is wrong; `allowed_origins`: browser
-    pages from these may call the API (CORS preflights answered, responses marked)."""
+    pages from these may call the API (CORS preflights answered, responses marked); `api_key`: what API
+    routes want as their bearer token (api/auth.py)."""
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    if api_key is not None:  # added first: the CORS layer, outside it, answers preflights
+        app.add_middleware(APIKeyMiddleware, key=api_key,
+                           rejected=lambda status: serving.engine.metrics.rejected.labels(status=str(status)).inc())
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)

@@ -438,6 +438,45 @@ def test_cors_only_for_the_allowed_origins(server, tiny_model, tmp_path):
         srv.stop()
 
 
+def test_an_api_key_guards_every_route_but_probes(tiny_model, tmp_path):
+    """--api-key (here from MESHLM_API_KEY, as vLLM's VLLM_API_KEY): a request without the bearer token, or
+    with another, is a 401 counted in /metrics; health, metrics and version stay open, and so do CORS
+    preflights (browsers send them without credentials); the official client with the key works."""
+    import httpx
+    import openai
+
+    from conftest import ServerProcess
+
+    key, page = "sk-meshlm-test-123", "https://chat.example:8443"
+    srv = ServerProcess(tiny_model, "--allowed-origins", page, log_dir=tmp_path, env={"MESHLM_API_KEY": key})
+    try:
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(srv.url + path).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        preflight = httpx.options(srv.url + "/v1/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == page
+        denied = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": page})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == page  # readable
+        assert srv.metric('meshlm_rejected_requests_total{status="401"}') == 6
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+        name = client.models.list().data[0].id
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=name, messages=CHAT["messages"], max_tokens=5, temperature=0, stream=True) if c.choices)
+        assert streamed == client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=5,
+                                                          temperature=0).choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        srv.stop()
+    assert key not in srv.log.read_text()
+
+
 def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
     """vLLM's /tokenize (a text, or the prompt a chat would get) and /detokenize, with this server's
     tokenizer and template; ids are checked against the vocabulary."""
