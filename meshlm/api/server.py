@@ -83,11 +83,20 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     async def _version():
         return {"version": __version__}
 
+    def card() -> dict:
+        return {"id": serving.model_name, "object": "model", "created": now(), "owned_by": "meshlm",
+                "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def _models():
-        card = {"id": serving.model_name, "object": "model", "created": now(), "owned_by": "meshlm",
-                "max_model_len": serving.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # a path: Hugging Face names hold a slash
+    async def _model(model: str):
+        if model != serving.model_name:
+            raise APIError(404, f"The model `{model[:200]}` does not exist. This server serves "
+                                f"`{serving.model_name}`.", param="model", code="model_not_found")
+        return card()
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):

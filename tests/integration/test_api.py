@@ -28,6 +28,9 @@ def test_health_models_metrics(client):
     assert client.get("/health").json()["status"] == "ok"
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-llama"
+    assert client.get("/v1/models/tiny-llama").json()["id"] == "tiny-llama"  # openai's models.retrieve
+    missing = client.get("/v1/models/org/other-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     client.post("/v1/chat/completions", json=CHAT)
     text = client.get("/metrics").text
     for name in ("meshlm_requests_total", "meshlm_prompt_tokens_total", "meshlm_generation_tokens_total",
