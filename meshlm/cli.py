@@ -37,6 +37,9 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
     p.add_argument("--model", default="demo", help="HF-layout model directory, or 'demo' (SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models")
+    p.add_argument("--adapter-path", default=None,
+                   help="an mlx-lm fine-tuned adapter directory (adapter_config.json, adapters.safetensors: "
+                        "LoRA, DoRA or full), fused into the weights at load, as mlx_lm.server's --adapter-path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -213,7 +216,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
-                          args.native_kernels, args.half_weights, args.fused_decode),
+                          args.native_kernels, args.half_weights, args.fused_decode, args.adapter_path),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
                                   args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,

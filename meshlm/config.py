@@ -47,8 +47,11 @@ class ModelConfig:
     half_weights: bool = True
     # ... and a step of decode rows runs each layer as four compiled nodes (model/decode_layer.py), same outputs
     fused_decode: bool = True
+    adapter_path: str | None = None  # an mlx-lm fine-tuned adapter fused at load (model/adapters.py)
 
     def __post_init__(self) -> None:
+        if self.adapter_path is not None and not self.adapter_path.strip():
+            raise ValueError("--adapter-path must not be empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

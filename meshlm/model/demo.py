@@ -242,6 +242,31 @@ def make_tiny(
     return out
 
 
+def make_tiny_adapter(model_dir: Path, out: Path, rank: int = 4, scale: float = 4.0, seed: int = 1,
+                      fine_tune_type: str = "lora") -> Path:
+    """Write a random LoRA (or DoRA) adapter for the model in `model_dir` into `out`, as `mlx_lm.lora` saves
+    one (adapter_config.json, adapters.safetensors), over every layer's attention projections. Both of its
+    matrices are random (a trained adapter's are; fresh ones start at zero and change nothing)."""
+    from mlx.utils import tree_flatten
+
+    load = import_mlx_lm("mlx_lm.utils").load
+    lora_layers = import_mlx_lm("mlx_lm.tuner.utils").linear_to_lora_layers
+    model, _ = load(str(model_dir))
+    layers = len(model.layers)
+    params = {"rank": rank, "scale": scale, "dropout": 0.0,
+              "keys": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]}
+    model.freeze()
+    lora_layers(model, layers, params, use_dora=fine_tune_type == "dora")
+    mx.random.seed(seed)
+    trained = {name: mx.random.normal(w.shape) * 0.1 for name, w in tree_flatten(model.trainable_parameters())}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), trained)
+    write_json(out / "adapter_config.json", {"fine_tune_type": fine_tune_type, "num_layers": layers,
+                                             "lora_parameters": params})
+    return out
+
+
 def _readable_rows(tok: Tokenizer, vocab_size: int) -> mx.array:
     """1.0 for ids that decode alone to printable text, 0.0 for the rest.
 

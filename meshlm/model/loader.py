@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
+from meshlm.model.adapters import apply_adapter
 from meshlm.model.vocab_parallel import shard_vocab_head
 from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
 
@@ -240,6 +241,9 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     if outside:  # never sampled: every answer would run to max_tokens, and grammars cannot be built
         raise ValueError(f"{path}: end-of-sequence token id(s) {outside} are outside the model's vocabulary of "
                          f"{config['vocab_size']} (config.json / generation_config.json)")
+    adapter = None
+    if cfg.adapter_path is not None:  # fused before any shard or stage is cut: they are cut from its weights
+        adapter = apply_adapter(model, Path(cfg.adapter_path), import_mlx_lm("mlx_lm.tuner.utils").load_adapters)
     if tensor_group is not None:
         if not hasattr(model, "shard"):
             raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
@@ -251,6 +255,8 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     native = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = resolve_dtype(cfg.dtype, native if native in ("float16", "bfloat16", "float32") else "float32")
     fingerprint, what = model_fingerprint(path), f"dtype {dtype}"
+    if adapter is not None:  # another model: neither the base model's KV nor another adapter's applies
+        fingerprint, what = f"{fingerprint}+adapter-{adapter}", f"{what}, adapter {cfg.adapter_path} fused"
     if dtype in ("bfloat16", "float16") and not default_device_is_gpu():
         # MLX's half-precision GEMMs are slow on the CPU: the weights are rounded to `dtype` once and the
         # model computes in float32 (KV too). The packed kernels then hold the rounded layers in 16 bits.

@@ -203,7 +203,7 @@ def load_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, target, kv_budge
     from meshlm.executor.rank import build_rank
     from meshlm.model.loader import load_model
 
-    cfg = replace(model_cfg, path=spec.draft_model, served_name=None, max_model_len=None)
+    cfg = replace(model_cfg, path=spec.draft_model, served_name=None, max_model_len=None, adapter_path=None)
     loaded = load_model(cfg)
     problem = tokenizer_mismatch(loaded, target)
     if problem:

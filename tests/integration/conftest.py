@@ -216,12 +216,13 @@ def scored_prompts(seed: int = 7, lengths: tuple[int, ...] = (5, 40, 300)) -> li
     return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
-def reference_scores(path: Path, prompts: list[list[int]]) -> list[list[float]]:
-    """Each prompt token's logprob after the first, from stock mlx-lm's forward over the whole prompt."""
+def reference_scores(path: Path, prompts: list[list[int]], adapter: Path | None = None) -> list[list[float]]:
+    """Each prompt token's logprob after the first, from stock mlx-lm's forward over the whole prompt (with
+    `adapter` applied as mlx-lm applies one: unfused)."""
     import mlx.core as mx
     from mlx_lm import load
 
-    model, _ = load(str(path))
+    model, _ = load(str(path), adapter_path=None if adapter is None else str(adapter))
     out = []
     for ids in prompts:
         logits = model(mx.array([ids]))[0].astype(mx.float32)

@@ -1,0 +1,79 @@
+"""`--adapter-path`: an mlx-lm fine-tuned adapter (LoRA, DoRA or full, as `mlx_lm.lora` writes it:
+`adapter_config.json` and `adapters.safetensors`), fused into the model's weights at load time.
+
+Fused as `mlx_lm.fuse` does, so the model is plain linear layers again: a step costs what the base model's
+does, and tensor-parallel shards and pipeline stages are cut from the fused weights by the same code
+(a layer a stage drops is never computed). Quantized layers are re-quantized after fusing, as `mlx_lm.fuse`
+without `--dequantize`. The adapter's files are part of the model's fingerprint: the prefix cache of the base
+model (or of another adapter) is never read, and every rank must hold the same adapter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+FILES = ("adapter_config.json", "adapters.safetensors")
+MAX_RANK = 4096  # lora_parameters.rank: matrices of in_dims x rank are made before any weight is checked
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+
+
+def check_adapter(path: Path) -> dict:
+    """The adapter's config, checked before anything is built from it. Raises ValueError naming the problem."""
+    for name in FILES:
+        if not (path / name).is_file():
+            raise ValueError(f"--adapter-path {path}: no {name} (mlx_lm.lora writes adapter_config.json and "
+                             "adapters.safetensors)")
+    try:
+        config = json.loads((path / FILES[0]).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--adapter-path {path}: {FILES[0]} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--adapter-path {path}: {FILES[0]} is not a JSON object")
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in FINE_TUNE_TYPES:
+        raise ValueError(f"--adapter-path {path}: fine_tune_type {str(kind)[:40]!r} is not one of "
+                         f"{', '.join(FINE_TUNE_TYPES)}")
+    if kind != "full":
+        layers = config.get("num_layers")
+        params = config.get("lora_parameters")
+        if not isinstance(layers, int) or isinstance(layers, bool) or not (layers == -1 or layers >= 1):
+            raise ValueError(f"--adapter-path {path}: num_layers must be a positive integer or -1")
+        if not isinstance(params, dict):
+            raise ValueError(f"--adapter-path {path}: lora_parameters must be an object (rank, scale)")
+        rank, scale = params.get("rank"), params.get("scale")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"--adapter-path {path}: lora_parameters.rank must be an integer in 1..{MAX_RANK}")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise ValueError(f"--adapter-path {path}: lora_parameters.scale must be a finite number")
+    return config
+
+
+def adapter_digest(path: Path) -> str:
+    """Of the adapter's two files: which adapter, for the model's fingerprint."""
+    h = hashlib.sha256()
+    for name in FILES:
+        with open(path / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def apply_adapter(model: nn.Module, path: Path, load_adapters) -> str:
+    """Load the adapter into `model` (mlx-lm's `load_adapters`, which checks every tensor's name and shape)
+    and fuse it into the weights, lazily: nothing is computed until the model's weights are evaluated.
+    Returns the adapter's digest."""
+    check_adapter(path)
+    try:
+        load_adapters(model, str(path))
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:  # incompatible or unreadable tensors
+        raise ValueError(f"--adapter-path {path} does not fit this model: {exc}") from None
+    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return adapter_digest(path)
