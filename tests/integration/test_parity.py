@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import mlx.core as mx
 import pytest
@@ -16,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def mlx_lm_greedy(path, prompt_ids: list[int], n: int, adapter=None) -> list[int]:
+    """`adapter`: applied as mlx-lm applies one (unfused)."""
     model, _ = load(str(path), adapter_path=None if adapter is None else str(adapter))
     out = []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n):
@@ -47,30 +46,6 @@ def test_prompt_logprobs_match_mlx_lm(server, tiny_model):
 
     prompts = scored_prompts()
     assert_scores(asyncio.run(score_all(server.url, prompts)), reference_scores(tiny_model, prompts), tol=SCORE_TOL)
-
-
-@pytest.mark.parametrize("layout", [(), ("--tensor-parallel", "2"), ("--pipeline-parallel", "2")])
-def test_an_adapter_is_served_as_mlx_lm_applies_it(tiny_model, tmp_path, layout):
-    """--adapter-path (mlx_lm.server's flag): the adapter is fused into the weights before shards or stages
-    are cut; greedy tokens equal mlx-lm's with the adapter unfused, and prompt logprobs are within SCORE_TOL,
-    in one process and split over two."""
-    from mlx_lm import load as _load
-
-    from meshlm.model.demo import make_tiny_adapter
-
-    adapter = make_tiny_adapter(tiny_model, tmp_path / "lora")
-    _, tok = _load(str(tiny_model))
-    ids = tok.encode("the quick brown fox")
-    want = [tok.decode([t]) for t in mlx_lm_greedy(tiny_model, ids, 24, adapter)]
-    assert want != [tok.decode([t]) for t in mlx_lm_greedy(tiny_model, ids, 24)]  # the adapter matters
-    srv = ServerProcess(tiny_model, "--adapter-path", str(adapter), *layout, log_dir=tmp_path)
-    try:
-        assert meshlm_greedy_texts(srv.url, ids, 24) == want
-        prompts = scored_prompts(lengths=(5, 40))
-        assert_scores(asyncio.run(score_all(srv.url, prompts)), reference_scores(tiny_model, prompts, adapter),
-                      SCORE_TOL)
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
