@@ -67,12 +67,8 @@ async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes
     return b"".join(chunks)
 
 
-async def parse_json(body: bytes, limits: BodyLimits) -> dict:
-    """A JSON object within the limits, parsed in a worker thread."""
-    return await asyncio.to_thread(parse_json_sync, body, limits)
-
-
 def parse_json_sync(body: bytes, limits: BodyLimits) -> dict:
+    """A JSON object within the limits; as heavy as the body is long: call it off the event loop."""
     data = _decode(body, "request body", limits.max_depth)
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")

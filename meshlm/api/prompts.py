@@ -48,6 +48,12 @@ class PromptBuilder:
     # -- public, async ------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[int]:
         if req.truncate_prompt_tokens is None:
+            # Every template spends a token or more on each message: more messages than the context holds
+            # tokens cannot fit, and templating 200,000 of them costs seconds of CPU first.
+            if len(req.messages) > self.max_model_len:
+                raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and "
+                                  f"{len(req.messages)} messages cannot fit in it.", param="messages",
+                                  code="context_length_exceeded")
             self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
         ids = await asyncio.to_thread(self._chat_sync, req, tools)
         self.check_ids(ids, "messages")

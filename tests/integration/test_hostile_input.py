@@ -258,6 +258,13 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"messages": [{"role": "user", "content": "lorem ipsum " * 1_000_000}]})
     assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+    # Short messages, more of them than the context has tokens: each was templated first (~35 s of CPU for
+    # 200,000). Likewise through /v1/responses.
+    many = [{"role": "user", "content": "x"}] * 100_000
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": many}, timeout=30)
+    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded" and "100000 messages" in r.text
+    r = httpx.post(server.url + "/v1/responses", json={"input": many}, timeout=30)
+    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
     assert time.monotonic() - t0 < 10
     still_serving(server)
 
