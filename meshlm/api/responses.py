@@ -61,28 +61,26 @@ class ResponseRun:
             "metadata": req.metadata or {}, "user": req.user, "usage": None,
         }
         if c is not None and status != "failed":
-            body["usage"] = self._usage(c)
+            reasoning = next((i["content"][0]["text"] for i in output if i["type"] == "reasoning"), None)
+            body["usage"] = self._usage(c, reasoning)
         return body
 
-    def _usage(self, c: Choice) -> dict:
+    def _usage(self, c: Choice, reasoning: str | None) -> dict:
         done = self.completion.serving.usage([c], self.completion.prompts)
         return {"input_tokens": done["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": done["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": done["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(c)},
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(c, reasoning)},
                 "total_tokens": done["total_tokens"]}
 
-    def _reasoning_tokens(self, c: Choice) -> int:
+    def _reasoning_tokens(self, c: Choice, reasoning: str | None) -> int:
         """The output's tokens up to the end of its reasoning (its closing tag's, when a single token),
         else the reasoning text's own count."""
-        completion = self.completion
-        reasoning = completion.choice_body(c)["message"].get("reasoning_content") if completion.thinking is not None \
-            else None
         if reasoning is None:
             return 0
-        tags = completion.serving.think_tags
+        tags = self.completion.serving.think_tags
         if tags is None:
-            return len(completion.serving.tokenizer.encode(reasoning, add_special_tokens=False))
+            return len(self.completion.serving.tokenizer.encode(reasoning, add_special_tokens=False))
         return c.token_ids.index(tags[1]) + 1 if tags[1] in c.token_ids else len(c.token_ids)
 
     async def stream(self) -> AsyncIterator[str]:
