@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_SECONDS = 5.0
 MAX_CONNECTIONS = 64  # jobs at once; more are refused (the decode server prefills them itself)
+# Connections not yet authenticated, per address and in all: a stranger's hold only these (for up to
+# HANDSHAKE_SECONDS each), never a job's place, and one address cannot take them all.
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_HOST = 4
 SMALL_MESSAGE_BYTES = 64 << 10
 
 
@@ -42,6 +46,8 @@ class PrefillService:
         self.timeout = timeout
         self.metrics = metrics
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._handshaking: dict[str, int] = {}  # address -> connections of it not yet authenticated
+        self._lock = threading.Lock()
         self._closed = False
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -70,20 +76,38 @@ class PrefillService:
                 sock, addr = self._server.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                log.warning("prefill job from %s:%d refused: %d jobs already running", addr[0], addr[1],
-                            MAX_CONNECTIONS)
-                self.metrics.disagg_jobs.labels(outcome="refused").inc()
+            with self._lock:
+                mine = self._handshaking.get(addr[0], 0)
+                crowded = mine >= MAX_HANDSHAKES_PER_HOST or sum(self._handshaking.values()) >= MAX_HANDSHAKES
+                if not crowded:
+                    self._handshaking[addr[0]] = mine + 1
+            if crowded:
+                log.warning("connection from %s:%d dropped: too many connections still to authenticate",
+                            addr[0], addr[1])
                 sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), name="meshlm-prefill-job",
-                             daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock, addr[0], f"{addr[0]}:{addr[1]}"),
+                             name="meshlm-prefill-job", daemon=True).start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _authenticated(self, host: str) -> None:
+        with self._lock:
+            self._handshaking[host] -= 1
+            if not self._handshaking[host]:
+                del self._handshaking[host]
+
+    def _serve(self, sock: socket.socket, host: str, peer: str) -> None:
         conn: Conn | None = None
+        slot = False
         try:
-            conn = accept(sock, peer, self.secret, HANDSHAKE_SECONDS)
-            outcome = self._job(conn)
+            try:
+                conn = accept(sock, peer, self.secret, HANDSHAKE_SECONDS)
+            finally:
+                self._authenticated(host)
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                outcome = self._refuse(conn, f"{MAX_CONNECTIONS} jobs already running")
+            else:
+                outcome = self._job(conn)
         except PrefillWireError as exc:
             log.warning("prefill job from %s ended: %s", peer, exc)
             outcome = "failed"
@@ -95,7 +119,8 @@ class PrefillService:
                 conn.close()
             else:
                 sock.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
         self.metrics.disagg_jobs.labels(outcome=outcome).inc()
 
     def _deadline(self) -> float:

@@ -342,3 +342,37 @@ def test_a_queued_job_whose_client_left_is_aborted():
     a.close()
     assert engine.aborted.wait(4 * pw.WAITING_SECONDS)
     service.close()
+
+
+def test_strangers_hold_handshake_places_not_job_slots(monkeypatch):
+    """Regression: a connection that never authenticates held one of the 64 job slots for the whole
+    handshake deadline. Now it holds a handshake place, at most MAX_HANDSHAKES_PER_HOST per address (more
+    are dropped at once), and a job's slot is taken only once its peer proved the secret."""
+    from meshlm.disagg import prefill_server
+
+    monkeypatch.setattr(prefill_server, "MAX_CONNECTIONS", 1)
+    service, _ = _service(_SlowEngine(delay=0.1))
+    service.start()
+    addr = f"127.0.0.1:{service.port}"
+    silent = [socket.create_connection(("127.0.0.1", service.port)) for _ in range(prefill_server.MAX_HANDSHAKES_PER_HOST)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", service.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # over the address's places: closed at once, nothing read
+        extra.close()
+        silent.pop().close()  # a place frees as its connection ends
+        deadline = time.monotonic() + 5
+        while True:  # the server notices the close within its read
+            try:
+                conn = pw.connect(addr, ClusterSecret("0" * 64), 5)  # the one job slot is still free
+                break
+            except pw.PrefillWireError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        conn.send_message(INFO, soon())
+        assert isinstance(conn.recv_message(soon(), 1 << 16), pw.PeerInfo)
+        conn.close()
+    finally:
+        for s in silent:
+            s.close()
+        service.close()
