@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -75,6 +76,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins (https://host:port) whose browser pages may call the API "
                         "(CORS), or *; none by default")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing the model's own")
+    p.add_argument("--default-chat-template-kwargs", "--chat-template-args", dest="chat_template_kwargs",
+                   default=None, help="a JSON object of chat template variables for every request, e.g. "
+                                      "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
                         f"/version); default ${API_KEY_ENV}, which other users cannot read in the process list")
@@ -211,6 +217,51 @@ def _rank(args: argparse.Namespace) -> int:
     return args.rank
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline (as vLLM's flag)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # an inline template is no file name (too long, a NUL)
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it: {exc}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value[:80]!r} is neither a file nor a Jinja template")
+    import jinja2  # before the model loads: a typo costs seconds, not minutes
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
+    return text
+
+
+def _template_kwargs(value: str | None) -> dict:
+    """--default-chat-template-kwargs: a JSON object of template variables, none of them meshlm's own."""
+    if value is None:
+        return {}
+    from meshlm.api.schemas import _TEMPLATE_ARGUMENTS
+
+    try:
+        kwargs = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    taken = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: requests say those")
+    return kwargs
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.tensor_parallel = _world_size(args)
     args.rank = _rank(args)
@@ -234,7 +285,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         server=ServerConfig(args.host, args.port, args.max_tokens_default, args.log_level, args.max_request_bytes,
                             args.default_temperature, args.default_top_p, args.client_timeout,
                             tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-                            args.reasoning_parser, args.api_key),
+                            args.reasoning_parser, args.api_key, _chat_template(args.chat_template),
+                            _template_kwargs(args.chat_template_kwargs)),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),

@@ -285,6 +285,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: str = "none"  # api/reasoning.py: a thinking model's reasoning apart from its answer
     api_key: str | None = field(default=None, repr=False)  # api/auth.py; never in a log line
+    chat_template: str | None = None  # Jinja text replacing the model's own (--chat-template)
+    # Template variables for every chat request; a request's own chat_template_kwargs win.
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()

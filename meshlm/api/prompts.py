@@ -36,8 +36,26 @@ def _fast_backend(tokenizer):
     return inner if hasattr(inner, "encode_batch") else None
 
 
+def use_template(tokenizer, template: str, kwargs: dict) -> None:
+    """Replace the model's chat template (--chat-template), checked to render a user's message."""
+    tokenizer.chat_template = template  # the transformers tokenizer's, through mlx-lm's wrapper
+    if getattr(tokenizer, "_chat_template", None) is not None:  # mlx-lm's own renderer would win over it
+        tokenizer._chat_template = None
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                      tokenize=False, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"--chat-template does not render a user's message: {type(exc).__name__}: {exc}") from None
+
+
 class PromptBuilder:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None,
+                 template_kwargs: dict | None = None) -> None:
+        """`chat_template`: replaces the model's; `template_kwargs`: variables for every chat's template (a
+        request's own chat_template_kwargs win)."""
+        self.template_kwargs = dict(template_kwargs or {})
+        if chat_template is not None:
+            use_template(tokenizer, chat_template, self.template_kwargs)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -109,7 +127,7 @@ class PromptBuilder:
 
     def _chat_sync(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         messages, extra = template_messages(req, tools, self.tokenizer)
-        extra = {**(req.chat_template_kwargs or {}), **extra}
+        extra = {**self.template_kwargs, **(req.chat_template_kwargs or {}), **extra}
         if req.documents is not None:
             extra["documents"] = req.documents
         try:

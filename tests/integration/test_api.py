@@ -480,6 +480,43 @@ def test_an_api_key_guards_every_route_but_probes(tiny_model, tmp_path):
     assert key not in srv.log.read_text()
 
 
+def test_a_chat_template_of_the_servers_own_with_default_variables(tiny_model, tmp_path):
+    """--chat-template (a file) replaces the model's template; --default-chat-template-kwargs gives its
+    variables to every request, and a request's chat_template_kwargs win."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from conftest import ServerProcess
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    srv = ServerProcess(tiny_model, "--chat-template", str(template), "--chat-template-args", '{"greeting": "hello"}',
+                        log_dir=tmp_path)
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        got = httpx.post(srv.url + "/tokenize", json=chat).json()["tokens"]
+        assert got == tok.encode("hello<user>hi<assistant>", add_special_tokens=False)
+        got = httpx.post(srv.url + "/tokenize", json={**chat, "chat_template_kwargs": {"greeting": "bye"}}).json()
+        assert got["tokens"] == tok.encode("bye<user>hi<assistant>", add_special_tokens=False)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+            tok.encode("hello<user>hi<assistant>", add_special_tokens=False))
+    finally:
+        srv.stop()
+
+
+def test_a_chat_template_that_cannot_render_a_message_is_refused_at_start_up(tiny_model):
+    from mlx_lm import load
+
+    from meshlm.api.prompts import use_template
+
+    _, tok = load(str(tiny_model))
+    with pytest.raises(ValueError, match="--chat-template does not render a user's message: .*no users here"):
+        use_template(tok, "{{ raise_exception('no users here') }}", {})
+
+
 def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
     """vLLM's /tokenize (a text, or the prompt a chat would get) and /detokenize, with this server's
     tokenizer and template; ids are checked against the vocabulary."""

@@ -12,6 +12,15 @@ def parse(*flags: str):
     return cli.serve_config(cli.build_parser().parse_args(["serve", "--model", "demo", *flags]))
 
 
+def test_a_chat_template_from_a_file_or_inline_and_its_default_variables(tmp_path):
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}" + "x" * 5000  # too long for a file name
+    assert parse("--chat-template", inline).server.chat_template == inline
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    assert parse("--chat-template", str(tmp_path / "t.jinja")).server.chat_template == "{{ messages[0].content }}"
+    config = parse("--chat-template-args", '{"enable_thinking": false}').server
+    assert config.chat_template_kwargs == {"enable_thinking": False} and config.chat_template is None
+
+
 def test_the_defaults_parse():
     config = parse()
     assert config.parallel.start_timeout == 180.0 and config.server.max_tokens_default >= 1
@@ -42,6 +51,11 @@ def test_the_defaults_parse():
     (("--api-key", ""), r"--api-key \(or MESHLM_API_KEY\) must be printable ASCII"),
     (("--api-key", "sk-\u00e9"), r"--api-key \(or MESHLM_API_KEY\) must be printable ASCII"),
     (("--allowed-origins", "https://ok.example,javascript:alert(1)"), "is not an origin"),
+    (("--chat-template", "chatml"), "neither a file nor a Jinja template"),
+    (("--chat-template", "{% for m in messages %}{{ m.content }}"), r"--chat-template: line 1: Unexpected end"),
+    (("--default-chat-template-kwargs", "{"), "--default-chat-template-kwargs is not JSON"),
+    (("--default-chat-template-kwargs", "[1]"), "must be a JSON object"),
+    (("--chat-template-args", '{"tools": []}'), "may not set tools"),
     (("--client-timeout", "0"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
