@@ -309,7 +309,8 @@ class BlockManager:
             seq.keys.append(key)
             m.tokens += bs
             parent = key
-        self._match_partial(seq, parent, tuple(token_ids[m.tokens : m.tokens + bs]), m)
+        need = None if length is None else self.blocks_for(length + 1) - len(seq.blocks)
+        self._match_partial(seq, parent, tuple(token_ids[m.tokens : m.tokens + bs]), m, need)
         if m.tokens == 0 and len(token_ids) >= bs:
             self.stats.misses += 1
         return m
@@ -330,11 +331,16 @@ class BlockManager:
         self.stats.hits_ssd += 1
         return block
 
-    def _match_partial(self, seq: _Seq, parent: bytes, query: tuple[int, ...], m: Match) -> None:
+    def _match_partial(self, seq: _Seq, parent: bytes, query: tuple[int, ...], m: Match, need: int | None) -> None:
+        """`need`: blocks the sequence still needs whole (None: unknown). A free lender held for the copy is
+        one block fewer for it: where that leaves too few, no partial hit (the admission that follows would
+        fail, wait, and find the same lender again every step: the sequence never ran)."""
         if not self.partial or not query or parent not in self._children:
             return
         lender, shared = self._children[parent].longest(query)
         if lender is None or shared >= self.block_size:
+            return
+        if need is not None and self.num_free - (self._refs[lender] == 0) < need:
             return
         self._hold(lender)
         self._pinned.append(lender)

@@ -253,6 +253,31 @@ def test_admission_waits_for_room_for_the_whole_prompt():
     assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
 
 
+def test_a_prompt_needing_every_block_is_admitted_though_it_shares_part_of_a_cached_one():
+    """Regression (a hang): admission counted a partial hit's lender as free, the match then held it for the
+    copy, the allocation failed, and the sequence waited to find the same lender next step, for ever; so did
+    every request queued behind it. Where the lender would leave too few blocks, there is no partial hit."""
+    from meshlm.kv.keys import CacheSalt
+
+    config = SchedulerConfig(max_batch_size=8, max_tokens_per_step=1024, max_waiting=64)
+    blocks = BlockManager(8, 16, CacheSalt("f" * 24, "float32", "tp1", 16))
+    sched = Scheduler(config, blocks, 128, frozenset({EOS}))
+    a = Sequence(0, list(range(10, 30)), SamplingParams(max_tokens=1))  # caches its first block
+    sched.add(a)
+    run_until_idle(sched)
+    b = Sequence(1, a.prompt_ids[:8] + list(range(100, 212)), SamplingParams(max_tokens=1))  # all 8 blocks
+    c = Sequence(2, list(range(300, 305)), SamplingParams(max_tokens=1))
+    sched.add(b)
+    sched.add(c)
+    plans = run_until_idle(sched, max_steps=20)
+    assert b.finish_reason is c.finish_reason is FinishReason.LENGTH
+    assert not any(p.copies for p in plans)
+    # With a block to spare, the same prompt takes the partial hit.
+    d = Sequence(3, a.prompt_ids[:8] + list(range(100, 196)), SamplingParams(max_tokens=1))  # 104 tokens: 7 blocks
+    sched.add(d)
+    assert any(p.copies for p in run_until_idle(sched, max_steps=20))
+
+
 # -- finishing ----------------------------------------------------------------------------
 
 
