@@ -105,7 +105,7 @@ class Sequence:
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix served from the cache at admission
+    num_cached_tokens: int = 0  # prompt served from the cache at its first admission (usage's cached_tokens)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     aborted: bool = False

@@ -257,7 +257,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            seq.num_cached_tokens = seq.num_computed_tokens = m.tokens
+            seq.num_computed_tokens = m.tokens
+            if not seq.num_preemptions:  # the prompt's hits, as usage reports them (as vLLM): a recompute's
+                seq.num_cached_tokens = m.tokens  # lookup covers generated tokens too (it exceeded the prompt)
             self.running.append(seq)
             draft.new.append(NewSequence(seq.uid, m.tokens, self.blocks.holder(seq.uid)))
             draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
@@ -300,7 +302,6 @@ class Scheduler:
         self._leave(victim)
         victim.status = SeqStatus.WAITING
         victim.num_computed_tokens = 0
-        victim.num_cached_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)

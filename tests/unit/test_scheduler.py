@@ -278,6 +278,25 @@ def test_a_prompt_needing_every_block_is_admitted_though_it_shares_part_of_a_cac
     assert any(p.copies for p in run_until_idle(sched, max_steps=20))
 
 
+def test_cached_tokens_count_the_prompts_first_admission_not_a_recomputes_lookup():
+    """Regression: a preempted sequence's re-admission set cached_tokens to its lookup's hits, which cover
+    generated tokens too: usage said 32 cached of a 20-token prompt."""
+    from meshlm.kv.keys import CacheSalt
+
+    config = SchedulerConfig(max_batch_size=8, max_tokens_per_step=1024, max_waiting=64)
+    sched = Scheduler(config, BlockManager(64, 4, CacheSalt("f" * 24, "float32", "tp1", 4)), 256, frozenset({EOS}))
+    sched.add(Sequence(0, list(range(10, 30)), SamplingParams(max_tokens=1)))
+    run_until_idle(sched)
+    seq = Sequence(1, list(range(10, 30)), SamplingParams(max_tokens=30))
+    sched.add(seq)
+    for _ in range(20):
+        step(sched)
+    assert seq.num_cached_tokens == 19 and len(seq.output_ids) > 12  # 4 whole blocks and 3 tokens of a fifth
+    sched._preempt(seq)
+    step(sched)  # re-admitted: its lookup finds prompt and output blocks
+    assert seq.num_computed_tokens > 20 and seq.num_cached_tokens == 19
+
+
 # -- finishing ----------------------------------------------------------------------------
 
 
