@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,8 +25,13 @@ log = logging.getLogger(__name__)
 
 HASH_CHUNK = 8 * 2**20
 DIGEST_CACHE_FILE = "weight-digests.json"
-DIGEST_CACHE_VERSION = 1
+DIGEST_CACHE_VERSION = 2  # 2: entries name the inode and ctime too
 DIGEST_CACHE_MAX_ENTRIES = 512  # old entries (models deleted, test dirs) go first
+DIGEST_CACHE_MAX_BYTES = 16 << 20  # ~100x what 512 entries take: a larger file is not ours
+# What must match for a cached digest to stand for a file's bytes. Size and mtime alone missed a file
+# rewritten in place with its mtime kept (`cp -p`, `rsync -a`, `tar` of a same-shape fine-tune): its old
+# digest salted the new weights' prefix cache, which then served the old model's KV. No call sets ctime.
+_STAT_FIELDS = ("size", "mtime_ns", "ino", "ctime_ns")
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ def model_fingerprint(path: Path, digest_cache: Path | None = None) -> str:
     It salts the prefix cache's keys, so two models differing in any weight
     byte never share KV blocks. The tokenizer is left out: KV depends on token
     ids, which the keys hash. Hashing reads all the weights once; each file's
-    digest is then cached by (resolved path, size, mtime_ns) in `digest_cache`
+    digest is then cached by (resolved path, size, mtime, inode, ctime) in `digest_cache`
     (default `<meshlm cache dir>/weight-digests.json`), so restarts skip it.
     """
     files = sorted(path.glob("*.safetensors"))
@@ -100,7 +106,7 @@ def hash_file(path: Path, chunk: int = HASH_CHUNK) -> str:
 
 
 def weight_digests(files: list[Path], cache_path: Path) -> dict[Path, str]:
-    """Each file's digest, from `cache_path` when its (resolved path, size, mtime_ns) match, else hashed.
+    """Each file's digest, from `cache_path` when its resolved path and `_STAT_FIELDS` match, else hashed.
 
     Side effect: newly hashed files are added to `cache_path`; a cache that cannot be
     read or written only costs hashing again, never an error.
@@ -111,7 +117,7 @@ def weight_digests(files: list[Path], cache_path: Path) -> dict[Path, str]:
     for f in files:
         st, key = f.stat(), str(f.resolve())
         entry = cache.get(key)
-        if entry is not None and (entry["size"], entry["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+        if entry is not None and tuple(entry[k] for k in _STAT_FIELDS) == _stat_key(st):
             digests[f] = entry["digest"]
         else:
             todo.append((f, key, st))
@@ -126,16 +132,15 @@ def _hash_files(todo: list[tuple[Path, str, os.stat_result]]) -> tuple[dict[Path
     """Hash `todo`: (digest per file, cache entries by resolved path). A file that changed while
     being read gets no entry: its digest may mix old and new bytes."""
     total = sum(st.st_size for _, _, st in todo)
-    log.info("hashing %.1f GB of weights in %s for the cache fingerprint (once; cached by size and mtime)",
+    log.info("hashing %.1f GB of weights in %s for the cache fingerprint (once; cached by size, times, inode)",
              total / 1e9, todo[0][0].parent)
     t0 = time.monotonic()
     digests: dict[Path, str] = {}
     entries: dict[str, dict] = {}
     for f, key, st in todo:
         digests[f] = hash_file(f)
-        after = f.stat()
-        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
-            entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digests[f]}
+        if _stat_key(f.stat()) == _stat_key(st):
+            entries[key] = {**dict(zip(_STAT_FIELDS, _stat_key(st))), "digest": digests[f]}
         else:
             log.warning("%s changed while being hashed; its digest is not cached", f)
     log.info("hashed %.1f GB of weights in %.1f s", total / 1e9, time.monotonic() - t0)
@@ -145,11 +150,15 @@ def _hash_files(todo: list[tuple[Path, str, os.stat_result]]) -> tuple[dict[Path
 def read_digest_cache(path: Path) -> dict[str, dict]:
     """The valid entries of the digest cache; {} when it is missing or corrupt (then it is rewritten)."""
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > DIGEST_CACHE_MAX_BYTES:  # opening a FIFO waited for ever
+            raise ValueError("not a regular file of at most "
+                             f"{DIGEST_CACHE_MAX_BYTES >> 20} MiB")
         data = json.loads(path.read_text())
     except FileNotFoundError:
         log.debug("no weight digest cache at %s yet", path)
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: "[" nested 200,000 deep
         log.warning("ignoring unreadable weight digest cache %s: %s", path, exc)
         return {}
     files = data.get("files") if isinstance(data, dict) and data.get("version") == DIGEST_CACHE_VERSION else None
@@ -161,7 +170,11 @@ def read_digest_cache(path: Path) -> dict[str, dict]:
 
 def _valid_entry(entry: object) -> bool:
     return (isinstance(entry, dict) and isinstance(entry.get("digest"), str)
-            and all(type(entry.get(k)) is int for k in ("size", "mtime_ns")))
+            and all(type(entry.get(k)) is int for k in _STAT_FIELDS))
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
 
 
 def write_digest_cache(path: Path, new: dict[str, dict]) -> None:

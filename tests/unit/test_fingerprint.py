@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.model import loader
-from meshlm.model.loader import DIGEST_CACHE_FILE, hash_file, model_fingerprint
+from meshlm.model.loader import DIGEST_CACHE_FILE, DIGEST_CACHE_VERSION, hash_file, model_fingerprint
 
 WEIGHTS = 200 * 1024  # past the 64 KiB the old fingerprint read
 
@@ -96,7 +96,7 @@ def test_chunked_hash_equals_the_whole_file_hash(tmp_path):
 # -- the digest cache -------------------------------------------------------------------
 
 
-def test_digests_are_cached_by_path_size_and_mtime(tmp_path, cache_dir, hashed, caplog):
+def test_digests_are_cached_by_path_size_times_and_inode(tmp_path, cache_dir, hashed, caplog):
     d = make_model(tmp_path / "m", weights(), shards=2)
     with caplog.at_level(logging.INFO, logger="meshlm.model.loader"):
         fp = model_fingerprint(d)
@@ -105,7 +105,8 @@ def test_digests_are_cached_by_path_size_and_mtime(tmp_path, cache_dir, hashed, 
     cache = json.loads((cache_dir / DIGEST_CACHE_FILE).read_text())  # JSON, not pickle
     entry = cache["files"][str((d / "model-00001.safetensors").resolve())]
     st = (d / "model-00001.safetensors").stat()
-    assert (entry["size"], entry["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
+    assert (entry["size"], entry["mtime_ns"], entry["ino"], entry["ctime_ns"]) == (
+        st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="meshlm.model.loader"):
         assert model_fingerprint(d) == fp  # a restart: nothing read again
@@ -126,16 +127,19 @@ def test_a_new_mtime_or_size_invalidates_that_file_only(tmp_path, hashed):
     assert model_fingerprint(d) != fp and hashed[3:] == [f0.name]
 
 
-def test_a_file_rewritten_with_its_old_size_and_mtime_is_the_accepted_blind_spot(tmp_path, hashed):
-    """The cache trusts (size, mtime_ns): documented here so a change of that policy is deliberate."""
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_hashed_again(tmp_path, hashed):
+    """Regression: the cache trusted (size, mtime_ns), so weights rewritten in place with their mtime kept
+    (`cp -p`, `rsync -a` of a same-shape fine-tune) kept the old fingerprint, and the SSD tier served the
+    old model's KV. Setting the mtime back changes the ctime, which no call can set."""
     d = make_model(tmp_path / "m", weights())
     fp = model_fingerprint(d)
     f = d / "model-00000.safetensors"
     st = f.stat()
     f.write_bytes(flip(weights(), 100))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert model_fingerprint(d) == fp and len(hashed) == 1
-    assert model_fingerprint(d, digest_cache=tmp_path / "fresh.json") != fp
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert model_fingerprint(d) != fp and len(hashed) == 2
+    assert model_fingerprint(d, digest_cache=tmp_path / "fresh.json") == model_fingerprint(d)
 
 
 def test_a_copied_model_is_hashed_under_its_own_path(tmp_path, hashed):
@@ -149,16 +153,26 @@ def test_a_copied_model_is_hashed_under_its_own_path(tmp_path, hashed):
 
 
 @pytest.mark.parametrize("content", [b"\x80\x04garbage", b"{not json", b"[1, 2]", b'{"version": 99, "files": {}}',
-                                     b'{"version": 1, "files": []}', b""],
-                         ids=["binary", "bad_json", "list", "other_version", "files_not_dict", "empty"])
+                                     b'{"version": 2, "files": []}', b"", b"[" * 200_000],
+                         ids=["binary", "bad_json", "list", "other_version", "files_not_dict", "empty", "deep"])
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, cache_dir, hashed, content):
     d = make_model(tmp_path / "m", weights())
     fp = model_fingerprint(d, digest_cache=tmp_path / "reference.json")
     cache_dir.mkdir()
     (cache_dir / DIGEST_CACHE_FILE).write_bytes(content)
     assert model_fingerprint(d) == fp and len(hashed) == 2
-    assert json.loads((cache_dir / DIGEST_CACHE_FILE).read_text())["version"] == 1
+    assert json.loads((cache_dir / DIGEST_CACHE_FILE).read_text())["version"] == DIGEST_CACHE_VERSION
     assert model_fingerprint(d) == fp and len(hashed) == 2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_cache_path_that_is_no_file_is_ignored_not_waited_on(tmp_path, cache_dir, hashed, kind):
+    """Regression: a FIFO there made start-up wait in `open` for ever, with nothing logged."""
+    d = make_model(tmp_path / "m", weights())
+    cache_dir.mkdir()
+    path = cache_dir / DIGEST_CACHE_FILE
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    assert model_fingerprint(d) == model_fingerprint(d, digest_cache=tmp_path / "reference.json")
 
 
 def test_a_malformed_entry_is_not_trusted(tmp_path, cache_dir, hashed):
