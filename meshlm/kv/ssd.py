@@ -195,13 +195,17 @@ class SSDTier:
             entries = list(os.scandir(self.dir / TMP_DIR))
         except FileNotFoundError:
             return 0
+        except NotADirectoryError:  # a file holds the name: the writer replaces it (`_temp_dir`)
+            return 0
         for e in entries:
             try:
-                if temp_is_stale(e.name, e.stat().st_mtime, now):
+                if temp_is_stale(e.name, e.stat(follow_symlinks=False).st_mtime, now):
                     os.unlink(e.path)
                     removed += 1
             except FileNotFoundError:  # renamed into place or removed meanwhile
                 pass
+            except OSError as exc:  # a directory, or what else no writer of ours made: left, and never fatal
+                log.warning("SSD KV tier: leaving %s in %s: %s", e.name, self.dir / TMP_DIR, exc)
         return removed
 
     def _drop(self, path: Path) -> None:
@@ -327,7 +331,7 @@ class SSDTier:
         meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.root().hex(), "rank": str(self.rank)}
         path = self._path(key)
         tmp = self._temp_path()
-        tmp.parent.mkdir(exist_ok=True)
+        self._temp_dir()
         try:
             self._files.write(tmp, arrays, meta)
             os.replace(tmp, path)
@@ -350,6 +354,17 @@ class SSDTier:
             self._written += size
         if self._scan_due():
             self._enforce_capacity()
+
+    def _temp_dir(self) -> None:
+        """Where writes start; a file squatting its name (nothing a writer of ours makes) is replaced, where
+        it switched the whole tier off."""
+        where = self.dir / TMP_DIR
+        try:
+            where.mkdir(exist_ok=True)
+        except FileExistsError:
+            log.warning("SSD KV tier: replacing the file %s by the directory writes need", where)
+            where.unlink()
+            where.mkdir(exist_ok=True)
 
     def _scan_due(self) -> bool:
         capacity = self.config.capacity_bytes

@@ -107,6 +107,23 @@ def test_startup_removes_only_temp_files_of_gone_writers(tmp_path):
     assert again.dropped == 0 and keys(1, seed=1)[0] in again  # temp files are not blocks
 
 
+@pytest.mark.parametrize("squatter", ["directory_in_tmp", "file_named_tmp"])
+def test_what_no_writer_made_in_the_temp_place_never_turns_the_tier_off(tmp_path, squatter):
+    """Regression: a directory with a dead writer's temp name (unlink: IsADirectoryError), or a file named
+    `tmp` (scandir: NotADirectoryError), switched the whole tier off at every start-up."""
+    t = tier(tmp_path)
+    write(t, keys(1, seed=1), seed=1)
+    if squatter == "directory_in_tmp":
+        (t.dir / TMP_DIR / f"{socket.gethostname()}-{dead_pid()}-eeee0000-0{SUFFIX}").mkdir()
+    else:
+        (t.dir / TMP_DIR).rmdir()
+        (t.dir / TMP_DIR).write_bytes(b"")
+    again = tier(tmp_path)
+    assert again.enabled and keys(1, seed=1)[0] in again
+    write(again, keys(1, seed=2), seed=2)  # and writes go on
+    assert again.enabled and keys(1, seed=2)[0] in again and (again.dir / TMP_DIR).is_dir()
+
+
 def test_a_startup_while_another_tier_writes_leaves_its_temp_file_alone(tmp_path, monkeypatch):
     """Regression: start-up globbed *.safetensors, deleted the writer's `<key>.tmp.safetensors`, and the
     writer's rename then failed."""
