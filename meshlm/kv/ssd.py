@@ -22,7 +22,9 @@ Several processes (servers, restarts overlapping) may share one directory:
   is the shared LRU order) down to 95% of capacity. A writer re-scans when
   its own total says over capacity, when it has written 5% of capacity since
   its last scan, or when that scan is RESCAN_SECONDS old (so other writers'
-  blocks become hits); other writes cost O(1) (one scandir per 5% written).
+  blocks become hits; a lookup then asks the writer thread for one too, so a
+  server that only reads sees them); other writes cost O(1) (one scandir per
+  5% written).
   Since every writer re-scans and evicts before it has written 5% unseen by
   the others, N processes writing at once keep the directory within
   capacity x (1 + 0.05 N), plus one temp file each.
@@ -138,6 +140,7 @@ class SSDTier:
         self._temp_names = itertools.count()
         self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
         self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
+        self._scan_queued = False  # a lookup asked the writer thread for a re-scan (`_rescan_when_due`)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._rebuild_index()
@@ -217,7 +220,23 @@ class SSDTier:
 
     # -- lookups ----------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
-        return self.enabled and key in self._index
+        if not self.enabled:
+            return False
+        self._rescan_when_due()
+        return key in self._index
+
+    def _rescan_when_due(self) -> None:
+        """A server that only reads (its prompts all cached already) must see other writers' blocks too:
+        a lookup past RESCAN_SECONDS asks the writer thread for a re-scan (never on this, the engine's,
+        thread: a scandir of thousands of files would stall a step)."""
+        if self._scan_queued or time.monotonic() - self._last_scan < RESCAN_SECONDS:
+            return
+        self._scan_queued = True
+        self._start_writer()
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:  # writes pending: the writer re-scans after them anyway
+            self._scan_queued = False
 
     def prefetch(self, key: bytes) -> bool:
         """Read and verify a block now, so a plan loads only blocks known to be good; the next `load`
@@ -300,9 +319,7 @@ class SSDTier:
         """Queue a block for writing (its arrays must already be evaluated)."""
         if not self.enabled or key in self._index:
             return
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="meshlm-ssd", daemon=True)
-            self._writer.start()
+        self._start_writer()
         try:
             self._queue.put_nowait((key, block))
         except queue.Full:  # the disk is behind; the block stays RAM-only
@@ -314,12 +331,21 @@ class SSDTier:
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
 
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="meshlm-ssd", daemon=True)
+            self._writer.start()
+
     def _write_loop(self) -> None:
         while True:
-            key, block = self._queue.get()
+            item = self._queue.get()
             try:
-                if self.enabled:
-                    self._write(key, block)
+                if item is None:  # a lookup found the last scan stale
+                    self._scan_queued = False
+                    if self.enabled:
+                        self._enforce_capacity()
+                elif self.enabled:
+                    self._write(*item)
             except Exception as exc:  # OSError on ENOSPC/EROFS; the tier turns itself off, the server goes on
                 self._disable(f"writing {self.dir} failed: {exc}")
             finally:

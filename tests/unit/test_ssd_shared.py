@@ -252,6 +252,22 @@ def test_writes_rescan_every_few_seconds_even_under_capacity(tmp_path, monkeypat
     assert all(k in a for k in keys(2, seed=41))  # b's blocks are hits for a now, and never rewritten
 
 
+def test_a_tier_that_only_reads_sees_other_writers_blocks(tmp_path, monkeypatch):
+    """Regression: only a write re-scanned, so a server whose own prompts were all cached never saw the
+    blocks another server sharing the directory wrote (until it restarted). A lookup past RESCAN_SECONDS
+    asks the writer thread for a re-scan."""
+    reader, writer = tier(tmp_path), tier(tmp_path)
+    ks = keys(2, seed=45)
+    write(writer, ks, seed=45)
+    assert ks[0] not in reader  # not due yet
+    monkeypatch.setattr(ssd, "RESCAN_SECONDS", 0.0)
+    deadline = time.monotonic() + 5
+    while ks[0] not in reader:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ks[1] in reader and reader.prefetch(ks[1]) and reader.writes == 0
+
+
 def test_rescan_deletes_expired_files_of_any_tier(tmp_path, monkeypatch):
     a, b = tier(tmp_path, ttl_days=1), tier(tmp_path, ttl_days=1)
     old = keys(1, seed=50)
