@@ -300,7 +300,8 @@ class SSDTier:
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        """Bytes of findable blocks: none once the tier is off."""
+        return self._bytes if self.enabled else 0
 
     def _put(self, key: bytes, size: int) -> None:
         self._pop(key)

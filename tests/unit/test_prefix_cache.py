@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import os
 import random
 import struct
@@ -443,6 +444,11 @@ def test_write_failure_turns_the_tier_off_with_a_warning(tmp_path, caplog):
     """Regression: mx.save_safetensors raises RuntimeError (not OSError) when it cannot write; that used to
     kill the writer thread silently, leaving the tier on and later saves stuck in its queue."""
     tier = make_tier(tmp_path)
+    tier.save(b"\0" * 16, fake_block(2))
+    tier.flush()
+    assert tier.nbytes > 0
+    for p in tier.dir.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     tier.dir.rmdir()
     tier.dir.write_text("the directory is gone")  # every open() under it now fails
     with caplog.at_level(logging.WARNING, logger="meshlm.kv.ssd"):
@@ -453,6 +459,7 @@ def test_write_failure_turns_the_tier_off_with_a_warning(tmp_path, caplog):
         tier.flush(timeout=1)
     assert not tier.enabled and "SSD KV cache off" in caplog.text
     assert time.monotonic() - t0 < 0.5
+    assert tier.nbytes == 0  # /metrics: nothing findable any more (it kept showing the bytes once written)
 
 
 # -- the prefix cache over a tiny model's real KV: hits give what a full prefill gives ----------
