@@ -80,10 +80,9 @@ class Grammars:
 
     # -- grammar sources -> llguidance grammars (no compile yet) -----------
     def from_json_schema(self, schema: dict | str) -> str:
-        inexact = _inexact_integer(schema)
-        if inexact is not None:
-            raise GrammarError(f"invalid JSON schema: {inexact} is beyond ±2**53, which this server's grammar "
-                               "engine holds only rounded (it would allow a neighbouring value instead)")
+        problem = _unsound_number(schema)
+        if problem is not None:
+            raise GrammarError(f"invalid JSON schema: {problem}")
         try:
             return self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except Exception as exc:  # llguidance raises ValueError, but a schema is anything a client sent
@@ -164,10 +163,11 @@ EXACT_INTEGER = 2**53  # llguidance reads a schema's numbers as float64: integer
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
-def _inexact_integer(schema) -> str | None:
-    """The first bound, `const` or `enum` value of `schema` (a dict, or its JSON text) that is an integer
-    float64 cannot hold: as a bound it would let a neighbouring value through, as a value it would be
-    written rounded. None when there is none (or the text is not JSON: llguidance then says why)."""
+def _unsound_number(schema) -> str | None:
+    """What llguidance would enforce otherwise than the schema says, or None (also when the text is not
+    JSON: llguidance then says why): a bound, `const` or `enum` value that is an integer float64 cannot
+    hold (as a bound it would let a neighbouring value through, as a value it would be written rounded),
+    or a `multipleOf` that is not positive (JSON Schema's rule; llguidance took -1 as 1)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -178,12 +178,16 @@ def _inexact_integer(schema) -> str | None:
         value, literal = stack.pop()
         if isinstance(value, int) and not isinstance(value, bool):
             if literal and abs(value) > EXACT_INTEGER:
-                return str(value)
+                return (f"{value} is beyond ±2**53, which this server's grammar engine holds only rounded (it "
+                        "would allow a neighbouring value instead)")
         elif isinstance(value, list):
             stack.extend((v, literal) for v in value)
         elif isinstance(value, dict):
             for key, v in value.items():
                 numeric = not literal and key in _NUMBER_KEYWORDS
+                if numeric and key == "multipleOf" and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                        and not v > 0:
+                    return f"multipleOf must be greater than 0, got {v}"
                 stack.append((v, literal or numeric or key in ("const", "enum")))
     return None
 

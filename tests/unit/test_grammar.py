@@ -183,6 +183,9 @@ def test_the_cache_holds_a_bounded_amount_of_grammar_text(grammars, monkeypatch)
     (lambda g: g.from_json_schema({"const": 2**53 + 1}), "9007199254740993"),
     (lambda g: g.from_json_schema('{"properties": {"x": {"enum": [1, {"y": [-1152921504606846977]}]}}}'),
      "-1152921504606846977"),
+    # JSON Schema wants multipleOf > 0; llguidance enforced -1 as 1 and 0 as anything
+    (lambda g: g.from_json_schema({"type": "integer", "multipleOf": -1}), "multipleOf must be greater than 0"),
+    (lambda g: g.from_json_schema({"properties": {"n": {"type": "number", "multipleOf": 0}}}), "got 0"),
 ])
 def test_bad_grammars_are_refused(grammars, make, words):
     with pytest.raises(GrammarError) as info:
@@ -192,7 +195,8 @@ def test_bad_grammars_are_refused(grammars, make, words):
 
 def test_large_numbers_that_float64_holds_exactly_are_kept(grammars):
     for schema in ({"type": "integer", "maximum": 2**53}, {"const": 2**53}, {"minimum": -2**53},
-                   {"properties": {"minimum": {"type": "string"}}, "default": 2**60}):
+                   {"properties": {"minimum": {"type": "string"}}, "default": 2**60},
+                   {"type": "number", "multipleOf": 0.5}, {"properties": {"multipleOf": {"const": -1}}}):
         grammars.check(grammars.from_json_schema(schema))
 
 
