@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
+from meshlm.api.response_store import ResponseStore, assistant_turn
 from meshlm.api.responses_request import ResponsesRequest
 from meshlm.api.serving import Choice, new_id, now
 from meshlm.api.streaming import Completion
@@ -21,9 +22,14 @@ from meshlm.api.streaming import Completion
 class ResponseRun:
     """One `POST /v1/responses` over the chat completion it amounts to (n = 1)."""
 
-    def __init__(self, req: ResponsesRequest, completion: Completion) -> None:
+    def __init__(self, req: ResponsesRequest, completion: Completion, conversation: list[dict] = (),
+                 store: ResponseStore | None = None) -> None:
+        """`conversation`: the chat messages this response answers (previous_response_id's and the input);
+        `store`: where a finished response is kept (None: `store` false)."""
         self.req = req
         self.completion = completion
+        self.conversation = list(conversation)
+        self.store = store
         self.id = new_id("resp")
         self.created = now()
 
@@ -41,7 +47,14 @@ class ResponseRun:
         if message.get("content") or not calls:
             items.append(_message_item(new_id("msg"), message.get("content") or "", "completed"))
         items += [_call_item(new_id("fc"), call, "completed") for call in calls]
-        return json.dumps(self._response(items, c), ensure_ascii=False).encode("utf-8")
+        return json.dumps(self._finished(items, c), ensure_ascii=False).encode("utf-8")
+
+    def _finished(self, output: list[dict], c: Choice) -> dict:
+        """The finished response's object, kept when `store` says so."""
+        body = self._response(output, c)
+        if self.store is not None:
+            self.store.put(body, self.conversation + assistant_turn(output))
+        return body
 
     def _response(self, output: list[dict], c: Choice | None, failed: dict | None = None) -> dict:
         """The response object; `c` None: still running."""
@@ -53,8 +66,9 @@ class ResponseRun:
             "error": failed, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.completion.serving.model_name, "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None,
             "temperature": req.temperature, "top_p": req.top_p,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
@@ -107,7 +121,7 @@ class ResponseRun:
             for event in out.close("incomplete" if c.finish_reason == "length" else "completed"):
                 yield event
             kind = "response.incomplete" if c.finish_reason == "length" else "response.completed"
-            yield events.emit(kind, response=self._response(out.items, c))
+            yield events.emit(kind, response=self._finished(out.items, c))
         finally:
             await chunks.aclose()  # aborts the sequence if the client left
             self.close()

@@ -1,14 +1,14 @@
 """OpenAI's Responses API request (`POST /v1/responses`), and the chat completion request it amounts to.
 
 A response here is a chat completion under another shape: the input items
-become chat messages (instructions first, a system message), function tools
-and `text.format` become chat's `tools` and `response_format`, and the chat
-path then does everything (template, tool calls, structured output,
-reasoning split). What needs state on the server (`previous_response_id`,
-`conversation`, `background`, stored prompts) or tools meshlm does not run
-(web search, files, code) is refused with a 400 naming it: the client sends
-the whole conversation in `input`, as with `store: false`. Responses are not
-stored, so `GET /v1/responses/{id}` is a 404.
+become chat messages (instructions first, a system message, then the
+conversation `previous_response_id` closes, api/response_store.py), function
+tools and `text.format` become chat's `tools` and `response_format`, and the
+chat path then does everything (template, tool calls, structured output,
+reasoning split). What needs state this server does not keep
+(`conversation` objects, `background` runs, item references, stored prompts)
+or tools meshlm does not run (web search, files, code) is refused with a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -49,24 +49,24 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)
-    store: StrictBool | None = None  # nothing is stored whatever it says (see the module's doc)
+    store: StrictBool = True  # kept for previous_response_id and GET (api/response_store.py), as OpenAI's default
+    previous_response_id: str | None = Field(None, max_length=200)
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     user: str | None = None
     # Server-side state, tools and prompts this server does not have.
-    previous_response_id: Any = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
     background: Any = None
 
-    @field_validator("previous_response_id", "conversation")
+    @field_validator("conversation")
     @classmethod
-    def _stateless(cls, value: Any, info) -> Any:
+    def _no_conversations(cls, value: Any) -> Any:
         if value is not None:
-            raise ValueError(f"`{info.field_name}` needs stored responses, which this server does not keep: "
-                             "send the whole conversation in `input`")
+            raise ValueError("conversation objects are not kept by this server: continue one with "
+                             "`previous_response_id`, or send it whole in `input`")
         return value
 
     @field_validator("prompt", "max_tool_calls")
@@ -122,13 +122,15 @@ class ResponsesRequest(BaseModel):
                              "`chat_template_kwargs`, as Qwen3's `enable_thinking`)")
         return value
 
-    def chat_body(self) -> dict[str, Any]:
-        """The chat completion request this response amounts to (validated as one by the caller). Raises
-        ValueError naming what in the request cannot be."""
+    def chat_body(self, history: tuple[dict, ...] = ()) -> dict[str, Any]:
+        """The chat completion request this response amounts to (validated as one by the caller), after the
+        conversation `history` (previous_response_id's). Raises ValueError naming what cannot be."""
         extra = self.model_extra or {}
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         body: dict[str, Any] = {
             **{k: extra[k] for k in _CHAT_FIELDS if k in extra},
-            "model": self.model, "messages": self._messages(), "stream": self.stream,
+            "model": self.model, "messages": system + list(history) + self.input_messages(),
+            "stream": self.stream,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
         }
@@ -150,12 +152,11 @@ class ResponsesRequest(BaseModel):
             raise ValueError("text.verbosity: only 'medium' is supported by this server")
         return {k: v for k, v in body.items() if v is not None}
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def input_messages(self) -> list[dict[str, Any]]:
+        """`input` as chat messages (without the instructions)."""
         messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message" if "role" in item else None)
             where = f"input.{i}"
@@ -179,8 +180,8 @@ class ResponsesRequest(BaseModel):
             elif kind == "reasoning":
                 continue  # an earlier turn's reasoning: chat templates leave it out of the prompt too
             elif kind == "item_reference":
-                raise ValueError(f"{where}: item references need stored responses, which this server does not "
-                                 "keep: send the items themselves")
+                raise ValueError(f"{where}: item references are not supported by this server: send the items "
+                                 "themselves, or continue a response with `previous_response_id`")
             else:
                 raise ValueError(f"{where}: items of type {str(kind)[:40]!r} are not supported by this server")
         return messages
@@ -230,6 +231,10 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     raise ValueError("text.format.type must be text, json_object or json_schema")
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """Raises ValueError (what cannot be a chat request) or pydantic's ValidationError (what chat refuses)."""
-    return ChatCompletionRequest.model_validate(req.chat_body())
+def chat_request(req: ResponsesRequest, history: tuple[dict, ...] = ()) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request, and the conversation it continues as messages (`history`, then the input: what a
+    stored response keeps, instructions aside). Raises ValueError (what cannot be a chat request) or
+    pydantic's ValidationError (what chat refuses)."""
+    body = req.chat_body(history)
+    conversation = body["messages"][1 if req.instructions else 0:]
+    return ChatCompletionRequest.model_validate(body), conversation

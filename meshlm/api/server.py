@@ -19,6 +19,7 @@ from meshlm.api.body import BodyLimits, parse_json_sync, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                 TokenizeRequest)
+from meshlm.api.response_store import ResponseStore
 from meshlm.api.responses import ResponseRun
 from meshlm.api.responses_request import ResponsesRequest, chat_request
 from meshlm.api.serving import Serving, now
@@ -44,6 +45,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
                            allow_headers=["*"], max_age=600)
     engine = serving.engine
     health = health or (lambda: engine.problem)
+    store = ResponseStore()  # /v1/responses kept for previous_response_id and GET
 
     def rejected(error: APIError):
         engine.metrics.rejected.labels(status=str(error.status)).inc()
@@ -111,18 +113,38 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     async def _responses(request: Request):
         req = await _parse(request, ResponsesRequest, limits)
         serving.check_model(req)
-        chat = await asyncio.to_thread(_as_chat, req)
+        history = ()
+        if req.previous_response_id is not None:
+            history = _stored(req.previous_response_id, "previous_response_id").messages
+        chat, conversation = await asyncio.to_thread(_as_chat, req, history)
         tools = plan_tools(chat, serving.tokenizer)
         prompt = await serving.prompts.chat(chat, tools)
         grammar = await request_grammar(serving.grammars, chat, limits, tools)
         completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
-        return await _respond(request, ResponseRun(req, completion))
+        return await _respond(request, ResponseRun(req, completion, conversation, store if req.store else None))
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    def _stored(response_id: str, param: str | None = None):
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"No response with id {response_id[:64]!r}: it was not stored (store: false), "
+                                "or it is gone (this server keeps responses in memory, the least recently used "
+                                f"leaving first, and not across restarts)", param=param, code="response_not_found")
+        return stored
+
+    @app.get("/v1/responses/{response_id}")
+    async def _get_response(response_id: str):
+        return _stored(response_id).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def _delete_response(response_id: str):
+        _stored(response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/v1/responses/{response_id}/cancel")
-    async def _stored_response(response_id: str):
-        raise APIError(404, f"No response {response_id[:64]!r}: this server does not store responses",
-                       code="response_not_found")
+    async def _cancel_response(response_id: str):
+        _stored(response_id)
+        raise bad_request("only background responses can be cancelled, and this server runs none")
 
     @app.post("/tokenize")
     async def _tokenize(request: Request):
@@ -157,10 +179,11 @@ async def _parse(request: Request, model, limits: BodyLimits):
     return await asyncio.to_thread(lambda: _validated(model, parse_json_sync(body, limits)))
 
 
-def _as_chat(req: ResponsesRequest):
-    """The chat request a response amounts to (on a worker thread: as heavy as validating a body)."""
+def _as_chat(req: ResponsesRequest, history: tuple[dict, ...]):
+    """The chat request a response amounts to, and its conversation (on a worker thread: as heavy as
+    validating a body)."""
     try:
-        return chat_request(req)
+        return chat_request(req, history)
     except ValidationError as exc:  # what the chat path refuses, named by its fields
         raise _validation_error(exc.errors())
     except ValueError as exc:

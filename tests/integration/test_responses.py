@@ -157,9 +157,9 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "stored responses"),
-    ({"input": "x", "conversation": "conv_1"}, "stored responses"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "stored responses"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "No response with id 'resp_1'"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation objects are not kept"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references are not supported"),
     ({"input": []}, "at least one item"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "text only"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "role"),
@@ -180,11 +180,54 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
 def test_what_cannot_be_done_is_a_400_naming_it(server, body, words):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code in (400, 404) and words in r.json()["error"]["message"], r.text
-    assert (r.status_code == 404) == ("model" in body)
+    assert (r.status_code == 404) == ("model" in body or "previous_response_id" in body)
 
 
-def test_responses_are_not_stored(server):
-    for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
-                         ("POST", "/v1/responses/resp_1/cancel")):
-        r = httpx.request(method, server.url + path, timeout=10)
-        assert r.status_code == 404 and "does not store" in r.json()["error"]["message"]
+def test_a_stored_response_is_continued_fetched_and_deleted(client, model):
+    """store (OpenAI's default): previous_response_id continues the conversation as if it had been sent
+    whole (the earlier instructions not carried over, as OpenAI's); GET returns the response, DELETE
+    forgets it; store false keeps nothing."""
+    first = client.responses.create(model=model, instructions="Be brief.", input="Hi", temperature=0,
+                                    max_output_tokens=6)
+    second = client.responses.create(model=model, previous_response_id=first.id, input="And then?",
+                                     temperature=0, max_output_tokens=6, stream=True)
+    second = [e for e in second][-1].response
+    want = chat(client, model, [{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": first.output_text},
+                                {"role": "user", "content": "And then?"}], max_tokens=6)
+    assert second.usage.input_tokens == want.usage.prompt_tokens and second.output_text == \
+        want.choices[0].message.content
+    assert second.previous_response_id == first.id and second.store
+    got = client.responses.retrieve(second.id)  # a streamed response is kept too
+    assert got.output_text == second.output_text and got.usage.input_tokens == second.usage.input_tokens
+    third = client.responses.create(model=model, previous_response_id=second.id, input="Why?", temperature=0,
+                                    max_output_tokens=4)  # a chain of three
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, previous_response_id=first.id, input="x")
+    unkept = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+    assert not unkept.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(second.id)
+
+
+def test_a_function_call_continued_by_previous_response_id(client, model):
+    first = client.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                    max_output_tokens=60)
+    call = first.output[-1]
+    got = client.responses.create(model=model, previous_response_id=first.id, tools=[WEATHER], temperature=0,
+                                  max_output_tokens=8, input=[{"type": "function_call_output",
+                                                               "call_id": call.call_id, "output": "sunny"}])
+    want = chat(client, model, [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], max_tokens=8)
+    assert got.usage.input_tokens == want.usage.prompt_tokens

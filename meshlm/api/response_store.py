@@ -1,0 +1,74 @@
+"""Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (OpenAI's `store`, its default).
+
+In memory only, on the server that answered, least recently used first out, within a byte budget: a
+restart or an eviction makes an id unknown (a 404 naming it), never another conversation. Each entry
+holds the response object as answered and the conversation it closes as chat messages (its history, its
+input, its output as the assistant's turn), so a follow-up is templated exactly as if the client had sent
+it all. Instructions are not carried over, as OpenAI's are not.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass
+
+MAX_BYTES = 64 << 20
+MAX_RESPONSES = 4096
+
+
+@dataclass(frozen=True)
+class Stored:
+    body: dict  # the response object
+    messages: tuple[dict, ...]  # the conversation through this response's output, as chat messages
+    size: int
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int = MAX_BYTES, max_responses: int = MAX_RESPONSES) -> None:
+        self.max_bytes = max_bytes
+        self.max_responses = max_responses
+        self._entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, body: dict, messages: list[dict]) -> bool:
+        """Keep a finished response; False when it alone is larger than the budget (not kept)."""
+        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(messages, ensure_ascii=False))
+        if size > self.max_bytes:
+            return False
+        self.delete(body["id"])
+        self._entries[body["id"]] = Stored(body, tuple(messages), size)
+        self._bytes += size
+        while self._bytes > self.max_bytes or len(self._entries) > self.max_responses:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= old.size
+        return True
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._entries.get(response_id)
+        if stored is not None:
+            self._entries.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._entries.pop(response_id, None)
+        if stored is not None:
+            self._bytes -= stored.size
+        return stored is not None
+
+
+def assistant_turn(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat messages a template reads: its text and function calls as
+    one assistant message (reasoning left out, as chat templates leave earlier turns' reasoning out)."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message"
+                   for part in item.get("content", ()))
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: dict = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
