@@ -66,12 +66,6 @@ class PromptBuilder:
     # -- public, async ------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[int]:
         if req.truncate_prompt_tokens is None:
-            # Every template spends a token or more on each message: more messages than the context holds
-            # tokens cannot fit, and templating 200,000 of them costs seconds of CPU first.
-            if len(req.messages) > self.max_model_len:
-                raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and "
-                                  f"{len(req.messages)} messages cannot fit in it.", param="messages",
-                                  code="context_length_exceeded")
             self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
         ids = await asyncio.to_thread(self._chat_sync, req, tools)
         self.check_ids(ids, "messages")
@@ -136,6 +130,11 @@ class PromptBuilder:
                 continue_final_message=req.continue_final_message, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support
             raise bad_request(f"messages could not be formatted by the chat template: {exc}", param="messages")
+        if req.truncate_prompt_tokens is None:
+            # The templated text, before it is tokenized: what the messages' text left out (tool calls'
+            # arguments, tool definitions, many short messages) is in it, and tokenizing megabytes of it
+            # cost seconds of CPU before the same 400 (templating 200,000 messages: ~1 s).
+            self._bound_chars(len(text), "messages")
         return self._encode_many([text], getattr(req, "add_special_tokens", False))[0]
 
     async def text(self, text: str, special: bool) -> list[int]:

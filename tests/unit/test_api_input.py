@@ -125,6 +125,30 @@ def test_text_that_cannot_fit_is_refused_without_tokenizing():
     assert info.value.code == "context_length_exceeded"
 
 
+def test_a_templated_chat_that_cannot_fit_is_refused_without_tokenizing():
+    """Regression: only the messages' text was bounded, so megabytes of a past tool call's arguments (or
+    tool definitions, or 200,000 short messages) were tokenized in full before the same 400. The templated
+    text is bounded too, before it is tokenized. A template that leaves messages out is not held to them."""
+    from meshlm.api.schemas import ChatCompletionRequest
+
+    b = builder(max_len=10)  # 440 characters at most
+    b.tokenizer.apply_chat_template = lambda messages, **kw: "".join(
+        m["content"] + "".join(c["function"]["arguments"] for c in m.get("tool_calls") or ()) for m in messages)
+    b.tokenizer.chat_template = "{{ messages }}"  # renders tools itself: calls stay calls
+    b._fast = None
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * 441}}
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [call]}]})
+    b.tokenizer.encode = lambda *a, **k: pytest.fail("tokenized")
+    with pytest.raises(APIError) as info:
+        asyncio.run(b.chat(req))
+    assert info.value.code == "context_length_exceeded"
+    b.tokenizer.apply_chat_template = lambda messages, **kw: messages[-1]["content"]  # the last message only
+    b.tokenizer.encode = FakeTokenizer(b.tokenizer.vocab).encode
+    many = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}] * 50})
+    assert asyncio.run(b.chat(many)) == [1]  # 50 messages, more than the context's 10 tokens: it fits
+
+
 def test_tokenized_ids_are_checked_too():
     b = builder()
     b.tokenizer.encode = lambda text, add_special_tokens=True: [1, 50]  # a tokenizer larger than the model
