@@ -235,10 +235,13 @@ def _chat_template(value: str | None) -> str | None:
         text = value
     else:
         raise ValueError(f"--chat-template {value[:80]!r} is neither a file nor a Jinja template")
-    import jinja2  # before the model loads: a typo costs seconds, not minutes
+    # Compiled as transformers will render it (its loop controls and {% generation %} tag included),
+    # before the model loads: a typo costs seconds, not minutes.
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        jinja2.Environment().parse(text)
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
     return text

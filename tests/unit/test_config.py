@@ -15,6 +15,10 @@ def parse(*flags: str):
 def test_a_chat_template_from_a_file_or_inline_and_its_default_variables(tmp_path):
     inline = "{% for m in messages %}{{ m.content }}{% endfor %}" + "x" * 5000  # too long for a file name
     assert parse("--chat-template", inline).server.chat_template == inline
+    # transformers' own tags and extensions (a plain jinja2 environment refused them)
+    for text in ("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}",
+                 "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"):
+        assert parse("--chat-template", text).server.chat_template == text
     (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
     assert parse("--chat-template", str(tmp_path / "t.jinja")).server.chat_template == "{{ messages[0].content }}"
     config = parse("--chat-template-args", '{"enable_thinking": false}').server
