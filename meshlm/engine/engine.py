@@ -746,7 +746,9 @@ class Engine:
         self.metrics.generation_tokens.inc(shown)
         lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
         prompt = t.take_prompt_logprobs()
-        if text or lps or prompt is not None or not t.seq.finished:
+        # A last token without text still goes out: its id (return_token_ids) and the count must agree
+        # whether or not logprobs were asked for.
+        if text or lps or shown or prompt is not None or not t.seq.finished:
             t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps, prompt_logprobs=prompt))
         if not t.stop.stopped:
             return

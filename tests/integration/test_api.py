@@ -630,6 +630,22 @@ def test_a_schema_applies_after_the_reasoning(tmp_path):
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
 
 
+def test_return_token_ids_has_every_token_even_one_without_text(client, tiny_model):
+    """Regression: a finished sequence's last token that decodes to no text (a special token, EOS) was not
+    sent: token_ids came one short of completion_tokens (or empty), unless logprobs were asked for."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    for special, temperature in ((tok.convert_tokens_to_ids("<|endoftext|>"), 0.7), (tok.eos_token_id, 0.0)):
+        body = {"prompt": "hello", "max_tokens": 5, "temperature": temperature, "seed": 3, "return_token_ids": True,
+                "logit_bias": {str(special): 100}}
+        plain = client.post("/v1/completions", json=body).json()
+        scored = client.post("/v1/completions", json={**body, "logprobs": 1}).json()
+        ids = plain["choices"][0]["token_ids"]
+        assert ids == scored["choices"][0]["token_ids"] and len(ids) == plain["usage"]["completion_tokens"]
+        assert ids and ids[-1] == special
+
+
 def test_allowed_token_ids_limit_the_output(client):
     allowed = [100, 200, 300]
     body = client.post("/v1/completions", json={"prompt": "the river", "max_tokens": 12, "temperature": 1.0,
