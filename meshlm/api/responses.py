@@ -40,21 +40,37 @@ class ResponseRun:
         await self.completion.run()
         c = self.completion.choices[0]
         message = self.completion.choice_body(c)["message"]
+        # The items a stream of the same output opens, with the same statuses: reasoning and text when
+        # there is some, a call each, an empty message when nothing else; the last one incomplete when cut.
         calls = message.get("tool_calls") or []
         items = []
-        if message.get("reasoning_content") is not None:
+        if message.get("reasoning_content"):
             items.append(_reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
-        if message.get("content") or not calls:
+        if message.get("content") or not (items or calls):
             items.append(_message_item(new_id("msg"), message.get("content") or "", "completed"))
         items += [_call_item(new_id("fc"), call, "completed") for call in calls]
+        if c.finish_reason == "length":
+            items[-1]["status"] = "incomplete"
         return json.dumps(self._finished(items, c), ensure_ascii=False).encode("utf-8")
 
     def _finished(self, output: list[dict], c: Choice) -> dict:
         """The finished response's object, kept when `store` says so."""
         body = self._response(output, c)
         if self.store is not None:
-            self.store.put(body, self.conversation + assistant_turn(output))
+            self.store.put(body, self._closed(assistant_turn(output)[0]))
         return body
+
+    def _closed(self, turn: dict) -> list[dict]:
+        """The conversation with this response's turn: a continued final assistant message (vLLM's
+        continue_final_message) is that message, grown, not a second one."""
+        history = self.conversation
+        if not ((self.req.model_extra or {}).get("continue_final_message") and history
+                and history[-1]["role"] == "assistant"):
+            return history + [turn]
+        last = {**history[-1], "content": (history[-1].get("content") or "") + turn["content"]}
+        if turn.get("tool_calls"):
+            last["tool_calls"] = list(last.get("tool_calls") or ()) + turn["tool_calls"]
+        return history[:-1] + [last]
 
     def _response(self, output: list[dict], c: Choice | None, failed: dict | None = None) -> dict:
         """The response object; `c` None: still running."""

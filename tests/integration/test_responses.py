@@ -59,6 +59,7 @@ def test_a_response_is_the_chat_completion_it_amounts_to(client, model, max_toke
     assert got.usage.output_tokens == want.usage.completion_tokens
     assert got.usage.total_tokens == want.usage.total_tokens and got.usage.output_tokens_details.reasoning_tokens == 0
     assert [item.type for item in got.output] == ["message"] and got.output[0].role == "assistant"
+    assert got.output[0].status == ("incomplete" if cut else "completed")
     assert got.model == model and got.id.startswith("resp")
 
 
@@ -76,6 +77,8 @@ def test_streamed_events_build_the_same_response(client, model):
     done = [e for e in events if e.type == "response.output_text.done"]
     assert len(done) == 1 and done[0].text == text
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    shape = lambda r: [(i.type, i.status) for i in r.output]  # noqa: E731
+    assert shape(events[-1].response) == shape(whole)
     # The client's own accumulation of the events (it needs `response.completed`: a schema makes this random
     # model end its output).
     kw["text"] = {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}}
@@ -144,8 +147,19 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
         whole = whole["choices"][0]["message"]
         r = c.responses.create(**kw)
         events = list(c.responses.create(**kw, stream=True))
+        # Cut inside the reasoning: whole and streamed, the same items with the same statuses.
+        cut = {**kw, "max_output_tokens": 2, "extra_body": {**extra, "logit_bias": {"513": -100}}}
+        shape = lambda resp: [(i.type, i.status) for i in resp.output]  # noqa: E731
+        cut_whole, cut_stream = c.responses.create(**cut), list(c.responses.create(**cut, stream=True))[-1].response
+        # A continued final message is stored as that message, grown (not a second assistant turn).
+        follow = c.responses.create(model=name, previous_response_id=r.id, input="More?", max_output_tokens=2)
+        merged = httpx.post(srv.url + "/v1/chat/completions", json={"max_tokens": 2, "messages": [
+            messages[0], {"role": "assistant", "content": "<think>" + r.output_text},
+            {"role": "user", "content": "More?"}]}, timeout=60).json()
     finally:
         srv.stop()
+    assert shape(cut_whole) == shape(cut_stream) == [("reasoning", "incomplete")]
+    assert follow.usage.input_tokens == merged["usage"]["prompt_tokens"]
     reasoning = [i for i in r.output if i.type == "reasoning"]
     assert whole["reasoning_content"] and reasoning[0].content[0].text == whole["reasoning_content"]
     assert [i.type for i in r.output] == ["reasoning", "message"]
