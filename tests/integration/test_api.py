@@ -431,6 +431,9 @@ def test_cors_only_for_the_allowed_origins(server, tiny_model, tmp_path):
         r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
         assert "POST" in r.headers["access-control-allow-methods"]
+        r = httpx.options(srv.url + "/v1/responses/resp_1", headers={**preflight, "Access-Control-Request-Method":
+                                                                     "DELETE"})  # a stored response's DELETE
+        assert r.status_code == 200 and "DELETE" in r.headers["access-control-allow-methods"]
         r = httpx.post(srv.url + "/v1/chat/completions", headers={"Origin": page}, json=CHAT)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
         r = httpx.post(srv.url + "/v1/chat/completions", headers={"Origin": page}, json={})  # errors too
