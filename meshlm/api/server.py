@@ -41,8 +41,8 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         app.add_middleware(APIKeyMiddleware, key=api_key,
                            rejected=lambda status: serving.engine.metrics.rejected.labels(status=str(status)).inc())
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["*"], max_age=600)
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600)
     engine = serving.engine
     health = health or (lambda: engine.problem)
     store = ResponseStore()  # /v1/responses kept for previous_response_id and GET
