@@ -10,13 +10,12 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, REASONING_PARSERS, CacheConfig, DisaggConfig,
-                           ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
+from meshlm.config import (API_KEY_ENV, AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, REASONING_PARSERS, CacheConfig,
+                           DisaggConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig,
+                           SpeculativeConfig)
 from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
-
-API_KEY_ENV = "MESHLM_API_KEY"
 
 
 def parse_bytes(text: str) -> int:

@@ -267,6 +267,7 @@ class ParallelConfig:
 CLIENT_TIMEOUT_SECONDS = 60.0
 
 
+API_KEY_ENV = "MESHLM_API_KEY"  # --api-key's default: kept out of the process list
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # vLLM's names; both mean api/reasoning.py's one rule
 
 

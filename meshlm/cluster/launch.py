@@ -26,6 +26,7 @@ from pathlib import Path
 
 from meshlm.transport.auth import SECRET_ENV
 from meshlm.cluster.bootstrap import ClusterError, Host, Hostfile, cluster_secret, load_hostfile
+from meshlm.config import API_KEY_ENV
 from meshlm.platform import meshlm_command
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     loaded = load_hostfile(path)
     hosts = list(loaded.hosts)
     check_secret(loaded)
+    check_api_key(hosts[0], serve_argv)
     cwd = os.getcwd()
     base = meshlm_command()
     if backend == "mpi":  # mpirun starts every rank; each reads its rank from the MPI environment
@@ -128,6 +130,16 @@ def check_secret(hostfile: Hostfile) -> None:
     if remote and hostfile.secret is None and SECRET_ENV in os.environ:
         log.warning("%s is not forwarded over ssh: %s need it in their own environment, or put it in the "
                     "hostfile's \"secret\"", SECRET_ENV, ", ".join(remote))
+
+
+def check_api_key(leader: Host, serve_argv: list[str]) -> None:
+    """Refuse to start a leader that would serve with no API key where this shell has one: ssh does not
+    forward MESHLM_API_KEY, and an open server is no safe way to fail (a rank lacking the secret fails)."""
+    if is_here(leader) or API_KEY_ENV not in os.environ or _flag_value(serve_argv, "--api-key") is not None:
+        return
+    raise ClusterError(f"{API_KEY_ENV} is set here, but ssh does not forward it to {leader.ssh}, where rank 0 "
+                       "serves HTTP: it would serve with no API key. Pass --api-key (shown in that host's process "
+                       f"list), or unset {API_KEY_ENV} here if {leader.ssh}'s own environment sets it")
 
 
 def _check_tools(cmds: list[list[str]]) -> None:

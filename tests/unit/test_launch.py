@@ -97,6 +97,19 @@ def test_dry_run_prints_one_command_per_rank_or_one_mpirun(tmp_path):
     assert len(mpi) == 1 and mpi[0].startswith("mpirun -np 2 --host localhost,localhost") and "--rank" not in mpi[0]
 
 
+def test_a_remote_leader_is_not_started_without_the_api_key_this_shell_has(tmp_path):
+    """Regression: ssh does not forward MESHLM_API_KEY, so a leader on another host served with no key and
+    nothing said so. launch refuses, unless --api-key is given; a local leader inherits the variable."""
+    hosts = tmp_path / "h.json"
+    hosts.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    env = {**os.environ, SECRET_ENV: SECRET, "MESHLM_API_KEY": "sk-1"}
+    refused = launch_cli(hosts, env=env)
+    assert refused.returncode != 0 and "ssh does not forward it to mac1" in refused.stderr
+    assert launch_cli(hosts, "ring", env, "--api-key", "sk-1").returncode == 0
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "mac1", "ips": ["10.0.0.1"]}]))
+    assert launch_cli(hosts, env=env).returncode == 0
+
+
 @pytest.mark.parametrize("layout", [[], ["--pipeline-parallel", "2"], ["--context-parallel", "2"]])
 def test_every_rank_under_mpirun_reads_its_rank_from_mpi(tmp_path, layout):
     """No --rank on mpirun's one command line: each process takes its rank from MPI's environment, which
