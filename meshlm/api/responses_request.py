@@ -49,7 +49,8 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)
-    store: StrictBool = True  # kept for previous_response_id and GET (api/response_store.py), as OpenAI's default
+    # Kept for previous_response_id and GET (api/response_store.py); null or omitted: true, OpenAI's default
+    store: StrictBool | None = None
     previous_response_id: str | None = Field(None, max_length=200)
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None

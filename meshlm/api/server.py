@@ -121,7 +121,8 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         prompt = await serving.prompts.chat(chat, tools)
         grammar = await request_grammar(serving.grammars, chat, limits, tools)
         completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
-        return await _respond(request, ResponseRun(req, completion, conversation, store if req.store else None))
+        return await _respond(request, ResponseRun(req, completion, conversation,
+                                                   None if req.store is False else store))
 
     def _stored(response_id: str, param: str | None = None):
         stored = store.get(response_id)
