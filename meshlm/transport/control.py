@@ -165,6 +165,9 @@ class ControlLeader:
         self._last_step = -1
         self._last_send = time.monotonic()
         self._lock = threading.RLock()
+        # Socket writes and the sequence numbers: `pulse` takes only this one, so that it heartbeats while
+        # the engine thread holds the other waiting for acks.
+        self._send_lock = threading.Lock()
         self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
         self._dropped_count = 0
         self.worker_times: dict[int, tuple[float, ...]] = {}  # rank -> its seconds by phase, from its last ACK
@@ -439,6 +442,25 @@ class ControlLeader:
             self._send_all(Kind.HEARTBEAT, b"")
             return True
 
+    def pulse(self) -> None:
+        """From a helper thread while the engine thread is busy for long without a word to the workers (a
+        pipeline's leader runs its own stage, or waits for an activation, while stage 0 waits for the next
+        plan): a heartbeat when one is due, so no waiting worker takes the silence for a dead leader (it
+        gave up after --worker-timeout, and its healthy stage took the blame). Reads nothing, and a failed
+        send is left for the engine thread to meet and name."""
+        with self._send_lock:
+            if (time.monotonic() - self._last_send < self.heartbeat_interval
+                    or any(link.closed for link in self._links.values())):
+                return
+            data = wire.encode_frame(Kind.HEARTBEAT, self._seq, b"", max_payload=self.max_payload)
+            self._seq += 1
+            self._last_send = time.monotonic()
+            for rank in sorted(self._links):
+                try:
+                    self._links[rank].send(data, self.timeout)
+                except LinkClosed:
+                    return
+
     def check_workers(self) -> None:
         """Non-blocking: raise WorkerLost for a worker whose connection closed (e.g. process killed)."""
         with self._lock:
@@ -537,17 +559,18 @@ class ControlLeader:
     def _send_all(self, kind: Kind, payload: bytes) -> int:
         """One encoding, the same bytes (and sequence number) to every live worker."""
         self._require_live(self._links)
-        seq = self._seq
-        data = wire.encode_frame(kind, seq, payload, max_payload=self.max_payload)
-        self._seq += 1
-        self._last_send = time.monotonic()
-        for rank in sorted(self._links):
-            link = self._links[rank]
-            try:
-                link.send(data, self.timeout)
-            except LinkClosed as e:
-                self._lose(rank)
-                raise WorkerLost(rank, f"{e} ({link.peer})") from None
+        with self._send_lock:
+            seq = self._seq
+            data = wire.encode_frame(kind, seq, payload, max_payload=self.max_payload)
+            self._seq += 1
+            self._last_send = time.monotonic()
+            for rank in sorted(self._links):
+                link = self._links[rank]
+                try:
+                    link.send(data, self.timeout)
+                except LinkClosed as e:
+                    self._lose(rank)
+                    raise WorkerLost(rank, f"{e} ({link.peer})") from None
         return seq
 
     def _require_live(self, ranks: Iterable[int]) -> None:
@@ -568,7 +591,7 @@ class ControlLeader:
 
     def shutdown(self, reason: str = "leader shutting down", linger: float = 2.0) -> None:
         """Best effort: SHUTDOWN to every live worker, wait up to `linger` s for them to hang up, close."""
-        with self._lock:
+        with self._lock, self._send_lock:
             frame = wire.encode_frame(Kind.SHUTDOWN, self._seq, wire.encode_reason(reason))
             self._seq += 1
             for link in self._live_links():

@@ -11,6 +11,7 @@ Kinds (ARG is a token id or a step id):
   stall_load SECONDS   the rank sleeps SECONDS before it loads its model (a slow disk)
   exit_before_join CODE  the rank exits with status CODE after the roll call, just before the MLX group's join
   unmasked_token TOKEN  the sampler ignores every grammar's mask and favours token id TOKEN (a sampler bug)
+  slow_prefill SECONDS  this rank's forward of a plan of 32 tokens or more first sleeps SECONDS (a long step)
 
 Run with MESHLM_OPENBLAS=0: the OpenBLAS preload re-executes `python -m meshlm`, which would drop the patch.
 """
@@ -93,6 +94,11 @@ def _plant(kind: str, arg: int) -> None:
     def unmasking_process_logits(row, state, ahead=(), allowed=None):
         return process_logits(row, state, ahead).at[arg].add(1e4)
 
+    def slow_launch(self, prepared, *rest, **kw):
+        if sum(len(c.token_ids) for c in prepared.plan.chunks) >= 32:
+            time.sleep(arg)
+        return launch(self, prepared, *rest, **kw)
+
     patches = {"forward_raise": [(Runner, "launch", raising_launch)],
                "schedule_raise": [(Scheduler, "schedule", raising_schedule)],
                "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
@@ -100,7 +106,8 @@ def _plant(kind: str, arg: int) -> None:
                "corrupt_activation": [(StageLink, "send_activation", corrupting_send)],
                "stall_load": [(loader, "load_model", stalling_load)],
                "exit_before_join": [(ranks, "init_group", exiting_join)],
-               "unmasked_token": [(sampler, "process_logits", unmasking_process_logits)]}
+               "unmasked_token": [(sampler, "process_logits", unmasking_process_logits)],
+               "slow_prefill": [(Runner, "launch", slow_launch)]}
     for cls, name, fn in patches[kind]:
         setattr(cls, name, fn)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (SCORE_TOL, ServerProcess, assert_parity, assert_scores, children, complete_all, free_port, free_port_run,
-                      reference_scores, score_all, scored_prompts, stream_error, stream_then)
+from conftest import (SCORE_TOL, ServerProcess, assert_parity, assert_scores, children, complete_all, fault_entry, free_port,
+                      free_port_run, reference_scores, score_all, scored_prompts, stream_error, stream_then)
 
 pytestmark = pytest.mark.slow
 
@@ -177,6 +177,21 @@ def test_a_stage_that_dies_or_hangs_fails_requests_within_10s(pp2, sig):
         os.kill(stage0, signal.SIGCONT)
     # A lost stage is a known failure, logged in a line: a traceback would read as a bug in meshlm.
     assert "Traceback" not in pp2.log.read_text(), pp2.log.read_text()[-3000:]
+
+
+def test_a_leader_step_longer_than_the_worker_timeout_is_no_failure(model, tmp_path):
+    """Regression: the leader heartbeat only between steps, so while it ran its own stage for longer than
+    --worker-timeout (a long prompt, a big model) stage 0, waiting for the next plan, took the silence for a
+    dead leader and exited: a healthy pipeline failed (and a hung stage was blamed on the healthy one)."""
+    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--worker-timeout", "1",
+                        log_dir=tmp_path, entry=fault_entry("slow_prefill", 3), env={"MESHLM_OPENBLAS": "0"})
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"prompt": "the river runs past the old mill " * 8, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_the_leader_killed_makes_the_stages_exit(pp2):
