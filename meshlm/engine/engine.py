@@ -678,8 +678,11 @@ class Engine:
     def _read(self, launched: _Launched) -> tuple[dict[int, list[int]], dict[int, list], dict]:
         """`_sample`'s results from a draw launched with its step (`_launch_draw`); a sequence that ended
         meanwhile (a stop string, a failure) is dropped, as there."""
-        tokens, lps = take(launched.draw)
-        sampled = {u: [tok] for u, tok in zip(launched.uids, tokens) if u in self._tracked}
+        with self._lock:
+            kept = self.scheduler.kept(launched.plan.step_id, launched.uids)
+        kept = {u for u in kept if u in self._tracked}
+        tokens, lps = take(launched.draw, [u in kept for u in launched.uids])
+        sampled = {u: [tok] for u, tok in zip(launched.uids, tokens) if u in kept}
         return sampled, {u: [lp] for u, lp in zip(launched.uids, lps) if lp is not None and u in sampled}, {}
 
     def _sample(self, plan: StepPlan, result: StepResult):
@@ -688,8 +691,12 @@ class Engine:
         if result.logits is None:
             return {}, {}, {}
         # A sequence ended meanwhile (a stop string found while this step ran, or a failure from the
-        # watchdog's thread) has no sampling state any more: its rows are dropped.
-        tracked = {u: t for u in result.uids if (t := self._tracked.get(u)) is not None}
+        # watchdog's thread) has no sampling state any more, and one preempted while this plan was in
+        # flight (a pipeline's next micro-batch needed its blocks) keeps nothing of it: their rows are
+        # dropped, so no sampler state records a token the sequence does not take.
+        with self._lock:
+            kept = self.scheduler.kept(plan.step_id, set(result.uids))
+        tracked = {u: t for u in result.uids if u in kept and (t := self._tracked.get(u)) is not None}
         rows: dict[int, list[int]] = {}
         for i, uid in enumerate(result.uids):
             if uid in tracked:

@@ -183,12 +183,14 @@ def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
     return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp)
 
 
-def take(d: Draw) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Read a draw's tokens and logprobs (waiting for them) and record the tokens in each row's state."""
+def take(d: Draw, record: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Read a draw's tokens and logprobs (waiting for them) and record the tokens in each row's state
+    (`record`: in the rows it marks only; a row whose token will not be kept records nothing)."""
     mx.eval(d.tokens, *d.logprob_parts)
     ids = d.tokens.tolist()
-    for tok, s in zip(ids, d.states):
-        s.record([tok])
+    for i, (tok, s) in enumerate(zip(ids, d.states)):
+        if record is None or record[i]:
+            s.record([tok])
     logprobs: list[TokenLogprob | None] = [None] * len(d.states)
     for j, i in enumerate(d.want_lp):
         chosen, top_ids, top_vals = d.logprob_parts[3 * j : 3 * j + 3]

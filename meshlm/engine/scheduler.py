@@ -331,6 +331,14 @@ class Scheduler:
         return lengths
 
     # -- results ----------------------------------------------------------
+    def kept(self, step_id: int, uids) -> set[int]:
+        """Of `uids`, those whose tokens from plan `step_id` `update` will keep: not those that left, or were
+        preempted (maybe re-admitted), while the plan was in flight. Their sampler state must not record
+        the token either (grammar, penalties, the seed's draw count), or it runs one token ahead of the
+        output the sequence keeps."""
+        running = {s.uid for s in self.running}
+        return {u for u in uids if u in running and (f := self._in_flight.get(u)) and f[0][0] == step_id}
+
     def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> tuple[list[Finished], dict[int, list[int]]]:
         """Apply a step's results: advance computed counts, append the tokens each sequence got (one, or for
         a verified chunk its accepted drafts plus one), commit full blocks, roll rejected drafts back.

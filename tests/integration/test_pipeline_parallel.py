@@ -130,6 +130,48 @@ def test_preemption_and_the_ssd_tier_under_micro_batches(model, reference, tmp_p
     assert ssd and ssd[0] > 0
 
 
+def sampled_bodies() -> list[dict]:
+    """Requests whose output follows the sampler's state: penalties (the counts of tokens taken so far) and
+    seeds (a draw's key is the seed's and the output index's)."""
+    out = []
+    for i in range(24):
+        body = {"prompt": f"item {i} " * (2 + 3 * i), "max_tokens": 60, "ignore_eos": True}
+        if i % 2:
+            body.update(temperature=0, frequency_penalty=1.5, presence_penalty=0.5)
+        else:
+            body.update(temperature=0.9, seed=i)
+        out.append(body)
+    return out
+
+
+async def _texts(url: str, bodies: list[dict]) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    return [r.json()["choices"][0]["text"] for r in rs]
+
+
+def test_a_sequence_preempted_in_flight_samples_as_one_process(model, tmp_path):
+    """Regression: a sequence preempted while its micro-batch was in flight dropped that plan's token, but
+    its sampler state had recorded it (penalty counts, the seed's draw index, a grammar): penalised and
+    seeded output then diverged from one process, and strict JSON came out broken (bug hunt)."""
+    one = ServerProcess(model, "--max-model-len", "512", log_dir=tmp_path)
+    try:
+        want = asyncio.run(_texts(one.url, sampled_bodies()))
+    finally:
+        one.stop()
+    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "400KB",
+                        "--block-size", "16", "--no-prefix-cache", log_dir=tmp_path)
+    try:
+        for _ in range(3):  # until a burst preempts (arrivals on a loaded machine may stagger one)
+            assert asyncio.run(_texts(srv.url, sampled_bodies())) == want
+            if srv.metric("meshlm_preemptions_total") > 0:
+                break
+        assert srv.metric("meshlm_preemptions_total") > 0
+    finally:
+        srv.stop()
+
+
 def test_demo_model_split_10_20_matches_one_process(tmp_path):
     prompts = ["The capital of France is", "Write a haiku about rivers.", "1, 2, 3, 4,", "def fib(n):"]
     outs = []
