@@ -106,6 +106,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt served from the cache at its first admission (usage's cached_tokens)
+    cache_counted: bool = False  # num_cached_tokens is set (a recompute for blocks no rank loaded resets it)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     aborted: bool = False

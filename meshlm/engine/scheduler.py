@@ -258,8 +258,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = m.tokens
-            if not seq.num_preemptions:  # the prompt's hits, as usage reports them (as vLLM): a recompute's
-                seq.num_cached_tokens = m.tokens  # lookup covers generated tokens too (it exceeded the prompt)
+            if not seq.cache_counted:  # the prompt's hits, as usage reports them (as vLLM): a recompute's
+                # lookup covers generated tokens too (it exceeded the prompt)
+                seq.num_cached_tokens, seq.cache_counted = min(m.tokens, len(seq.prompt_ids)), True
             self.running.append(seq)
             draft.new.append(NewSequence(seq.uid, m.tokens, self.blocks.holder(seq.uid)))
             draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
@@ -319,6 +320,7 @@ class Scheduler:
         hit = [s for s in self.running if not s.finished and bad.intersection(self.blocks.table(s.uid))]
         for seq in reversed(hit):  # each goes to the queue's front: the oldest ends up first
             self._preempt(seq)
+            seq.cache_counted = False  # the hits it counted were not loaded: its recompute's lookup counts
         return [s.uid for s in hit]
 
     def _lengths_after(self, chunks: list[Chunk]) -> dict[int, int]:
