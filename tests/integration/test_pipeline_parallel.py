@@ -45,6 +45,15 @@ def model(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """One model for the tests whose subject is not the model family (the engine's, the control plane's)."""
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("pp-one") / "tiny-llama", "llama", layers=4, hidden=64, heads=4,
+                     kv_heads=2)
+
+
+@pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
     srv = ServerProcess(model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path_factory.mktemp("one"))
     try:
@@ -151,16 +160,16 @@ async def _texts(url: str, bodies: list[dict]) -> list[str]:
     return [r.json()["choices"][0]["text"] for r in rs]
 
 
-def test_a_sequence_preempted_in_flight_samples_as_one_process(model, tmp_path):
+def test_a_sequence_preempted_in_flight_samples_as_one_process(llama, tmp_path):
     """Regression: a sequence preempted while its micro-batch was in flight dropped that plan's token, but
     its sampler state had recorded it (penalty counts, the seed's draw index, a grammar): penalised and
     seeded output then diverged from one process, and strict JSON came out broken (bug hunt)."""
-    one = ServerProcess(model, "--max-model-len", "512", log_dir=tmp_path)
+    one = ServerProcess(llama, "--max-model-len", "512", log_dir=tmp_path)
     try:
         want = asyncio.run(_texts(one.url, sampled_bodies()))
     finally:
         one.stop()
-    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "400KB",
+    srv = ServerProcess(llama, "--max-model-len", "512", "--pipeline-parallel", "2", "--kv-cache-memory", "400KB",
                         "--block-size", "16", "--no-prefix-cache", log_dir=tmp_path)
     try:
         for _ in range(3):  # until a burst preempts (arrivals on a loaded machine may stagger one)
@@ -221,11 +230,11 @@ def test_a_stage_that_dies_or_hangs_fails_requests_within_10s(pp2, sig):
     assert "Traceback" not in pp2.log.read_text(), pp2.log.read_text()[-3000:]
 
 
-def test_a_leader_step_longer_than_the_worker_timeout_is_no_failure(model, tmp_path):
+def test_a_leader_step_longer_than_the_worker_timeout_is_no_failure(llama, tmp_path):
     """Regression: the leader heartbeat only between steps, so while it ran its own stage for longer than
     --worker-timeout (a long prompt, a big model) stage 0, waiting for the next plan, took the silence for a
     dead leader and exited: a healthy pipeline failed (and a hung stage was blamed on the healthy one)."""
-    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--worker-timeout", "1",
+    srv = ServerProcess(llama, "--max-model-len", "512", "--pipeline-parallel", "2", "--worker-timeout", "1",
                         log_dir=tmp_path, entry=fault_entry("slow_prefill", 3), env={"MESHLM_OPENBLAS": "0"})
     try:
         r = httpx.post(srv.url + "/v1/completions", timeout=60,
