@@ -13,13 +13,14 @@ from test_parity import meshlm_greedy_texts, mlx_lm_greedy
 pytestmark = pytest.mark.slow
 
 
-# One process serves the same fused weights as tests/unit/test_adapters.py checks: the layouts that cut
-# shards and stages from them are the ones to run here.
-@pytest.mark.parametrize("layout", [("--tensor-parallel", "2"), ("--pipeline-parallel", "2")])
+# One process serves the same fused weights as tests/unit/test_adapters.py checks, and a pipeline stage
+# only drops the fused layers it does not hold (loader.keep_stage, as for any model): tensor parallelism,
+# which slices each fused matrix, is the layout to run here.
+@pytest.mark.parametrize("layout", [("--tensor-parallel", "2")])
 def test_an_adapter_is_served_as_mlx_lm_applies_it(tiny_model, tmp_path, layout):
     """--adapter-path (mlx_lm.server's flag): the adapter is fused into the weights before shards or stages
     are cut; greedy tokens equal mlx-lm's with the adapter unfused, and prompt logprobs are within SCORE_TOL,
-    split over two ranks."""
+    split over two tensor-parallel ranks."""
     from mlx_lm import load as _load
 
     from meshlm.model.demo import make_tiny_adapter
