@@ -196,9 +196,7 @@ class SSDTier:
         removed, now = 0, time.time()
         try:
             entries = list(os.scandir(self.dir / TMP_DIR))
-        except FileNotFoundError:
-            return 0
-        except NotADirectoryError:  # a file holds the name: the writer replaces it (`_temp_dir`)
+        except (FileNotFoundError, NotADirectoryError):  # none yet, or a file in its place (`_temp_dir`)
             return 0
         for e in entries:
             try:

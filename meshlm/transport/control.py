@@ -452,9 +452,7 @@ class ControlLeader:
             if (time.monotonic() - self._last_send < self.heartbeat_interval
                     or any(link.closed for link in self._links.values())):
                 return
-            data = wire.encode_frame(Kind.HEARTBEAT, self._seq, b"", max_payload=self.max_payload)
-            self._seq += 1
-            self._last_send = time.monotonic()
+            _, data = self._next_frame(Kind.HEARTBEAT, b"")
             for rank in sorted(self._links):
                 try:
                     self._links[rank].send(data, self.timeout)
@@ -560,10 +558,7 @@ class ControlLeader:
         """One encoding, the same bytes (and sequence number) to every live worker."""
         self._require_live(self._links)
         with self._send_lock:
-            seq = self._seq
-            data = wire.encode_frame(kind, seq, payload, max_payload=self.max_payload)
-            self._seq += 1
-            self._last_send = time.monotonic()
+            seq, data = self._next_frame(kind, payload)
             for rank in sorted(self._links):
                 link = self._links[rank]
                 try:
@@ -572,6 +567,14 @@ class ControlLeader:
                     self._lose(rank)
                     raise WorkerLost(rank, f"{e} ({link.peer})") from None
         return seq
+
+    def _next_frame(self, kind: Kind, payload: bytes) -> tuple[int, bytes]:
+        """The next frame to every worker, and its sequence number (hold the send lock)."""
+        seq = self._seq
+        data = wire.encode_frame(kind, seq, payload, max_payload=self.max_payload)
+        self._seq += 1
+        self._last_send = time.monotonic()
+        return seq, data
 
     def _require_live(self, ranks: Iterable[int]) -> None:
         for rank in sorted(ranks):
