@@ -10,7 +10,6 @@ model (or of another adapter) is never read, and every rank must hold the same a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -54,20 +53,9 @@ def check_adapter(path: Path) -> dict:
     return config
 
 
-def adapter_digest(path: Path) -> str:
-    """Of the adapter's two files: which adapter, for the model's fingerprint."""
-    h = hashlib.sha256()
-    for name in FILES:
-        with open(path / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def apply_adapter(model: nn.Module, path: Path, load_adapters) -> str:
+def apply_adapter(model: nn.Module, path: Path, load_adapters) -> None:
     """Load the adapter into `model` (mlx-lm's `load_adapters`, which checks every tensor's name and shape)
-    and fuse it into the weights, lazily: nothing is computed until the model's weights are evaluated.
-    Returns the adapter's digest."""
+    and fuse it into the weights, lazily: nothing is computed until the model's weights are evaluated."""
     check_adapter(path)
     try:
         load_adapters(model, str(path))
@@ -76,4 +64,3 @@ def apply_adapter(model: nn.Module, path: Path, load_adapters) -> str:
     fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
     if fused:
         model.update_modules(tree_unflatten(fused))
-    return adapter_digest(path)

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
-from meshlm.model.adapters import apply_adapter
+from meshlm.model.adapters import FILES as ADAPTER_FILES, apply_adapter
 from meshlm.model.vocab_parallel import shard_vocab_head
 from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
 
@@ -256,7 +256,8 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
                          f"{config['vocab_size']} (config.json / generation_config.json)")
     adapter = None
     if cfg.adapter_path is not None:  # fused before any shard or stage is cut: they are cut from its weights
-        adapter = apply_adapter(model, Path(cfg.adapter_path), import_mlx_lm("mlx_lm.tuner.utils").load_adapters)
+        apply_adapter(model, Path(cfg.adapter_path), import_mlx_lm("mlx_lm.tuner.utils").load_adapters)
+        adapter = "".join(hash_file(Path(cfg.adapter_path) / name)[:8] for name in ADAPTER_FILES)
     if tensor_group is not None:
         if not hasattr(model, "shard"):
             raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
