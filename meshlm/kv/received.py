@@ -55,6 +55,11 @@ class HostBlock:
         return BlockData(arrays(self.keys), arrays(self.values))
 
 
+# The group of blocks set aside for plans that never ran: no transfer's (job ids count from 1), evicted first,
+# and never cut (nothing of theirs follows).
+UNPINNED = -1
+
+
 class ReceivedBlocks:
     """Received blocks by key, within `max_bytes`. A block a plan will load is *pinned* (`pin`, when the block
     manager's lookup finds it) until the plan's `load` takes it: neither a transfer's `put` into a full tier
@@ -135,10 +140,10 @@ class ReceivedBlocks:
         with self._lock:
             for key, data in self._pinned.items():
                 self._bytes -= data.nbytes
-                self._add(key, data, -1)
+                self._add(key, data, UNPINNED)
             self._pinned.clear()
-            if -1 in self._groups:
-                self._groups.move_to_end(-1, last=False)
+            if UNPINNED in self._groups:
+                self._groups.move_to_end(UNPINNED, last=False)
 
     def load(self, key: bytes) -> BlockData | None:
         """Take the block out (a plan is loading it into the pools; on the model's thread); None if it is
@@ -173,7 +178,7 @@ class ReceivedBlocks:
             if self._group_of.get(key) == group:
                 self._pop(key)
                 self.dropped += 1
-                if group != -1:
+                if group != UNPINNED:
                     self._cut.add(group)
                 return
 
