@@ -60,8 +60,8 @@ class ResponseStore:
         return stored is not None
 
 
-def assistant_turn(output: list[dict]) -> list[dict]:
-    """A response's output items as the chat messages a template reads: its text and function calls as
+def assistant_turn(output: list[dict]) -> dict:
+    """A response's output items as the chat message a template reads: its text and function calls as
     one assistant message (reasoning left out, as chat templates leave earlier turns' reasoning out)."""
     text = "".join(part.get("text", "") for item in output if item["type"] == "message"
                    for part in item.get("content", ()))
@@ -71,4 +71,4 @@ def assistant_turn(output: list[dict]) -> list[dict]:
     message: dict = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
-    return [message]
+    return message

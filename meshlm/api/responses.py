@@ -57,7 +57,7 @@ class ResponseRun:
         """The finished response's object, kept when `store` says so."""
         body = self._response(output, c)
         if self.store is not None:
-            self.store.put(body, self._closed(assistant_turn(output)[0]))
+            self.store.put(body, self._closed(assistant_turn(output)))
         return body
 
     def _closed(self, turn: dict) -> list[dict]:

@@ -95,15 +95,13 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
 
     @app.get("/v1/models/{model:path}")  # a path: Hugging Face names hold a slash
     async def _model(model: str):
-        if model != serving.model_name:
-            raise APIError(404, f"The model `{model[:200]}` does not exist. This server serves "
-                                f"`{serving.model_name}`.", param="model", code="model_not_found")
+        serving.check_model(model)
         return card()
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
         req = await _parse(request, ChatCompletionRequest, limits)
-        serving.check_model(req)
+        serving.check_model(req.model)
         tools = plan_tools(req, serving.tokenizer)
         prompt = await serving.prompts.chat(req, tools)
         grammar = await request_grammar(serving.grammars, req, limits, tools)
@@ -112,7 +110,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     @app.post("/v1/responses")
     async def _responses(request: Request):
         req = await _parse(request, ResponsesRequest, limits)
-        serving.check_model(req)
+        serving.check_model(req.model)
         history = ()
         if req.previous_response_id is not None:
             history = _stored(req.previous_response_id, "previous_response_id").messages
@@ -153,19 +151,19 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         data = await asyncio.to_thread(parse_json_sync, body, limits)
         chat = isinstance(data, dict) and "messages" in data
         req = await asyncio.to_thread(_validated, TokenizeChatRequest if chat else TokenizeRequest, data)
-        serving.check_model(req)
+        serving.check_model(req.model)
         return await tokenize(serving, req, plan_tools(req, serving.tokenizer) if chat else None)
 
     @app.post("/detokenize")
     async def _detokenize(request: Request):
         req = await _parse(request, DetokenizeRequest, limits)
-        serving.check_model(req)
+        serving.check_model(req.model)
         return detokenize(serving, req)
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
         req = await _parse(request, CompletionRequest, limits)
-        serving.check_model(req)
+        serving.check_model(req.model)
         prompts = await serving.prompts.completion(req)
         grammar = await request_grammar(serving.grammars, req, limits)
         return await _respond(request, Completion(serving, req, prompts, chat=False, grammar=grammar))

@@ -90,10 +90,11 @@ class Serving:
         engine.output_batch = self._holding_outputs
 
     # -- request -> prompts ------------------------------------------------
-    def check_model(self, req: _Request) -> None:
-        if req.model not in (None, "", self.model_name):
-            raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> None:
+        """A request's `model` (none: the served one), or the id `GET /v1/models/{id}` asks for."""
+        if model not in (None, "", self.model_name):
+            raise APIError(404, f"The model `{model[:200]}` does not exist. This server serves "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
 
     def sampling_params(self, req: _Request, prompt_len: int, grammar: str | None = None,
                         reasoning: Reasoning | None = None) -> SamplingParams:

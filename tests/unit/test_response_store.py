@@ -24,5 +24,5 @@ def test_the_output_as_the_assistants_turn():
     output = [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]},
               {"type": "message", "content": [{"type": "output_text", "text": "Let me look."}]},
               {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}]
-    assert assistant_turn(output) == [{"role": "assistant", "content": "Let me look.", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert assistant_turn(output) == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
