@@ -160,6 +160,9 @@ class ControlLeader:
         self._listener = socket.create_server((bind_host, port), family=family, backlog=world_size + MAX_CANDIDATES)
         self.host, self.port = self._listener.getsockname()[:2]
         self._links: dict[int, Link] = {}  # rank -> link, once admitted
+        # Why each lost link was lost: the watchdog's probe often sees a death first, and the engine's
+        # diagnosis of the collective that failed with it must still be told which rank it was.
+        self._lost: dict[int, ControlError] = {}
         self._pending: dict[int, collections.deque[tuple[int, int]]] = {}  # rank -> (step_id, fingerprint) unacked
         self._seq = 0  # leader -> worker sequence number, shared by every link
         self._last_step = -1
@@ -264,9 +267,9 @@ class ControlLeader:
         try:
             link.read_available()
         except LinkClosed as e:
-            self._lose(rank)
-            raise HandshakeError(f"rank {rank} hung up before it had loaded its share ({e}; {link.peer}): its "
-                                 "process died or its host became unreachable, and its own log says why") from None
+            raise self._lose(rank, HandshakeError(
+                f"rank {rank} hung up before it had loaded its share ({e}; {link.peer}): its process died "
+                "or its host became unreachable, and its own log says why")) from None
 
     def _handshake_round(self, sel: selectors.BaseSelector, admitted: dict[int, Candidate], deadline: float,
                          poll: float | None = None) -> None:
@@ -362,8 +365,7 @@ class ControlLeader:
             try:
                 cand.link.send(cand.welcome(self._secret, self.world_size), self.timeout)
             except LinkClosed as e:
-                self._lose(rank)
-                raise WorkerLost(rank, f"{e} ({cand.link.peer})") from None
+                raise self._lose(rank, WorkerLost(rank, f"{e} ({cand.link.peer})")) from None
         self._seq = 2  # CHALLENGE and WELCOME went out as 0 and 1 on every link
         self._last_send = time.monotonic()
 
@@ -462,6 +464,8 @@ class ControlLeader:
     def check_workers(self) -> None:
         """Non-blocking: raise WorkerLost for a worker whose connection closed (e.g. process killed)."""
         with self._lock:
+            if self._lost:  # a loss seen before (by the watchdog's probe, say) is still the cause
+                raise self._lost[min(self._lost)]
             for link in wait_readable(self._live_links(), deadline=0):
                 self._read(self._rank_of(link), link)
 
@@ -539,8 +543,7 @@ class ControlLeader:
             others = sorted(waiting)[1:]
             extra = f" (also missing: ranks {others})" if others else ""
             first = min(waiting)
-            self._lose(first)
-            raise WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}")
+            raise self._lose(first, WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}"))
         for link in ready:
             self._read(self._rank_of(link), link)
 
@@ -549,10 +552,9 @@ class ControlLeader:
             link.read_available()
         except LinkClosed as e:
             failed = _last_error_ack(link)  # a worker that failed says why, then exits
-            self._lose(rank)
             if failed is not None:
-                raise WorkerFailed(rank, failed.step_id, failed.error) from None
-            raise WorkerLost(rank, f"{e} ({link.peer}; process died or host unreachable)") from None
+                raise self._lose(rank, WorkerFailed(rank, failed.step_id, failed.error)) from None
+            raise self._lose(rank, WorkerLost(rank, f"{e} ({link.peer}; process died or host unreachable)")) from None
 
     def _send_all(self, kind: Kind, payload: bytes) -> int:
         """One encoding, the same bytes (and sequence number) to every live worker."""
@@ -564,8 +566,7 @@ class ControlLeader:
                 try:
                     link.send(data, self.timeout)
                 except LinkClosed as e:
-                    self._lose(rank)
-                    raise WorkerLost(rank, f"{e} ({link.peer})") from None
+                    raise self._lose(rank, WorkerLost(rank, f"{e} ({link.peer})")) from None
         return seq
 
     def _next_frame(self, kind: Kind, payload: bytes) -> tuple[int, bytes]:
@@ -579,7 +580,7 @@ class ControlLeader:
     def _require_live(self, ranks: Iterable[int]) -> None:
         for rank in sorted(ranks):
             if self._links[rank].closed:
-                raise WorkerLost(rank, "connection already lost")
+                raise self._lost.get(rank) or WorkerLost(rank, "connection already lost")
 
     def _live_links(self) -> list[Link]:
         return [link for link in self._links.values() if not link.closed]
@@ -587,8 +588,11 @@ class ControlLeader:
     def _rank_of(self, link: Link) -> int:
         return next(r for r, lk in self._links.items() if lk is link)
 
-    def _lose(self, rank: int) -> None:
+    def _lose(self, rank: int, why: ControlError) -> ControlError:
+        """Close a rank's link for good and remember why; returns `why`, for the caller to raise."""
         self._links[rank].close()
+        self._lost.setdefault(rank, why)
+        return why
 
     # -- shutdown -------------------------------------------------------------------
 
