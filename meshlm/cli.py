@@ -108,7 +108,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--ring-hostfile", default=None, help=argparse.SUPPRESS)
     g.add_argument("--launch-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by meshlm launch
     g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
-    g.add_argument("--worker-timeout", type=float, default=5.0, help="a worker hearing nothing this long exits")
+    g.add_argument("--worker-timeout", type=float, default=5.0,
+                   help="a rank hearing nothing (not even a heartbeat) from another this long takes it for lost: "
+                        "a worker exits, the leader ends the cluster's requests")
     g.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds each round of a cluster's start may take: every rank answering the roll call, the "
                         "MLX group's join, every rank loaded after the leader (a rank that has not is named)")

@@ -169,7 +169,9 @@ class ParallelConfig:
     rank: int = 0
     control_addr: str | None = None  # leader's host:port for StepPlans; None: derived
     step_timeout: float = 60.0  # a forward outliving this is ended by the watchdog
-    worker_timeout: float = 5.0  # a worker hearing nothing (not even a heartbeat) this long exits
+    # A rank hearing nothing (not even a heartbeat) from another this long takes it for lost: a worker
+    # its leader, which then exits; the leader a worker, which then ends the cluster's requests
+    worker_timeout: float = 5.0
     heartbeat_interval: float = 0.5
     # Each round of a cluster's start: every rank answering the roll call, the MLX group's join, every
     # rank loaded after the leader (a big model on a slow disk may need more)

@@ -330,7 +330,8 @@ def control_leader(topo: Topology):
     port = int(p.control_addr.rsplit(":", 1)[1])
     try:
         return ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
-                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret)
+                             heartbeat_interval=p.heartbeat_interval, secret=topo.secret,
+                             silence_timeout=p.worker_timeout)
     except OSError as exc:
         raise ClusterError(f"cannot listen on {topo.control_bind}:{port} for the control channel: "
                            f"{listen_failure(exc, '--control-port', 'cluster')}") from None

@@ -66,6 +66,7 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
     except ControlError as exc:  # another model, or the leader gave up: the message says what to fix
         raise ClusterError(str(exc)) from None
     log.info("rank %d started by the leader at %s", cfg.rank, cfg.control_addr)
+    control.beat(cfg.heartbeat_interval)
     if local:
         _leave_stopping_to_rank_0(cfg.rank)
     io = None

@@ -60,6 +60,7 @@ DEFAULT_TIMEOUT = 10.0
 AUTH_TIMEOUT = 10.0  # a real worker proves itself within a round trip of being accepted
 MAX_CANDIDATES = 32  # unauthenticated connections held at once during the handshake
 MAX_HELLO_BYTES = 64 << 10  # an unproven peer cannot make the leader buffer more than this
+SILENCE_POLL_S = 0.5  # how often a wait for acks also checks that every worker still heartbeats
 GONE_POLL_S = 0.25  # how often the handshake asks whether a rank will never come
 ROLL_CALL_REPORT_S = 15.0  # how often the roll call says whom it still waits for (a hand-started rank may never come)
 
@@ -136,7 +137,7 @@ class ControlLeader:
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, world_size: int = 2,
                  timeout: float = DEFAULT_TIMEOUT, *, secret: ClusterSecret, fingerprint: str | None = None,
                  heartbeat_interval: float = 1.0, auth_timeout: float = AUTH_TIMEOUT,
-                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD) -> None:
+                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD, silence_timeout: float | None = None) -> None:
         """Bind now (port 0 picks a free one, see `.port`); workers are admitted by `wait_for_workers` and
         started by `start`.
 
@@ -145,7 +146,10 @@ class ControlLeader:
         `start`); every worker must match it. None: workers must only agree with
         each other. `timeout` bounds each round of the handshake, every ack wait
         and every send unless a call passes its own. `auth_timeout`: how long one
-        connection may take to prove itself before it is dropped.
+        connection may take to prove itself before it is dropped. `silence_timeout`: how long a started
+        worker may send nothing, not even a heartbeat (`ControlWorker.beat`), before it is lost: a stopped
+        or hung process, or an unreachable host, is found then rather than at the step's deadline (which a
+        big model's long step needs). None: only a closed connection or a missed ack deadline loses it.
         """
         if world_size < 1:
             raise ValueError("world_size must be at least 1")
@@ -153,6 +157,9 @@ class ControlLeader:
         self.timeout = timeout
         self.fingerprint = fingerprint
         self.heartbeat_interval = heartbeat_interval
+        self.silence_timeout = silence_timeout
+        self._started_at: float | None = None  # the workers heartbeat from the start on
+        self._silence_checked = 0.0
         self.auth_timeout = auth_timeout
         self.max_payload = max_payload
         self._secret = secret
@@ -238,6 +245,7 @@ class ControlLeader:
                 if before_start is not None:
                     before_start()
                 self._send_all(Kind.START, b"")
+                self._started_at = time.monotonic()
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")
                 raise
@@ -468,6 +476,22 @@ class ControlLeader:
                 raise self._lost[min(self._lost)]
             for link in wait_readable(self._live_links(), deadline=0):
                 self._read(self._rank_of(link), link)
+            self._check_silence()
+
+    def _check_silence(self) -> None:
+        """Lose the first started worker silent past `silence_timeout`. Call right after reading what
+        every link holds: a link is heard when the leader reads it, so a leader that was busy is not misled."""
+        if self.silence_timeout is None or self._started_at is None:
+            return
+        now = time.monotonic()
+        self._silence_checked = now
+        for rank in sorted(self._links):
+            link = self._links[rank]
+            silent = now - max(link.last_heard, self._started_at)
+            if not link.closed and silent > self.silence_timeout:
+                raise self._lose(rank, WorkerLost(rank, f"nothing from it, not even a heartbeat, for {silent:.1f} s "
+                                                        f"({link.peer}; its process is stopped or hung, or its "
+                                                        "host unreachable)"))
 
     def check_arrived_acks(self) -> None:
         """Non-blocking, for diagnosing a step that failed or outlived its deadline: read what the workers
@@ -530,15 +554,19 @@ class ControlLeader:
         return ack
 
     def _frame(self, rank: int) -> Frame | None:
+        """The rank's next buffered frame but a heartbeat (reading it was what mattered), or None."""
         try:
-            return self._links[rank].next_frame()
+            while (frame := self._links[rank].next_frame()) is not None and frame.kind is Kind.HEARTBEAT:
+                wire.decode_empty(frame.payload, "HEARTBEAT")
+            return frame
         except ProtocolError as e:
             raise ProtocolError(f"rank {rank}: {e}") from None
 
     def _wait_for(self, waiting: set[int], step_id: int, deadline: float) -> None:
         self._require_live(waiting)
         links = [self._links[r] for r in sorted(waiting)]
-        ready = wait_readable(links, deadline)
+        wake = deadline if self.silence_timeout is None else min(deadline, time.monotonic() + SILENCE_POLL_S)
+        ready = wait_readable(links, wake)
         if not ready and remaining(deadline) == 0:
             others = sorted(waiting)[1:]
             extra = f" (also missing: ranks {others})" if others else ""
@@ -546,6 +574,8 @@ class ControlLeader:
             raise self._lose(first, WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}"))
         for link in ready:
             self._read(self._rank_of(link), link)
+        if self.silence_timeout is not None and time.monotonic() - self._silence_checked >= SILENCE_POLL_S:
+            self.check_workers()  # also reads the ranks already acked, whose heartbeats would go unread
 
     def _read(self, rank: int, link: Link) -> None:
         try:
@@ -666,6 +696,9 @@ class ControlWorker:
         self._secret = secret
         self._link: Link | None = None
         self._seq = 0  # worker -> leader sequence number
+        self._send_lock = threading.Lock()  # the heartbeat thread sends too (`beat`)
+        self._last_send = time.monotonic()
+        self._beating = threading.Event()  # set: heartbeats stop
         self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
     def connect(self, gone: Callable[[], str | None] | None = None) -> Welcome:
@@ -790,13 +823,31 @@ class ControlWorker:
         plan loads that this rank could not read."""
         self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times), tuple(missing))))
 
+    def beat(self, interval: float) -> None:
+        """Once started: a thread of its own tells the leader this rank is alive whenever `interval` s pass
+        without a frame to it, also while this rank's step runs for long (a big model's prefill); so the
+        leader finds a stopped or hung rank within its silence timeout, not at the step's deadline. It
+        ends with the connection, quietly: the main thread meets and reports a lost leader."""
+        def run() -> None:
+            while not self._beating.wait(interval / 4):
+                if time.monotonic() - self._last_send < interval:
+                    continue
+                try:
+                    self._send(Kind.HEARTBEAT, b"")
+                except ControlError:
+                    return
+
+        threading.Thread(target=run, name=f"meshlm-heartbeat-{self.rank}", daemon=True).start()
+
     def _send(self, kind: Kind, payload: bytes) -> None:
-        data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
-        try:
-            self._link_or_raise().send(data, self.timeout)
-        except LinkClosed as e:
-            raise LeaderLost(f"rank {self.rank}: {e}") from None
-        self._seq += 1
+        with self._send_lock:
+            data = wire.encode_frame(kind, self._seq, payload, max_payload=self.max_payload)
+            try:
+                self._link_or_raise().send(data, self.timeout)
+            except LinkClosed as e:
+                raise LeaderLost(f"rank {self.rank}: {e}") from None
+            self._seq += 1
+            self._last_send = time.monotonic()
 
     def _link_or_raise(self) -> Link:
         if self._link is None or self._link.closed:
@@ -804,6 +855,7 @@ class ControlWorker:
         return self._link
 
     def close(self) -> None:
+        self._beating.set()
         if self._link is not None:
             self._link.close()
 

@@ -86,10 +86,14 @@ class Link:
 
     def __init__(self, sock: socket.socket, accepts: frozenset[Kind], max_payload: int) -> None:
         self.sock = sock
+        # Sends go through a socket object of their own: heartbeat threads send while another thread
+        # reads, and a socket object's timeout is one setting, which a read sets to 0 (non-blocking).
+        self._out = sock.dup()
         self.accepts = accepts
         self.decoder = wire.FrameDecoder(max_payload)
         self.next_seq = 0  # next sequence number expected from the peer
         self.closed = False
+        self.last_heard = time.monotonic()  # when bytes from the peer were last read
         self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_READ)
         try:
@@ -102,8 +106,8 @@ class Link:
         if self.closed:
             raise LinkClosed("connection already closed")
         try:
-            self.sock.settimeout(max(timeout, 1e-3))
-            self.sock.sendall(data)
+            self._out.settimeout(max(timeout, 1e-3))
+            self._out.sendall(data)
         except socket.timeout:
             raise LinkClosed(f"send blocked for {timeout:.1f} s (peer not reading)") from None
         except OSError as e:
@@ -120,6 +124,7 @@ class Link:
             raise LinkClosed(f"receive failed: {e}") from None
         if not data:
             raise LinkClosed("connection closed by peer")
+        self.last_heard = time.monotonic()
         self.decoder.feed(data)
 
     def next_frame(self) -> Frame | None:
@@ -150,6 +155,7 @@ class Link:
             self.closed = True
             self._sel.close()
             self.sock.close()
+            self._out.close()
 
 
 def wait_readable(links: Iterable[Link], deadline: float) -> list[Link]:

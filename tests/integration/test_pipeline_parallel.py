@@ -203,8 +203,9 @@ def test_a_split_that_does_not_fit_the_model_is_refused(model, tmp_path):
 
 @pytest.fixture()
 def pp2(model, tmp_path):
-    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", "--worker-timeout", "3",
-                        "--step-timeout", "4", log_dir=tmp_path)
+    # The default deadlines: a stopped stage must be found by its missing heartbeats within 10 s,
+    # long before the 60 s step deadline.
+    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", log_dir=tmp_path)
     yield srv
     srv.stop()
     for pid in children(srv.proc.pid):

@@ -80,8 +80,9 @@ class WorkerThread(threading.Thread):
 
     def __init__(self, port: int, rank: int, world_size: int, fingerprint: str = FP, *,
                  on_plan: Callable[[ControlWorker, StepPlan], None] | None = None,
-                 secret: ClusterSecret = SECRET, **kw: float) -> None:
+                 secret: ClusterSecret = SECRET, beat: float = 0.0, **kw: float) -> None:
         super().__init__(daemon=True)
+        self.beat = beat  # > 0: heartbeat this often once started (ControlWorker.beat)
         kw.setdefault("timeout", TIMEOUT)
         self.worker = ControlWorker("127.0.0.1", port, rank, world_size=world_size, secret=secret, **kw)
         self.fingerprint = fingerprint
@@ -93,6 +94,8 @@ class WorkerThread(threading.Thread):
         try:
             self.worker.connect()
             self.worker.start(self.fingerprint)
+            if self.beat:
+                self.worker.beat(self.beat)
             while (p := self.worker.next_plan()) is not None:
                 self.plans.append(p)
                 self.on_plan(self.worker, p)
@@ -257,26 +260,29 @@ from meshlm.transport import codec, control
 from meshlm.transport.auth import ClusterSecret
 from meshlm.transport.control import ControlWorker
 port, rank, world, codec.VERSION = map(int, sys.argv[1:5])  # VERSION: pretend to be another meshlm build
+beat = float(sys.argv[5])
 secret = ClusterSecret(os.environ["MESHLM_CLUSTER_SECRET"])
 with ControlWorker("127.0.0.1", port, rank, 10.0, world_size=world, secret=secret) as w:
     w.connect()
     w.start("model@rev1")
+    if beat:
+        w.beat(beat)
     while (plan := w.next_plan()) is not None:
         w.ack(plan.step_id, plan.fingerprint)
 """
 
 
 def worker_process(port: int, rank: int, world: int = 3, version: int = codec.VERSION,
-                   secret: str = SECRET_TEXT, **kw: object) -> subprocess.Popen:
+                   secret: str = SECRET_TEXT, beat: float = 0.0, **kw: object) -> subprocess.Popen:
     """A worker in its own process; its secret comes through the environment, as a real rank's does."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), SECRET_ENV: secret}
-    args = [str(port), str(rank), str(world), str(version)]
+    args = [str(port), str(rank), str(world), str(version), str(beat)]
     return subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, *args], env=env, **kw)  # type: ignore[call-overload]
 
 
 @contextmanager
-def worker_processes(port: int, ranks: list[int]) -> Iterator[dict[int, subprocess.Popen]]:
-    procs = {r: worker_process(port, r) for r in ranks}
+def worker_processes(port: int, ranks: list[int], beat: float = 0.0) -> Iterator[dict[int, subprocess.Popen]]:
+    procs = {r: worker_process(port, r, beat=beat) for r in ranks}
     try:
         yield procs
     finally:
@@ -284,6 +290,60 @@ def worker_processes(port: int, ranks: list[int]) -> Iterator[dict[int, subproce
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=5)
+
+
+@pytest.mark.parametrize("during", ["idle", "step"])
+def test_a_stopped_worker_is_lost_at_its_silence_not_the_step_deadline(during):
+    # SIGSTOP stands for a hung process or a host that stopped answering without closing anything:
+    # only its missing heartbeats tell, long before a step's deadline (60 s by default) would.
+    leader = ControlLeader(world_size=3, timeout=TIMEOUT, fingerprint=FP, secret=SECRET, heartbeat_interval=0.1,
+                           silence_timeout=1.0)
+    with worker_processes(leader.port, [1, 2], beat=0.1) as procs:
+        form(leader, timeout=10)
+        time.sleep(1.5)  # past the silence timeout: the heartbeats keep both alive
+        leader.check_workers()
+        procs[2].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WorkerLost, match="not even a heartbeat") as info:
+                if during == "step":
+                    leader.broadcast(plan(0))
+                    leader.collect_acks(0, timeout=20)
+                while time.monotonic() - t0 < 5:
+                    leader.maybe_heartbeat()
+                    time.sleep(0.05)
+            assert info.value.rank == 2 and time.monotonic() - t0 < 2.5
+        finally:
+            procs[2].send_signal(signal.SIGCONT)
+        leader.shutdown()
+        assert procs[1].wait(timeout=5) == 0
+
+
+def test_a_worker_in_a_long_step_is_not_silent():
+    # Its heartbeats come from a thread of its own; an acked rank's are read too while the leader
+    # waits for another's ack.
+    def slow(w: ControlWorker, p: StepPlan) -> None:
+        time.sleep(2.0 if w.rank == 2 else 0.0)
+        w.ack(p.step_id, p.fingerprint)
+
+    with cluster(3, leader_kw={"silence_timeout": 0.6}, on_plan=slow, beat=0.1) as (leader, _):
+        for step in range(2):
+            leader.broadcast(plan(step))
+            assert set(leader.collect_acks(step, timeout=10)) == {1, 2}
+        leader.check_workers()
+
+
+def test_a_worker_that_does_not_beat_is_lost_within_a_long_step():
+    def slow(w: ControlWorker, p: StepPlan) -> None:
+        time.sleep(3.0)
+        w.ack(p.step_id, p.fingerprint)
+
+    with cluster(2, leader_kw={"silence_timeout": 0.6}, on_plan=slow) as (leader, _):
+        leader.broadcast(plan(0))
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLost, match="not even a heartbeat") as info:
+            leader.collect_acks(0, timeout=10)
+        assert info.value.rank == 1 and time.monotonic() - t0 < 1.6
 
 
 def test_sigkilled_worker_is_detected_during_a_step():
