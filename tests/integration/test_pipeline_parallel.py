@@ -202,10 +202,10 @@ def test_a_split_that_does_not_fit_the_model_is_refused(model, tmp_path):
 # -- failures ---------------------------------------------------------------------------------------
 
 @pytest.fixture()
-def pp2(model, tmp_path):
+def pp2(llama, tmp_path):  # the failure model is not the model family's: one family is enough
     # The default deadlines: a stopped stage must be found by its missing heartbeats within 10 s,
     # long before the 60 s step deadline.
-    srv = ServerProcess(model, "--max-model-len", "512", "--pipeline-parallel", "2", log_dir=tmp_path)
+    srv = ServerProcess(llama, "--max-model-len", "512", "--pipeline-parallel", "2", log_dir=tmp_path)
     yield srv
     srv.stop()
     for pid in children(srv.proc.pid):
@@ -257,13 +257,13 @@ def test_the_leader_killed_makes_the_stages_exit(pp2):
     assert not Path(f"/proc/{stage0}").exists() or Path(f"/proc/{stage0}/stat").read_text().split(") ")[1][0] == "Z"
 
 
-def test_a_corrupt_activation_packet_is_a_clear_error_naming_the_stage(model, tmp_path):
+def test_a_corrupt_activation_packet_is_a_clear_error_naming_the_stage(llama, tmp_path):
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
     stage_ports = free_port_run(2)
     control, http = free_port(avoid=stage_ports), free_port(avoid=stage_ports)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MESHLM_CLUSTER_SECRET": SECRET, "MESHLM_OPENBLAS": "0"}
-    common = ["serve", "--model", str(model), "--hostfile", str(hosts), "--pipeline-parallel", "2",
+    common = ["serve", "--model", str(llama), "--hostfile", str(hosts), "--pipeline-parallel", "2",
               "--control-port", str(control), "--stage-port", str(stage_ports[0]), "--max-model-len", "512",
               "--kv-cache-dir", str(tmp_path / "kv")]
     logs = [(tmp_path / f"rank{r}.log").open("wb") for r in range(2)]

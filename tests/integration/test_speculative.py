@@ -266,12 +266,19 @@ def tp_model(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tp") / "tiny-kv4", "llama", layers=2, hidden=64, heads=4, kv_heads=4)
 
 
-def test_tensor_parallel_speculation_matches_single_process(tp_model, tmp_path):
-    single = ServerProcess(tp_model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path)
+@pytest.fixture(scope="module")
+def tp_model_reference(tp_model, tmp_path_factory):
+    """The single process's completions of `_prompts()`, which every tensor-parallel mode must match."""
+    single = ServerProcess(tp_model, "--max-model-len", "512", "--no-prefix-cache",
+                           log_dir=tmp_path_factory.mktemp("tp-one"))
     try:
-        want = asyncio.run(_complete_all(single.url, _prompts()))
+        return asyncio.run(_complete_all(single.url, _prompts()))
     finally:
         single.stop()
+
+
+def test_tensor_parallel_speculation_matches_single_process(tp_model, tp_model_reference, tmp_path):
+    want = tp_model_reference
     tp = ServerProcess(tp_model, "--max-model-len", "512", "--tensor-parallel", "2", *SPEC, log_dir=tmp_path)
     try:
         got = asyncio.run(_complete_all(tp.url, _prompts()))
@@ -283,13 +290,10 @@ def test_tensor_parallel_speculation_matches_single_process(tp_model, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["self", "unrelated"])
-def test_tensor_parallel_draft_model_matches_single_process(tp_model, unrelated_draft, tmp_path, which):
+def test_tensor_parallel_draft_model_matches_single_process(tp_model, tp_model_reference, unrelated_draft, tmp_path,
+                                                           which):
     """The draft runs on the leader alone (TP=1) while the target verifies on both ranks."""
-    single = ServerProcess(tp_model, "--max-model-len", "512", "--no-prefix-cache", log_dir=tmp_path)
-    try:
-        want = asyncio.run(_complete_all(single.url, _prompts()))
-    finally:
-        single.stop()
+    want = tp_model_reference
     draft = tp_model if which == "self" else unrelated_draft
     tp = ServerProcess(tp_model, "--max-model-len", "512", "--tensor-parallel", "2", *draft_flags(draft),
                        log_dir=tmp_path)

@@ -300,7 +300,7 @@ def test_a_stopped_worker_is_lost_at_its_silence_not_the_step_deadline(during):
                            silence_timeout=1.0)
     with worker_processes(leader.port, [1, 2], beat=0.1) as procs:
         form(leader, timeout=10)
-        time.sleep(1.5)  # past the silence timeout: the heartbeats keep both alive
+        time.sleep(1.2)  # past the silence timeout: the heartbeats keep both alive
         leader.check_workers()
         procs[2].send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -323,19 +323,18 @@ def test_a_worker_in_a_long_step_is_not_silent():
     # Its heartbeats come from a thread of its own; an acked rank's are read too while the leader
     # waits for another's ack.
     def slow(w: ControlWorker, p: StepPlan) -> None:
-        time.sleep(2.0 if w.rank == 2 else 0.0)
+        time.sleep(1.5 if w.rank == 2 else 0.0)
         w.ack(p.step_id, p.fingerprint)
 
     with cluster(3, leader_kw={"silence_timeout": 0.6}, on_plan=slow, beat=0.1) as (leader, _):
-        for step in range(2):
-            leader.broadcast(plan(step))
-            assert set(leader.collect_acks(step, timeout=10)) == {1, 2}
+        leader.broadcast(plan(0))
+        assert set(leader.collect_acks(0, timeout=10)) == {1, 2}
         leader.check_workers()
 
 
 def test_a_worker_that_does_not_beat_is_lost_within_a_long_step():
     def slow(w: ControlWorker, p: StepPlan) -> None:
-        time.sleep(3.0)
+        time.sleep(2.0)
         w.ack(p.step_id, p.fingerprint)
 
     with cluster(2, leader_kw={"silence_timeout": 0.6}, on_plan=slow) as (leader, _):
