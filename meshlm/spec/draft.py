@@ -135,7 +135,10 @@ class DraftModel:
             if agree < held.length:
                 self.blocks.trim(uid, agree)
                 trim = Trim(uid, agree, len(self.blocks.table(uid)))
-                held.extra = held.extra[: agree - held.synced]
+                if agree < held.synced:  # the row was drafted, then left out of the target's step
+                    held.synced, held.extra = agree, []
+                else:
+                    held.extra = held.extra[: agree - held.synced]
             blocks = self.blocks.allocate(uid, seq.num_tokens + row.k - 1)
             if blocks is None:
                 self._evict(keep=wanted)

@@ -101,6 +101,19 @@ def test_a_sequence_the_draft_kv_already_holds_whole_still_drafts(other):
     assert list(draft.propose([row(s, 3)])[0].tokens) == greedy(other, s.all_ids, 3)
 
 
+def test_a_row_drafted_then_left_out_of_the_targets_step_drafts_again(other):
+    """Regression: a row drafted for a step the target then left it out of (its token budget spent, a
+    pipeline's micro-batch full) came back with the sequence unchanged; the roll-back kept K-2 drafts
+    it had trimmed from the KV, the next chunk started past the KV's end, and the step failed
+    (SplitBrain: 'chunk starts at 6, this rank holds 2 positions'): three such and the server exited."""
+    draft = draft_model(other)
+    s = seq(0, PROMPTS[1], [7])
+    first = list(draft.propose([row(s, 5)])[0].tokens)
+    assert list(draft.propose([row(s, 5)])[0].tokens) == first == greedy(other, s.all_ids, 5)
+    s.output_ids += first[:2]  # then verified, two drafts taken
+    assert list(draft.propose([row(s, 5)])[0].tokens) == greedy(other, s.all_ids, 5)
+
+
 def test_eviction_when_the_draft_kv_is_full(other):
     budget = 2 * 1 * 1 * BS * 16 * 4 * 6  # six blocks: K and V, 1 layer, 1 kv head, head_dim 16, fp32
     draft = draft_model(other, budget)
