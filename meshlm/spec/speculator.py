@@ -135,9 +135,12 @@ class Speculator:
         m = self.metrics
         m.spec_verifies.inc()
         m.spec_drafted.inc(drafted)
-        m.spec_accepted.inc(accepted)
+        # Only drafts the sequence kept: those after a stop (an EOS among them) are dropped, and counting
+        # them made accepted exceed emitted. The adaptive switch above still weighs every match.
+        kept = min(accepted, emitted)
+        m.spec_accepted.inc(kept)
         m.spec_emitted.inc(emitted)
-        for pos in range(accepted):
+        for pos in range(kept):
             m.spec_accepted_at.labels(position=str(pos)).inc()
 
     def generated(self, uid: int, tokens: list[int]) -> None:

@@ -94,3 +94,13 @@ def test_draft_growth_default_and_its_limits():
     assert SpeculativeConfig("ngram", 5, max_num_tokens=5).grown_num_tokens == 5
     with pytest.raises(ValueError):
         SpeculativeConfig("ngram", 5, max_num_tokens=4)
+
+
+def test_drafts_accepted_after_a_stop_are_not_counted_as_accepted():
+    # A stop among the accepted drafts (an EOS the target agreed on) drops the rest: the metrics counted
+    # five accepted for one token emitted.
+    spec, seq, _ = _copying_sequence(5, 5)
+    spec.verified(seq.uid, 5, 5, 1)
+    m = spec.metrics
+    assert m.spec_accepted._value.get() == 1 and m.spec_emitted._value.get() == 1
+    assert m.spec_accepted_at.labels(position="1")._value.get() == 0
