@@ -66,9 +66,12 @@ class _Held:
 
 
 class DraftModel:
-    def __init__(self, rank, max_blocks: int, context_length: int) -> None:
+    def __init__(self, rank, max_blocks: int, context_length: int, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the target's, when the draft's embedding has another number of rows (padding
+        only: the tokenizers are the same); its logits are cut or padded to it."""
         self.rank = rank  # a RankState: the draft's parts, KV store and runner
         self.context_length = context_length
+        self.vocab_size = vocab_size
         self.blocks = BlockManager(max_blocks, rank.block_size)  # no salt: no prefix cache for the draft
         self._held: dict[int, _Held] = {}
         self._removed: list[int] = []
@@ -167,9 +170,10 @@ class DraftModel:
                 probs: dict[int, list[mx.array]]) -> None:
         """One draft per row of `result`, drawn from the processed draft distribution (batched: one eval)."""
         picks, qs = [], []
+        all_logits = self._in_target_vocab(result.logits)
         for i, uid in enumerate(result.uids):
             row = rows[uid]
-            logits = process_logits(result.logits[i], row.state, tuple(drafts[uid]))
+            logits = process_logits(all_logits[i], row.state, tuple(drafts[uid]))
             if row.state.params.greedy:
                 picks.append(mx.argmax(logits))
                 qs.append(None)
@@ -183,6 +187,16 @@ class DraftModel:
             drafts[uid].append(token)
             if q is not None:
                 probs[uid].append(q)
+
+    def _in_target_vocab(self, logits: mx.array) -> mx.array:
+        """Rows of the target's width: padding rows past it cut, those it has beyond the draft's never drawn."""
+        have = logits.shape[-1]
+        if self.vocab_size is None or have == self.vocab_size:
+            return logits
+        if have > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = mx.full((logits.shape[0], self.vocab_size - have), -mx.inf, dtype=logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
 
     def drop(self, uid: int) -> None:
         """A sequence ended (or was evicted): free its draft KV; runners learn at the next draft step."""
@@ -214,17 +228,21 @@ def load_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, target, kv_budge
     rank = build_rank(loaded, cfg, CacheConfig(enabled=False, ssd=False, block_size=block_size), kv_budget)
     log.info("draft model %s: %d KV blocks of %d tokens at most, context %d", loaded.path, rank.max_blocks,
              rank.block_size, loaded.context_length)
-    return DraftModel(rank, rank.max_blocks, loaded.context_length)
+    return DraftModel(rank, rank.max_blocks, loaded.context_length, target.vocab_size)
 
 
 def tokenizer_mismatch(draft, target) -> str | None:
-    """Why `draft`'s token ids cannot be verified by `target` (None: they can)."""
-    if draft.vocab_size != target.vocab_size:
-        return f"its vocabulary has {draft.vocab_size} ids, the target's {target.vocab_size}"
+    """Why `draft`'s token ids cannot be verified by `target` (None: they can). The embeddings may have
+    other numbers of rows (a family's small and large models pad theirs differently, as Qwen2.5's 0.5B
+    and 7B) as long as every id the shared tokenizer makes has a row in both."""
     vocab_d, vocab_t = _vocab(draft.tokenizer), _vocab(target.tokenizer)
     if vocab_d != vocab_t:
         differ = sorted(set(vocab_d.items()) ^ set(vocab_t.items()), key=lambda kv: kv[1])[:3]
         return f"its tokenizer maps tokens to other ids (e.g. {differ})"
+    top = max(vocab_t.values(), default=-1)
+    if draft.vocab_size != target.vocab_size and top >= min(draft.vocab_size, target.vocab_size):
+        return (f"its vocabulary has {draft.vocab_size} ids, the target's {target.vocab_size}, and the "
+                f"tokenizer uses ids up to {top}")
     return None
 
 

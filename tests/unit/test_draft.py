@@ -6,8 +6,11 @@ distribution (chi-square) and gives plain greedy decoding's text.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
+import shutil
 import threading
 from collections import Counter
 
@@ -130,8 +133,31 @@ def test_eviction_when_the_draft_kv_is_full(other):
 def test_a_draft_with_another_tokenizer_is_refused(target, tmp_path):
     bigger = load_model(ModelConfig(str(demo.make_tiny(tmp_path / "v600", "llama", vocab=600))))
     problem = tokenizer_mismatch(bigger, load_model(ModelConfig(str(target))))
-    assert problem and "600" in problem
+    assert problem and "other ids" in problem
     assert tokenizer_mismatch(load_model(ModelConfig(str(target))), load_model(ModelConfig(str(target)))) is None
+
+
+def padded(model_dir, out, rows: int):
+    """`model_dir` with its embedding (and head) padded to `rows` rows, its tokenizer unchanged: as a
+    family's models of different sizes often are."""
+    shutil.copytree(model_dir, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            w = weights[name]
+            weights[name] = mx.concatenate([w, 0.02 * mx.random.normal((rows - w.shape[0], w.shape[1]),
+                                                                        key=mx.random.key(3))])
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
+    return out
+
+
+def test_a_draft_padded_otherwise_is_accepted_but_not_one_whose_ids_do_not_fit(target, other, tmp_path):
+    base = load_model(ModelConfig(str(target)))
+    assert tokenizer_mismatch(load_model(ModelConfig(str(padded(other, tmp_path / "o600", 600)))), base) is None
+    small = dataclasses.replace(base, vocab_size=500)  # fewer rows than the tokenizer's ids (a broken config)
+    assert "ids up to 511" in tokenizer_mismatch(small, base)
 
 
 # -- an engine with a model draft -----------------------------------------------------------------
@@ -164,6 +190,23 @@ def run_all(engine, requests: list[tuple[list[int], SamplingParams]]) -> list[li
         engine.submit(prompt, params, collect(i))
     assert done.wait(120)
     return outs
+
+
+@pytest.mark.parametrize("padding", ["draft", "target"])
+def test_a_draft_padded_otherwise_gives_plain_greedy_decodings_text(target, other, tmp_path, padding):
+    """A draft whose embedding has more rows than the target's (cut to the target's width), or fewer
+    (padded with ids it never draws), drafts in the target's vocabulary; verification keeps it exact."""
+    tgt = padded(target, tmp_path / "t600", 600) if padding == "target" else target
+    drf = padded(other, tmp_path / "o600", 600) if padding == "draft" else other
+    engine = engine_for(tgt, drf)
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        got = run_all(engine, [(p, params) for p in PROMPTS])
+        drafted = engine.metrics.spec_drafted._value.get()
+    finally:
+        engine.stop()
+    assert got == [greedy(tgt, p, 10) for p in PROMPTS]
+    assert drafted > 0
 
 
 @pytest.mark.parametrize("which", ["self", "other"])
