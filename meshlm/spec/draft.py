@@ -225,7 +225,10 @@ def load_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, target, kv_budge
     problem = tokenizer_mismatch(loaded, target)
     if problem:
         raise ValueError(f"--draft-model {spec.draft_model}: {problem}; a draft must use the target's tokenizer")
-    rank = build_rank(loaded, cfg, CacheConfig(enabled=False, ssd=False, block_size=block_size), kv_budget)
+    try:
+        rank = build_rank(loaded, cfg, CacheConfig(enabled=False, ssd=False, block_size=block_size), kv_budget)
+    except ValueError as exc:  # the budget's message names the target's flag: say whose blocks they were
+        raise ValueError(f"--draft-model {spec.draft_model}: its KV: {exc}") from None
     log.info("draft model %s: %d KV blocks of %d tokens at most, context %d", loaded.path, rank.max_blocks,
              rank.block_size, loaded.context_length)
     return DraftModel(rank, rank.max_blocks, loaded.context_length, target.vocab_size)

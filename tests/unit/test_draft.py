@@ -25,7 +25,7 @@ from meshlm.engine.sampler import SeqSampling, filter_logits
 from meshlm.executor.rank import build_rank
 from meshlm.model import demo
 from meshlm.model.loader import load_model
-from meshlm.spec.draft import DraftModel, DraftRow, tokenizer_mismatch
+from meshlm.spec.draft import DraftModel, DraftRow, load_draft, tokenizer_mismatch
 
 BS = 8
 
@@ -135,6 +135,12 @@ def test_a_draft_with_another_tokenizer_is_refused(target, tmp_path):
     problem = tokenizer_mismatch(bigger, load_model(ModelConfig(str(target))))
     assert problem and "other ids" in problem
     assert tokenizer_mismatch(load_model(ModelConfig(str(target))), load_model(ModelConfig(str(target)))) is None
+
+
+def test_a_budget_without_room_for_one_draft_block_names_the_draft(target, other):
+    spec = SpeculativeConfig("draft", 3, str(other))
+    with pytest.raises(ValueError, match=r"--draft-model .*: its KV: --kv-cache-memory 64 bytes holds no KV block"):
+        load_draft(spec, ModelConfig(str(target)), load_model(ModelConfig(str(target))), 64, BS)
 
 
 def padded(model_dir, out, rows: int):
