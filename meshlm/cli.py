@@ -136,13 +136,15 @@ def _serve_parser(sub) -> None:
                    help="pass-KV: gather the other ranks' KV on a second stream while attending to this rank's own "
                         "(auto: on a GPU or with jaccl)")
     g = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
-    g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
-                   help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them")
+    g.add_argument("--speculative", default=None, choices=["off", "ngram", "draft"],
+                   help="propose tokens from the sequence's own n-grams or a draft model; the target verifies them "
+                        "(default: off, or draft with --draft-model, as mlx_lm.server)")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per verify step (K)")
     g.add_argument("--num-speculative-tokens-max", type=int, default=0,
                    help="n-gram: a sequence whose drafts were all accepted drafts twice as many next time, up to "
                         "this (0: 3 x K, at most 15; K: never more than K)")
-    g.add_argument("--draft-model", default=None, help="--speculative draft: model directory with the same tokenizer")
+    g.add_argument("--draft-model", default=None,
+                   help="model directory with the same tokenizer, whose drafts the target verifies (--speculative draft)")
     g.add_argument("--speculative-max-batch-size", type=int, default=4,
                    help="with more decoding sequences than this, a step decodes plainly")
     g.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
@@ -291,7 +293,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
                             args.reasoning_parser, args.api_key, _chat_template(args.chat_template),
                             _template_kwargs(args.chat_template_kwargs)),
-        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.draft_model,
+        speculative=SpeculativeConfig(args.speculative or ("draft" if args.draft_model else "off"),
+                                      args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,
                                       args.adaptive_speculation, args.num_speculative_tokens_max),
         disagg=DisaggConfig(args.role, args.prefill_port, tuple(args.prefill_peer), args.disagg_min_tokens,

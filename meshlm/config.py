@@ -139,6 +139,8 @@ class SpeculativeConfig:
             raise ValueError("n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max <= 16")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("--speculative draft needs --draft-model PATH")
+        if self.method != "draft" and self.draft_model:  # accepted and ignored, it misled
+            raise ValueError(f"--draft-model is for --speculative draft, not {self.method}")
 
     @property
     def enabled(self) -> bool:

@@ -33,6 +33,12 @@ def test_the_defaults_parse():
         ("https://a.example:8443", "http://[::1]:3000")
 
 
+def test_a_draft_model_alone_speculates_with_it_as_mlx_lm_servers_does():
+    assert parse().speculative.method == "off"
+    spec = parse("--draft-model", "small").speculative  # was accepted and ignored
+    assert spec.method == "draft" and spec.draft_model == "small"
+
+
 @pytest.mark.parametrize("flags, words", [
     (("--step-timeout", "0"), "--step-timeout must be a number > 0"),
     (("--step-timeout", "-1"), "--step-timeout must be a number > 0"),
@@ -72,6 +78,8 @@ def test_the_defaults_parse():
     (("--pipeline-parallel", "2", "--stage-port", "70000"), "--stage-port must be in 1..65534"),
     (("--pipeline-parallel", "2", "--stage-port", "65535"), r"rank 1's is --stage-port \+ 1\), got 65535"),
     (("--stage-port", "0"), "--stage-port must be in 1..65535, got 0"),
+    (("--speculative", "ngram", "--draft-model", "d"), "--draft-model is for --speculative draft, not ngram"),
+    (("--speculative", "off", "--draft-model", "d"), "--draft-model is for --speculative draft, not off"),
 ])
 def test_meaningless_values_are_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words):
