@@ -18,6 +18,7 @@ the shadow would cost the forwards speculation is saving.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import mlx.core as mx
@@ -29,6 +30,10 @@ from meshlm.metrics import Metrics
 from meshlm.spec.draft import DraftModel, DraftRow
 from meshlm.spec.ngram import NgramProposer
 from meshlm.spec.policy import MAX_PROBE_STEPS, PROBE_STEPS, Acceptance, StepCost, worth_it
+
+log = logging.getLogger(__name__)
+# A draft model failing this many times in a row is given up: the server decodes plainly from then on.
+MAX_DRAFT_FAILURES = 3
 
 
 class Speculator:
@@ -43,6 +48,7 @@ class Speculator:
         self._seqs: dict[int, Acceptance] = {}
         self._probs: dict[int, mx.array] = {}  # this step's draft distributions (sampled rows of a model draft)
         self._drafting = 0.0  # seconds the draft model took before this step
+        self._draft_failures = 0  # in a row
 
     def propose(self, running: list[Sequence],
                 sampling: Callable[[int], SeqSampling | None]) -> dict[int, tuple[int, ...]]:
@@ -112,9 +118,14 @@ class Speculator:
                 acc.probe_after = PROBE_STEPS
             acc.idle = 0
             batch.append(DraftRow(seq, state, k))
-        if not batch:
+        if not batch or self._draft_failures >= MAX_DRAFT_FAILURES:
             return {}
-        drafted = self.draft.propose(batch)
+        try:
+            drafted = self.draft.propose(batch)
+        except Exception:  # drafts only ever save time: the target decodes plainly instead of failing
+            self._draft_failed()
+            return {}
+        self._draft_failures = 0
         self._drafting = self.draft.last_seconds
         self._probs = {uid: d.probs for uid, d in drafted.items() if d.probs is not None}
         return {uid: d.tokens for uid, d in drafted.items() if d.tokens}
@@ -123,6 +134,21 @@ class Speculator:
         """q for the first `k` drafts of `uid` this step (None: greedy or an n-gram point mass)."""
         q = self._probs.get(uid)
         return None if q is None else q[:k]
+
+    def _draft_failed(self) -> None:
+        """Verification keeps the output exact whatever the drafts, so a failing draft model costs speed,
+        never requests (it failed the engine, and a cluster for good). It starts afresh; after
+        MAX_DRAFT_FAILURES in a row it is given up."""
+        self._draft_failures += 1
+        self._probs, self._drafting = {}, 0.0
+        given_up = self._draft_failures >= MAX_DRAFT_FAILURES
+        log.exception("the draft model failed (%d in a row); this step decodes plainly%s", self._draft_failures,
+                      ", and so does every later one" if given_up else "")
+        try:
+            self.draft.reset()
+        except Exception:
+            log.exception("the draft model could not be reset; it is given up")
+            self._draft_failures = MAX_DRAFT_FAILURES
 
     def verified(self, uid: int, drafted: int, accepted: int, emitted: int) -> None:
         acc = self._seqs.setdefault(uid, Acceptance())

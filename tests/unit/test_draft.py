@@ -215,6 +215,35 @@ def test_a_draft_padded_otherwise_gives_plain_greedy_decodings_text(target, othe
     assert drafted > 0
 
 
+@pytest.mark.parametrize("fails", [2, 100])
+def test_a_failing_draft_model_costs_speed_not_requests(target, other, fails):
+    """A draft model's error failed the engine (a cluster's for good). Now the step decodes plainly and
+    the draft starts afresh; three failures in a row and it is given up."""
+    engine = engine_for(target, other, adaptive=False)
+    draft = engine.speculator.draft
+    real, calls = draft.propose, []
+
+    def flaky(rows):
+        calls.append(len(rows))
+        if len(calls) <= fails:
+            raise RuntimeError("the draft broke")
+        return real(rows)
+
+    draft.propose = flaky
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        got = run_all(engine, [(p, params) for p in PROMPTS])
+        drafted = engine.metrics.spec_drafted._value.get()
+        healthy = engine.problem is None
+    finally:
+        engine.stop()
+    assert got == [greedy(target, p, 12) for p in PROMPTS] and healthy
+    if fails == 2:
+        assert drafted > 0 and len(calls) > 3  # recovered
+    else:
+        assert drafted == 0 and len(calls) == 3  # given up
+
+
 @pytest.mark.parametrize("which", ["self", "other"])
 def test_engine_greedy_text_equals_plain_decoding(target, other, which):
     draft_path = target if which == "self" else other
