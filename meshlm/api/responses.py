@@ -47,11 +47,17 @@ class ResponseRun:
         if message.get("reasoning_content"):
             items.append(_reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
         if message.get("content") or not (items or calls):
-            items.append(_message_item(new_id("msg"), message.get("content") or "", "completed"))
+            items.append(_message_item(new_id("msg"), message.get("content") or "", "completed",
+                                       self._logprobs(self.completion.choice_body(c).get("logprobs"))))
         items += [_call_item(new_id("fc"), call, "completed") for call in calls]
         if c.finish_reason == "length":
             items[-1]["status"] = "incomplete"
         return json.dumps(self._finished(items, c), ensure_ascii=False).encode("utf-8")
+
+    def _logprobs(self, chat: dict | None) -> list[dict]:
+        """A chat choice's logprobs as an output_text part's: the same entries, every output token's (a
+        reasoning model's reasoning tokens too, as chat's), when `include` asks for them."""
+        return list((chat or {}).get("content") or ()) if self.req.logprobs else []
 
     def _finished(self, output: list[dict], c: Choice) -> dict:
         """The finished response's object, kept when `store` says so."""
@@ -132,7 +138,7 @@ class ResponseRun:
                     yield events.emit("response.failed", response=self._response(out.items, c, failed=error))
                     return
                 for choice in chunk.get("choices", ()):
-                    for event in out.delta(choice.get("delta") or {}):
+                    for event in out.delta(choice.get("delta") or {}, self._logprobs(choice.get("logprobs"))):
                         yield event
             for event in out.close("incomplete" if c.finish_reason == "length" else "completed"):
                 yield event
@@ -164,13 +170,19 @@ class _Output:
         self.items: list[dict] = []  # closed ones, in output order
         self.open: dict | None = None
         self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
+        # Logprobs that came before (or without) the text they score: chat sends an output's with its answer,
+        # or on a chunk of their own when the text is held back. They go with the message's next text delta.
+        self.logprobs: list[dict] = []
 
-    def delta(self, delta: dict) -> list[str]:
+    def delta(self, delta: dict, logprobs: list[dict] = ()) -> list[str]:
         out: list[str] = []
+        self.logprobs += logprobs
         if delta.get("reasoning_content"):
             out += self._text_delta("reasoning", delta["reasoning_content"])
         if delta.get("content"):
             out += self._text_delta("message", delta["content"])
+        elif self.logprobs and self.open is not None and self.open["type"] == "message":
+            out += self._text_delta("message", "")
         for call in delta.get("tool_calls") or ():
             out += self._call_delta(call)
         return out
@@ -186,7 +198,10 @@ class _Output:
         part = item["content"][0]
         part["text"] += text
         kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"], self.logprobs = self.logprobs, []
+            part["logprobs"] += extra["logprobs"]
         out.append(self.events.emit(kind_event, item_id=item["id"], output_index=len(self.items),
                                     content_index=0, delta=text, **extra))
         return out
@@ -233,7 +248,7 @@ class _Output:
                     self.events.emit("response.output_item.done", output_index=index, item=_copy(item))]
         part = item["content"][0]
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        extra = {} if item["type"] == "reasoning" else {"logprobs": _copy(part["logprobs"])}
         return [self.events.emit(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
                                  **extra),
                 self.events.emit("response.content_part.done", item_id=item["id"], output_index=index,
@@ -244,7 +259,7 @@ class _Output:
         """The last item's closing events; a response with no item at all gets an empty message."""
         out = self._close_open(status)
         if not self.items:
-            out += self._open(_message_item(new_id("msg"), "", "in_progress"))
+            out += self._open(_message_item(new_id("msg"), "", "in_progress", self.logprobs))
             out += self._close_open(status)
         return out
 
@@ -253,9 +268,9 @@ def _copy(item: dict) -> dict:
     return json.loads(json.dumps(item))
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict] = ()) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}]}
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict:

@@ -20,9 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from meshlm.api.schemas import MAX_TOOLS, ChatCompletionRequest, _refuse
 
 MAX_METADATA = 16  # OpenAI's limit: pairs, keys up to 64 characters, values up to 512
-# `include` values that need nothing from this server: encrypted reasoning only matters to a server that
-# keeps it hidden (this one returns the reasoning text itself).
-_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+# `include` values this server gives: encrypted reasoning needs nothing (it only matters to a server that
+# keeps reasoning hidden; this one returns the text itself), and the message's logprobs.
+LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = frozenset({"reasoning.encrypted_content", LOGPROBS})
 _ROLES = ("user", "assistant", "system", "developer")
 # Chat completion fields a response request may carry too (vLLM's extensions and OpenAI's older sampling
 # parameters), passed on as they are: the chat request validates them.
@@ -110,11 +111,6 @@ class ResponsesRequest(BaseModel):
             raise ValueError("'auto' is not supported by this server: the input must fit the context")
         return value
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        return _refuse("top_logprobs", value or None)
-
     @field_validator("reasoning")
     @classmethod
     def _no_effort(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -137,6 +133,8 @@ class ResponsesRequest(BaseModel):
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # the completed response carries the usage
+        if self.logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
             body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
         if isinstance(self.tool_choice, dict):
@@ -152,6 +150,11 @@ class ResponsesRequest(BaseModel):
         if verbosity not in (None, "medium"):
             raise ValueError("text.verbosity: only 'medium' is supported by this server")
         return {k: v for k, v in body.items() if v is not None}
+
+    @property
+    def logprobs(self) -> bool:
+        """The message's logprobs are asked for: `include`d, as OpenAI's (`top_logprobs` alone is a count)."""
+        return LOGPROBS in (self.include or ())
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (without the instructions)."""

@@ -63,6 +63,34 @@ def test_a_response_is_the_chat_completion_it_amounts_to(client, model, max_toke
     assert got.model == model and got.id.startswith("resp")
 
 
+def same_logprobs(got, want, tol: float = 1e-4) -> None:
+    """The same tokens and alternatives; logprobs within `tol` (another batch composition rounds apart)."""
+    flat = lambda xs: [(x.token, x.bytes, [(t.token, t.bytes) for t in x.top_logprobs]) for x in xs]  # noqa: E731
+    assert flat(got) == flat(want)
+    for g, w in zip(got, want):
+        assert abs(g.logprob - w.logprob) < tol and all(abs(a.logprob - b.logprob) < tol
+                                                        for a, b in zip(g.top_logprobs, w.top_logprobs))
+
+
+@pytest.mark.parametrize("stop", [None, ["ab"]], ids=["plain", "stop-string"])  # the second: text held back
+def test_logprobs_are_the_chat_completions_whole_and_streamed(client, model, stop):
+    kw = dict(model=model, input="Tell me a story.", temperature=0, max_output_tokens=12,
+              include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"stop": stop} if stop else None)
+    want = chat(client, model, [{"role": "user", "content": "Tell me a story."}], max_tokens=12, logprobs=True,
+                top_logprobs=2, stop=stop).choices[0].logprobs.content
+    whole = client.responses.create(**kw)
+    got = whole.output[0].content[0].logprobs
+    same_logprobs(got, want)
+    assert len(want) > 0 and all(len(x.top_logprobs) == 2 for x in got)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    for streamed in (deltas, done.logprobs, events[-1].response.output[0].content[0].logprobs):
+        same_logprobs(streamed, want)
+    plain = client.responses.create(**{**kw, "include": None})  # not included: none, as OpenAI's
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text
+
+
 def test_streamed_events_build_the_same_response(client, model):
     kw = dict(model=model, input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}],
               temperature=0, max_output_tokens=20)
@@ -186,7 +214,7 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["file_search_call.results"]}, "cannot be included"),
     ({"input": "x", "truncation": "auto"}, "auto"),
-    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "effort"),
     ({"input": "x", "model": "gpt-9"}, "does not exist"),
     ({"input": "w " * 3000}, "context length"),
