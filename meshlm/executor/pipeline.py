@@ -20,8 +20,6 @@ executor's.
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
 from collections.abc import Iterator
 
 from meshlm.engine.plan import StepPlan
@@ -29,9 +27,6 @@ from meshlm.executor.stage_io import StageIO
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.model.runner import StepResult
 from meshlm.transport.control import ControlError
-
-
-log = logging.getLogger(__name__)
 
 
 class StageFailed(RuntimeError):
@@ -45,17 +40,6 @@ class PipelineExecutor(TensorExecutor):
         self.io = io
         self.depth = depth  # plans the engine keeps in flight (one micro-batch per stage)
         self.stages = stages or {}  # rank -> what it runs ("stage 0, layers 0..14"), for failure messages
-        # The stages before the leader wait for plans while it computes its own stage (a long prompt's
-        # can take longer than --worker-timeout): a helper thread keeps the heartbeats going meanwhile.
-        self._pulse_stop = threading.Event()
-        threading.Thread(target=self._pulse, name="meshlm-pulse", daemon=True).start()
-
-    def _pulse(self) -> None:
-        while not self._pulse_stop.wait(self.control.heartbeat_interval / 2):
-            try:
-                self.control.pulse()
-            except Exception:  # the engine thread meets whatever this was at its next word to the workers
-                log.debug("pulse failed", exc_info=True)
 
     def submit(self, plan: StepPlan) -> None:
         with self.times.timing("control"), self._naming_stages():
@@ -106,7 +90,6 @@ class PipelineExecutor(TensorExecutor):
         return f"{message} [{'; '.join(named)}]" if named else message
 
     def close(self) -> None:
-        self._pulse_stop.set()
         try:
             super().close()
         finally:

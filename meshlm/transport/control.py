@@ -178,6 +178,7 @@ class ControlLeader:
         # Socket writes and the sequence numbers: `pulse` takes only this one, so that it heartbeats while
         # the engine thread holds the other waiting for acks.
         self._send_lock = threading.Lock()
+        self._closed = threading.Event()  # ends the pulse thread (`_keep_pulsing`)
         self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
         self._dropped_count = 0
         self.worker_times: dict[int, tuple[float, ...]] = {}  # rank -> its seconds by phase, from its last ACK
@@ -246,6 +247,7 @@ class ControlLeader:
                     before_start()
                 self._send_all(Kind.START, b"")
                 self._started_at = time.monotonic()
+                threading.Thread(target=self._keep_pulsing, name="meshlm-pulse", daemon=True).start()
             except BaseException as e:
                 self._abort(f"cluster start aborted: {e}")
                 raise
@@ -452,12 +454,20 @@ class ControlLeader:
             self._send_all(Kind.HEARTBEAT, b"")
             return True
 
+    def _keep_pulsing(self) -> None:
+        """From the start until the close, a thread of its own: `pulse` when a heartbeat may be due."""
+        while not self._closed.wait(self.heartbeat_interval / 2):
+            try:
+                self.pulse()
+            except Exception:  # the engine thread meets whatever this was at its next word to the workers
+                log.debug("pulse failed", exc_info=True)
+
     def pulse(self) -> None:
-        """From a helper thread while the engine thread is busy for long without a word to the workers (a
-        pipeline's leader runs its own stage, or waits for an activation, while stage 0 waits for the next
-        plan): a heartbeat when one is due, so no waiting worker takes the silence for a dead leader (it
-        gave up after --worker-timeout, and its healthy stage took the blame). Reads nothing, and a failed
-        send is left for the engine thread to meet and name."""
+        """While the engine thread is busy for long without a word to the workers (a long prompt's
+        forward, a pipeline's leader running its own stage or waiting for an activation, a draft model
+        loading before the engine starts): a heartbeat when one is due, so no waiting worker takes the
+        silence for a dead leader (it gave up after --worker-timeout, and a healthy cluster failed).
+        Reads nothing, and a failed send is left for the engine thread to meet and name."""
         with self._send_lock:
             if (time.monotonic() - self._last_send < self.heartbeat_interval
                     or any(link.closed for link in self._links.values())):
@@ -654,6 +664,7 @@ class ControlLeader:
                     link.close()
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for link in self._links.values():
                 link.close()
