@@ -102,7 +102,7 @@ def load_hostfile(path: str | Path) -> Hostfile:
         data = json.loads(Path(path).read_text())
         entries, secret = (data["hosts"], data.get("secret")) if isinstance(data, dict) else (data, None)
         hosts = tuple(_host(h) for h in entries)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # Recursion: [[[...
         raise ClusterError(f"cannot read hostfile {path}: {exc} (expected {HOSTFILE_FORMS})") from None
     if not hosts:
         raise ClusterError(f"hostfile {path} lists no hosts")

@@ -30,7 +30,7 @@ def check_adapter(path: Path) -> dict:
                              "adapters.safetensors)")
     try:
         config = json.loads((path / FILES[0]).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"--adapter-path {path}: {FILES[0]} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"--adapter-path {path}: {FILES[0]} is not a JSON object")

@@ -52,7 +52,7 @@ def read_config(path: Path) -> dict:
     """A model directory's config.json; a file that is not a JSON object is a ValueError naming it."""
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # Recursion: nested 200,000 deep
         raise ValueError(f"{path / 'config.json'} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'} is not a JSON object")
@@ -318,7 +318,7 @@ def generation_defaults(path: Path) -> dict:
         config = json.loads((path / "generation_config.json").read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"{path / 'generation_config.json'} is not readable JSON: {exc}") from None
     defaults = {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}
     if defaults.get("top_k") == -1:  # off, as vLLM and the request API read it (many exports write -1)

@@ -304,6 +304,7 @@ def test_demo_export_matches_gguf_weights(smol):
 
 @pytest.mark.parametrize("break_it, words", [
     (lambda d: (d / "config.json").write_text("{"), "config.json is not readable JSON"),
+    (lambda d: (d / "config.json").write_text("[" * 200_000), "config.json is not readable JSON"),
     (lambda d: (d / "config.json").write_text("[1]"), "config.json is not a JSON object"),
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
      "cannot load the weights in"),  # a download cut short: was a RuntimeError traceback

@@ -168,6 +168,13 @@ def test_a_hostfile_entry_that_is_no_host_is_refused_naming_it(tmp_path, entries
         load_hostfile(path)
 
 
+def test_a_hostfile_nested_past_the_parsers_depth_is_refused_in_a_sentence(tmp_path):
+    path = tmp_path / "hosts.json"
+    path.write_text("[" * 200_000)  # was a RecursionError traceback, status 1
+    with pytest.raises(ClusterError, match="cannot read hostfile"):
+        load_hostfile(path)
+
+
 def test_hostfile_names_in_every_form_ssh_takes_are_read(tmp_path):
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps([{"ssh": "user@mac1.local"}, {"ssh": "netns:b", "ips": ["fe80::1%eth0"]},
