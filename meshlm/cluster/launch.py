@@ -112,9 +112,13 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     if backend == "mpi":  # mpirun starts every rank itself
         return _supervise([subprocess.Popen(cmds[0])], ["mpirun"])
     # The leader hears of a worker that fails while the cluster starts (one that never connects, say after
-    # ssh failed) at once, not at its roll call's deadline: a line on its stdin, over ssh too.
-    procs = [subprocess.Popen(cmd) for cmd in reversed(cmds[1:])][::-1]  # workers first, leader last
-    procs.insert(0, subprocess.Popen(cmds[0], stdin=subprocess.PIPE))
+    # ssh failed) at once, not at its roll call's deadline: a line on its stdin, over ssh too. Every rank
+    # (its ssh, its `ip netns exec`) runs in a session of its own: the terminal's Ctrl-C reaches launch
+    # alone, which passes it to the leader, which drains and stops the workers. In launch's group, a
+    # worker here ended at the signal itself and the leader got it twice: the stream failed ('worker rank
+    # 1 lost', status 70), or the second signal cut the drain's grace.
+    procs = [subprocess.Popen(cmd, start_new_session=True) for cmd in reversed(cmds[1:])][::-1]  # workers first
+    procs.insert(0, subprocess.Popen(cmds[0], stdin=subprocess.PIPE, start_new_session=True))
     os.set_blocking(procs[0].stdin.fileno(), False)
     return _supervise(procs, [h.ssh for h in hosts], report=procs[0].stdin.fileno())
 

@@ -14,6 +14,7 @@ tolerance until then) failed about one CI run in four."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -255,6 +256,49 @@ def test_the_leader_killed_makes_the_stages_exit(pp2):
             Path(f"/proc/{stage0}/stat").read_text().split(") ")[1][0] != "Z":
         time.sleep(0.1)
     assert not Path(f"/proc/{stage0}").exists() or Path(f"/proc/{stage0}/stat").read_text().split(") ")[1][0] == "Z"
+
+
+def test_ctrl_c_on_meshlm_launch_drains_the_cluster(llama, tmp_path):
+    """The terminal's Ctrl-C reaches launch's whole process group. Its local ranks were in that group: the
+    worker ended at the signal, the leader got it twice (the terminal's and launch's), and the stream failed
+    with 'worker rank 1 lost', launch status 70. Each rank now has a session of its own: launch passes the
+    signal on once, and the leader drains and stops the workers (status 0)."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    stage_ports = free_port_run(2)
+    control, http = free_port(avoid=stage_ports), free_port(avoid=stage_ports)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MESHLM_CLUSTER_SECRET": SECRET}
+    cmd = [sys.executable, "-m", "meshlm", "launch", "--hostfile", str(hosts), "--", "serve", "--model", str(llama),
+           "--pipeline-parallel", "2", "--control-port", str(control), "--stage-port", str(stage_ports[0]),
+           "--port", str(http), "--max-model-len", "512", "--kv-cache-dir", str(tmp_path / "kv")]
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{http}"
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _healthy(url):
+            time.sleep(0.2)
+        ranks += children(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, log.read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        assert all(not Path(f"/proc/{pid}").exists() for pid in ranks)
+    finally:
+        for pid in ranks + ([proc.pid] if proc.poll() is None else []):  # the ranks are in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text()
+    assert "lost" not in text and "Traceback" not in text and "ERROR" not in text, text[-3000:]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_corrupt_activation_packet_is_a_clear_error_naming_the_stage(llama, tmp_path):
