@@ -68,7 +68,7 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
     log.info("rank %d started by the leader at %s", cfg.rank, cfg.control_addr)
     control.beat(cfg.heartbeat_interval)
     if local:
-        _leave_stopping_to_rank_0(cfg.rank)
+        _leave_stopping_to_rank_0(cfg.rank, control)
     io = None
     try:
         if on_joined is not None:
@@ -88,13 +88,14 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
         rank.flush(timeout=2)
 
 
-def _leave_stopping_to_rank_0(rank: int) -> None:
+def _leave_stopping_to_rank_0(rank: int, control: ControlWorker) -> None:
     """A worker that rank 0 started shares its process group, so the terminal's Ctrl-C (or a service
     manager's SIGTERM to the group) reaches every rank at once. Rank 0 then drains and stops its ranks
     itself; a worker that ended at the signal made that orderly stop a failure (rank 0: 'worker rank 1
     lost', status 70, and the worker's KeyboardInterrupt traceback). Here the signal only arms a
-    deadline: were rank 0 hung, the worker still ends FOLLOW_SECONDS later. (Before the cluster has
-    started, the default actions stand: the join watcher and the start's own checks rely on them.)"""
+    deadline: were rank 0 hung, or the signal this worker's alone, the worker still ends FOLLOW_SECONDS
+    later, telling rank 0 why. (Before the cluster has started, the default actions stand: the join
+    watcher and the start's own checks rely on them.)"""
     if threading.current_thread() is not threading.main_thread():
         return
     armed: list[int] = []
@@ -103,9 +104,17 @@ def _leave_stopping_to_rank_0(rank: int) -> None:
         if armed:
             return
         armed.append(sig)
-        log.info("rank %d: %s: rank 0 stops the cluster; this rank ends by itself if it has not within %.0f s",
-                 rank, signal.Signals(sig).name, FOLLOW_SECONDS)
-        timer = threading.Timer(FOLLOW_SECONDS, os._exit, args=(128 + sig,))
+        name = signal.Signals(sig).name
+        log.info("rank %d: %s: rank 0 stops the cluster when the signal reached it too (a signal to the process "
+                 "group); else this rank ends by itself within %.0f s, and the cluster with it", rank, name,
+                 FOLLOW_SECONDS)
+
+        def leave() -> None:
+            control.leave(f"rank {rank} got {name}, and rank 0 had not stopped the cluster {FOLLOW_SECONDS:.0f} s "
+                          "later (the signal was this rank's alone)")
+            os._exit(128 + sig)
+
+        timer = threading.Timer(FOLLOW_SECONDS, leave)
         timer.daemon = True
         timer.start()
 

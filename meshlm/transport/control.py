@@ -98,14 +98,17 @@ class SplitBrain(ControlError):
 # -- leader -------------------------------------------------------------------------
 
 
-def _last_error_ack(link: Link) -> Ack | None:
-    """The error ACK among a closed link's buffered frames, if the worker sent one before leaving."""
+def _last_words(link: Link) -> Ack | str | None:
+    """Why a worker left, from a closed link's buffered frames: its error ACK (a failed step), or its
+    REJECT's reason (`ControlWorker.leave`); None when it said nothing."""
     try:
         while (frame := link.next_frame()) is not None:
             if frame.kind is Kind.ACK:
                 ack = wire.decode(Kind.ACK, frame.payload)
                 if ack.error:
                     return ack
+            elif frame.kind is Kind.REJECT:
+                return wire.decode_reason(frame.payload)
     except ControlError:
         pass
     return None
@@ -591,9 +594,11 @@ class ControlLeader:
         try:
             link.read_available()
         except LinkClosed as e:
-            failed = _last_error_ack(link)  # a worker that failed says why, then exits
-            if failed is not None:
-                raise self._lose(rank, WorkerFailed(rank, failed.step_id, failed.error)) from None
+            said = _last_words(link)  # a worker that failed or left says why, then exits
+            if isinstance(said, Ack):
+                raise self._lose(rank, WorkerFailed(rank, said.step_id, said.error)) from None
+            if said is not None:
+                raise self._lose(rank, WorkerLost(rank, f"it left: {said}")) from None
             raise self._lose(rank, WorkerLost(rank, f"{e} ({link.peer}; process died or host unreachable)")) from None
 
     def _send_all(self, kind: Kind, payload: bytes) -> int:
@@ -833,6 +838,16 @@ class ControlWorker:
         `times`: this rank's seconds by phase so far (meshlm/step_times.py); `missing`: keys of blocks the
         plan loads that this rank could not read."""
         self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times), tuple(missing))))
+
+    def leave(self, reason: str) -> None:
+        """Before this rank exits on its own: tell the leader why, best effort (it names the rank and the
+        reason, not a connection closed as if the process had died)."""
+        self._beating.set()
+        try:
+            with self._send_lock:
+                self._link_or_raise().send(wire.encode_reject(self._seq, reason), min(self.timeout, 1.0))
+        except (ControlError, LinkClosed):
+            pass
 
     def beat(self, interval: float) -> None:
         """Once started: a thread of its own tells the leader this rank is alive whenever `interval` s pass

@@ -235,6 +235,18 @@ def test_a_leader_busy_without_a_word_still_heartbeats():
     assert workers[0].error is None and len(workers[0].plans) == 1
 
 
+def test_a_worker_that_leaves_says_why():
+    # Before: 'connection closed by peer (...; process died or host unreachable)', whatever the worker knew.
+    with cluster(2) as (leader, workers):
+        workers[0].worker.leave("rank 1 got SIGTERM")
+        workers[0].worker.close()
+        deadline = time.monotonic() + 3
+        with pytest.raises(WorkerLost, match="rank 1 lost: it left: rank 1 got SIGTERM"):
+            while time.monotonic() < deadline:
+                leader.check_workers()
+                time.sleep(0.01)
+
+
 def test_silent_leader_makes_worker_raise_leader_lost():
     leader = ControlLeader(world_size=2, timeout=TIMEOUT, secret=SECRET)
     worker = ControlWorker("127.0.0.1", leader.port, 1, 0.3, world_size=2, secret=SECRET)
