@@ -197,7 +197,7 @@ class LocalCluster:
 
     @classmethod
     def create(cls, n: int) -> "LocalCluster":
-        tmp = Path(tempfile.mkdtemp(prefix="meshlm-tp-"))
+        tmp = Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))
         hostfile = tmp / "ring.json"
         used: set[int] = set()
 
@@ -212,6 +212,13 @@ class LocalCluster:
 
 
 LEADER_FILE = "leader"
+LOCAL_PREFIX = "meshlm-tp-"
+
+
+def local_cluster_dir(ring_file: Path) -> Path | None:
+    """The private directory of the local cluster whose ring file this is (`LocalCluster.create`), or None."""
+    d = ring_file.parent
+    return d if d.name.startswith(LOCAL_PREFIX) and (d / LEADER_FILE).is_file() else None
 
 
 def local_leader_gone(ring_file: Path) -> Callable[[], str | None]:

@@ -11,8 +11,9 @@ host vanishes. A small child process (`main` below, started by `JoinWatch`) poll
 close or fail ends the waiting rank: the child says which rank is gone, removes what the rank would
 have removed, and sends it SIGTERM (nothing that needs a drain has started). Ctrl-C, which reaches the
 child too, ends the rank the same way unless the rank ends first: in the join it would only see it
-once the join returned. When the watched part ends, `JoinWatch` closes the child's pipe and the child
-exits; so does a child whose rank died, as the pipe closes with it.
+once the join returned. When the watched part ends, `JoinWatch` says so on the child's pipe and closes
+it, and the child exits; so does a child whose rank died, as the pipe closes with it unsaid, after
+removing what the rank would have (its join's deadline ends it with `os._exit`, so does a kill).
 
 The child starts with Ctrl-C ignored and takes it only once it watches, and `JoinWatch` enters the join
 only then: a Ctrl-C while the child's interpreter started once killed it with a traceback, and left
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 NOTICE_GRACE_SECONDS = 2.0
 KILL_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL (a rank that ignores SIGTERM)
 READY_SECONDS = 10.0  # for the child to start watching; past it the rank goes on without waiting longer
+DONE = b"k"
 
 
 class JoinWatch:
@@ -91,6 +93,8 @@ class JoinWatch:
 
     def __exit__(self, *exc) -> None:
         if self._done is not None:
+            with contextlib.suppress(OSError):  # a child already gone
+                os.write(self._done, DONE)  # what tells the child this rank got through, not died meanwhile
             os.close(self._done)
             self._done = None
         if self._child is not None:
@@ -178,6 +182,9 @@ def main(argv: list[str]) -> int:
                 os.read(wake_read, 512)
                 continue
             if fd == done:
+                if os.read(done, 1) != DONE:  # closed unsaid: the rank died (faulthandler's join deadline, a kill)
+                    for path in cleanup:
+                        shutil.rmtree(path, ignore_errors=True)
                 return 0
             peer, sock = socks[fd]
             how = _gone(sock)

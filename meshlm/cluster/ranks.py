@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 from meshlm.api.listener import listen_failure
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
-                                      init_group, load_hostfile, local_leader_gone, ring_hostfile,
+                                      init_group, load_hostfile, local_cluster_dir, local_leader_gone, ring_hostfile,
                                       spawn_local_workers, start_watch)
 from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
@@ -259,13 +259,17 @@ def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
     that never loads is named at the LOADED handshake's deadline, --start-timeout.)"""
     p = topo.parallel
     ring_file, own = topo.ring_file, []
+    # A local cluster's directory, which rank 0 removes when the start fails: not when rank 0 died meanwhile
+    # (a kill, its join's deadline), so whichever rank's watcher sees that removes it.
+    local = local_cluster_dir(ring_file) if ring_file is not None else None
     try:
         if topo.ring_hosts is not None:
             own = [Path(tempfile.mkdtemp(prefix="meshlm-ring-"))]
             ring_file = own[0] / "ring.json"
             ring_file.write_text(json.dumps(topo.ring_hosts))
         sums = local_sum_group(config, topo, ring_file)
-        with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares", own):
+        with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares",
+                       own + ([local] if local is not None else [])):
             group = init_group(p, ring_file, p.start_timeout)
             _remove(own)  # MLX has read it
             loaded, rank = _load_share(config, topo, group, sums)

@@ -108,11 +108,30 @@ def test_data_from_a_peer_during_the_join_is_not_a_hang_up(listener, tmp_path):
 
 
 def test_a_rank_killed_during_its_join_takes_its_watcher_with_it(listener, tmp_path):
-    """The watcher's copies of the sockets must not keep the rank's connections open after it died."""
+    """The watcher's copies of the sockets must not keep the rank's connections open after it died; what
+    the rank would have removed, its watcher removes (a local cluster's directory stayed in /tmp when rank 0
+    was killed in its join, or ended by its join's deadline)."""
+    (tmp_path / "ring").mkdir()
     proc, conn = _rank(listener, tmp_path, join_seconds=120)
     _end(proc)
     conn.settimeout(10)
     assert conn.recv(1) == b""  # at once, not when the watcher would have timed out
+    deadline = time.monotonic() + 10
+    while (tmp_path / "ring").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (tmp_path / "ring").exists()
+
+
+def test_a_rank_through_its_join_keeps_what_it_owns(listener, tmp_path):
+    (tmp_path / "ring").mkdir()
+    proc, conn = _rank(listener, tmp_path, join_seconds=0.5)
+    try:
+        assert proc.stdout.readline() == "joined\n"
+        time.sleep(0.5)  # the watcher has ended
+        assert (tmp_path / "ring").is_dir()
+    finally:
+        _end(proc)
+        conn.close()
 
 
 def _ctrl_c(proc: subprocess.Popen, conn: socket.socket) -> tuple[subprocess.Popen, str]:
