@@ -270,7 +270,13 @@ def _load(config: ServeConfig, topo: Topology, peers: dict[int, socket.socket]):
         sums = local_sum_group(config, topo, ring_file)
         with JoinWatch(p.rank, peers, "the ranks joined the MLX group and loaded their shares",
                        own + ([local] if local is not None else [])):
-            group = init_group(p, ring_file, p.start_timeout)
+            try:
+                group = init_group(p, ring_file, p.start_timeout)
+            except ClusterError:  # a local rank 0 that died meanwhile is the cause (its ring file went with it)
+                why = topo.leader_gone() if topo.leader_gone is not None else None
+                if why is None:
+                    raise
+                raise ClusterError(f"{why} (rank {p.rank} was joining the MLX group)") from None
             _remove(own)  # MLX has read it
             loaded, rank = _load_share(config, topo, group, sums)
     finally:
