@@ -39,7 +39,8 @@ class ResponseRun:
     async def whole(self) -> bytes:
         await self.completion.run()
         c = self.completion.choices[0]
-        message = self.completion.choice_body(c)["message"]
+        body = self.completion.choice_body(c)  # once: its logprobs are an entry per output token
+        message = body["message"]
         # The items a stream of the same output opens, with the same statuses: reasoning and text when
         # there is some, a call each, an empty message when nothing else; the last one incomplete when cut.
         calls = message.get("tool_calls") or []
@@ -48,7 +49,7 @@ class ResponseRun:
             items.append(_reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
         if message.get("content") or not (items or calls):
             items.append(_message_item(new_id("msg"), message.get("content") or "", "completed",
-                                       self._logprobs(self.completion.choice_body(c).get("logprobs"))))
+                                       self._logprobs(body.get("logprobs"))))
         items += [_call_item(new_id("fc"), call, "completed") for call in calls]
         if c.finish_reason == "length":
             items[-1]["status"] = "incomplete"

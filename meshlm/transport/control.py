@@ -644,8 +644,7 @@ class ControlLeader:
     def shutdown(self, reason: str = "leader shutting down", linger: float = 2.0) -> None:
         """Best effort: SHUTDOWN to every live worker, wait up to `linger` s for them to hang up, close."""
         with self._lock, self._send_lock:
-            frame = wire.encode_frame(Kind.SHUTDOWN, self._seq, wire.encode_reason(reason))
-            self._seq += 1
+            _, frame = self._next_frame(Kind.SHUTDOWN, wire.encode_reason(reason))
             for link in self._live_links():
                 self._send_quietly(link, frame)
             self._drain_until_closed(time.monotonic() + linger)

@@ -30,6 +30,14 @@ def free_port(avoid: range = range(0)) -> int:
     return bootstrap.free_port(avoid=avoid)
 
 
+def healthy(url: str) -> bool:
+    """The server at `url` answers /health with 200 now (not up yet, or failed: False)."""
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port_run(n: int) -> range:
     """n consecutive free ports (a ring hostfile's ranks listen on base + rank), outside the ephemeral range."""
     while True:

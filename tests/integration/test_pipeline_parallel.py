@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from conftest import (SCORE_TOL, ServerProcess, assert_parity, assert_scores, children, complete_all, fault_entry, free_port,
-                      free_port_run, reference_scores, score_all, scored_prompts, stream_error, stream_then)
+                      free_port_run, healthy, reference_scores, score_all, scored_prompts, stream_error, stream_then)
 
 pytestmark = pytest.mark.slow
 
@@ -277,7 +277,7 @@ def test_ctrl_c_on_meshlm_launch_drains_the_cluster(llama, tmp_path):
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not _healthy(url):
+        while time.monotonic() < deadline and not healthy(url):
             time.sleep(0.2)
         ranks += children(proc.pid)
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
@@ -292,13 +292,6 @@ def test_ctrl_c_on_meshlm_launch_drains_the_cluster(llama, tmp_path):
         proc.wait()
     text = log.read_text()
     assert "lost" not in text and "Traceback" not in text and "ERROR" not in text, text[-3000:]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_corrupt_activation_packet_is_a_clear_error_naming_the_stage(llama, tmp_path):
