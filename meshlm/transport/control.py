@@ -788,8 +788,9 @@ class ControlWorker:
         try:
             frame = self._link_or_raise().recv(time.monotonic() + wait)
         except LinkTimeout:
-            silence = f"nothing from the leader for {wait:.1f} s (not even a heartbeat)"
-            raise LeaderLost(f"rank {self.rank}: {silence}") from None
+            silence = f"rank {self.rank}: nothing from the leader for {wait:.1f} s (not even a heartbeat)"
+            self.leave(silence)  # a leader that was only stopped reads this once resumed, not 'process died'
+            raise LeaderLost(silence) from None
         except LinkClosed as e:
             raise LeaderLost(f"rank {self.rank}: {e}") from None
         if frame.kind is Kind.REJECT:

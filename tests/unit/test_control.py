@@ -259,6 +259,13 @@ def test_silent_leader_makes_worker_raise_leader_lost():
         worker.next_plan()
     assert 0.25 < time.monotonic() - t0 < 1.0
     worker.close()
+    # A leader that was only stopped (SIGSTOP, a paused VM) learns, once resumed, that the worker gave up
+    # on it: before, 'connection closed by peer (...; process died ...)', as if the worker had crashed.
+    with pytest.raises(WorkerLost, match="rank 1 lost: it left: rank 1: nothing from the leader for 0.3 s"):
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            leader.check_workers()
+            time.sleep(0.01)
     leader.close()
 
 
