@@ -183,6 +183,9 @@ def main(argv: list[str]) -> int:
                 continue
             if fd == done:
                 if os.read(done, 1) != DONE:  # closed unsaid: the rank died (faulthandler's join deadline, a kill)
+                    # The deadline's stack dump names no rank, and a local cluster's ranks share one terminal.
+                    print(f"meshlm: rank {rank} ended while {during}, before it got through (a stack dump above "
+                          "is its deadline's; else it crashed or was killed)", file=sys.stderr, flush=True)
                     for path in cleanup:
                         shutil.rmtree(path, ignore_errors=True)
                 return 0

@@ -113,7 +113,8 @@ def test_a_rank_killed_during_its_join_takes_its_watcher_with_it(listener, tmp_p
     was killed in its join, or ended by its join's deadline)."""
     (tmp_path / "ring").mkdir()
     proc, conn = _rank(listener, tmp_path, join_seconds=120)
-    _end(proc)
+    err = _end(proc)  # read to its end: the watcher's own output included
+    assert "rank 1 ended while the ranks joined, before it got through" in err, err
     conn.settimeout(10)
     assert conn.recv(1) == b""  # at once, not when the watcher would have timed out
     deadline = time.monotonic() + 10
