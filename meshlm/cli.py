@@ -103,8 +103,10 @@ def _serve_parser(sub) -> None:
     g.add_argument("--hostfile", default=None, help="mlx.launch hostfile: one {ssh, ips} entry per rank")
     g.add_argument("--rank", type=int, default=0, help="this process's rank (set by meshlm launch)")
     g.add_argument("--control-addr", default=None, help="leader host:port for StepPlans")
-    g.add_argument("--control-port", type=int, default=52100, help="leader's control port with --hostfile")
-    g.add_argument("--ring-port", type=int, default=52000, help="first ring backend port with --hostfile")
+    g.add_argument("--control-port", type=int, default=None,
+                   help="with --hostfile: the leader's control port (default 52100)")
+    g.add_argument("--ring-port", type=int, default=None,
+                   help="with --hostfile: rank r's ring backend port is this + r (default 52000)")
     g.add_argument("--ring-hostfile", default=None, help=argparse.SUPPRESS)
     g.add_argument("--launch-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by meshlm launch
     g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
@@ -123,7 +125,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--pipeline-parallel", type=int, default=1,
                    help="stages, each a rank holding a range of layers; alone on one machine it starts them itself")
     g.add_argument("--pp-split", default=None, help="layers per stage in pipeline order, e.g. 10,20 (default: even)")
-    g.add_argument("--stage-port", type=int, default=52200, help="with --hostfile: rank r's stage link port is this + r")
+    g.add_argument("--stage-port", type=int, default=None,
+                   help="with --hostfile: rank r's stage link port is this + r (default 52200)")
     g.add_argument("--stage-addrs", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("context parallelism (docs/CONTEXT_PARALLEL.md)")
     g.add_argument("--context-parallel", type=int, default=1,
@@ -268,7 +271,25 @@ def _template_kwargs(value: str | None) -> dict:
     return kwargs
 
 
+# Ports a cluster over a hostfile listens on; a local cluster picks free ones on 127.0.0.1 itself.
+HOSTFILE_PORTS = {"control_port": ("--control-port", 52100), "ring_port": ("--ring-port", 52000),
+                  "stage_port": ("--stage-port", 52200)}
+
+
+def _hostfile_ports(args: argparse.Namespace) -> None:
+    """Fill in the defaults; refuse the flags where nothing would listen on them (they were ignored)."""
+    given = [flag for name, (flag, _) in HOSTFILE_PORTS.items() if getattr(args, name) is not None]
+    if given and args.hostfile is None and args.ring_hostfile is None and args.control_addr is None:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{' and '.join(given)} only {verb} with --hostfile: a local cluster picks free ports on "
+                         "127.0.0.1 itself (drop the flag, or list the ranks in a hostfile)")
+    for name, (_, default) in HOSTFILE_PORTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
+    _hostfile_ports(args)
     args.tensor_parallel = _world_size(args)
     args.rank = _rank(args)
     return ServeConfig(

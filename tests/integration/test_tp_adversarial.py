@@ -452,6 +452,10 @@ def test_a_rank_of_another_protocol_version_is_rejected_at_once(model, tmp_path)
     (["--tensor-parallel", "3"], ["divide", "heads"]),
     (["--tensor-parallel", "2", "--backend", "jaccl"], ["MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR"]),
     (["--tensor-parallel", "2", "--hostfile", "/nonexistent/hosts.json", "--rank", "1"], ["hostfile"]),
+    # A local cluster picks its own ports: these were ignored without a word.
+    (["--tensor-parallel", "2", "--control-port", "6000", "--ring-port", "6100"],
+     ["--control-port and --ring-port only apply with --hostfile"]),
+    (["--pipeline-parallel", "2", "--stage-port", "6200"], ["--stage-port only applies with --hostfile"]),
 ])
 def test_bad_cluster_settings_fail_before_loading(model, args, words):
     t0 = time.monotonic()

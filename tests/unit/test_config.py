@@ -75,9 +75,14 @@ def test_a_draft_model_alone_speculates_with_it_as_mlx_lm_servers_does():
     # these ended in IndexError and OverflowError tracebacks as the cluster formed
     (("--control-addr", "garbage"), "--control-addr takes HOST:PORT, got 'garbage'"),
     (("--control-addr", "10.0.0.1:70000"), "--control-addr's port must be in 1..65535, got 70000"),
-    (("--pipeline-parallel", "2", "--stage-port", "70000"), "--stage-port must be in 1..65534"),
-    (("--pipeline-parallel", "2", "--stage-port", "65535"), r"rank 1's is --stage-port \+ 1\), got 65535"),
-    (("--stage-port", "0"), "--stage-port must be in 1..65535, got 0"),
+    (("--pipeline-parallel", "2", "--stage-port", "70000", "--control-addr", "10.0.0.1:52100"),
+     "--stage-port must be in 1..65534"),
+    (("--pipeline-parallel", "2", "--stage-port", "65535", "--control-addr", "10.0.0.1:52100"),
+     r"rank 1's is --stage-port \+ 1\), got 65535"),
+    (("--stage-port", "0", "--control-addr", "10.0.0.1:52100"), "--stage-port must be in 1..65535, got 0"),
+    # a local cluster picks its own ports: these were ignored without a word
+    (("--pipeline-parallel", "2", "--stage-port", "6000"), "--stage-port only applies with --hostfile"),
+    (("--tensor-parallel", "2", "--control-port", "6000"), "--control-port only applies with --hostfile"),
     (("--speculative", "ngram", "--draft-model", "d"), "--draft-model is for --speculative draft, not ngram"),
     (("--speculative", "off", "--draft-model", "d"), "--draft-model is for --speculative draft, not off"),
 ])
