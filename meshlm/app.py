@@ -84,6 +84,12 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
             raise ValueError(f"KV budget holds only {kv_tokens} tokens; raise --kv-cache-memory")
         given = "--max-model-len" if config.model.max_model_len else "the model's max_position_embeddings"
         raise ValueError(f"a context of {max_len} position(s) ({given}) leaves no room to generate: at least 2")
+    if config.model.max_model_len and max_len < config.model.max_model_len:
+        # vLLM refuses to start here; serving the shorter context keeps a cluster whose smallest rank holds
+        # less usable, but the operator who asked for more must hear it (it was a line at INFO)
+        log.warning("--max-model-len %d lowered to %d: the KV budget holds %d blocks of %d tokens%s (raise "
+                    "--kv-cache-memory for more)", config.model.max_model_len, max_len, kv_blocks, rank.block_size,
+                    " on the smallest rank" if kv_blocks < rank.max_blocks else "")
     if max_len > loaded.context_length:  # served (long-context runs use it), but say so, as vLLM refuses it
         log.warning("max model len %d (--max-model-len) is beyond the model's own context (%d positions): "
                     "positions past it were never trained, and output there may be garbage", max_len,

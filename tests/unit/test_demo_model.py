@@ -372,3 +372,19 @@ def test_a_context_too_short_to_generate_names_the_context_not_the_kv_budget(tmp
                       scheduler=SchedulerConfig(kv_cache_memory=2**24))
     with pytest.raises(ValueError, match="a context of 1 position.*max_position_embeddings"):
         build_engine(cfg, load_model(cfg.model))
+
+
+def test_a_max_model_len_the_kv_budget_cannot_hold_is_lowered_with_a_warning(tmp_path, caplog):
+    """It was lowered with a line at INFO: an operator who asked for 4096 learned of 2048 from a client's 400."""
+    from meshlm.app import build_engine
+    from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    # 1 layer, 1 KV head of 16 dims in float32: 128 bytes a position, so 64 KiB holds 512 of them
+    cfg = ServeConfig(model=ModelConfig(str(model), max_model_len=4096), cache=CacheConfig(enabled=False),
+                      scheduler=SchedulerConfig(kv_cache_memory=2**16))
+    with caplog.at_level("WARNING", logger="meshlm.app"):
+        engine = build_engine(cfg, load_model(cfg.model))
+    assert engine.max_model_len == 512
+    assert "--max-model-len 4096 lowered to 512: the KV budget holds" in caplog.text, caplog.text
