@@ -368,6 +368,9 @@ class ServeConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.context and self.cache.block_size % 2:  # kv/context_split.py: half a block a rank
+            # checked here, not where the ring forms: that was after rank 1 had started, and said twice
+            raise ValueError(f"context parallelism needs an even --block-size, got {self.cache.block_size}")
         if self.disagg.enabled and self.parallel.distributed:
             raise ValueError("disaggregated prefill (--role prefill, --prefill-peer) runs on single-process servers "
                              "for now; drop --tensor-parallel, --pipeline-parallel or --context-parallel")

@@ -83,6 +83,7 @@ def test_a_draft_model_alone_speculates_with_it_as_mlx_lm_servers_does():
     # a local cluster picks its own ports: these were ignored without a word
     (("--pipeline-parallel", "2", "--stage-port", "6000"), "--stage-port only applies with --hostfile"),
     (("--tensor-parallel", "2", "--control-port", "6000"), "--control-port only applies with --hostfile"),
+    (("--context-parallel", "2", "--block-size", "15"), "context parallelism needs an even --block-size, got 15"),
     (("--speculative", "ngram", "--draft-model", "d"), "--draft-model is for --speculative draft, not ngram"),
     (("--speculative", "off", "--draft-model", "d"), "--draft-model is for --speculative draft, not off"),
 ])
