@@ -156,9 +156,14 @@ class SSDTier:
         with os.scandir(self.dir) as entries:
             files = [Path(e.path) for e in entries if e.name.endswith(SUFFIX) and e.is_file()]
         dated = [(mtime, p) for p in files if (mtime := _mtime(p)) is not None]  # oldest first: LRU order
-        for _, path in sorted(dated):
+        expired = 0
+        for mtime, path in sorted(dated):
+            if mtime < expiry:  # its time is up, as at a re-scan: evicted, not a bad file
+                path.unlink(missing_ok=True)
+                expired += 1
+                continue
             try:
-                key = self._validate(path, expiry)
+                key = self._validate(path)
                 size = path.stat().st_size
             except FileNotFoundError:  # evicted by another process meanwhile: not a bad file
                 continue
@@ -166,18 +171,21 @@ class SSDTier:
                 self._drop(path)
             else:
                 self._put(key, size)
+        self.evictions += expired
         stale = self._remove_stale_temps()
-        log.info("SSD KV tier %s: %d blocks, %d dropped", self.dir, len(self._index), self.dropped)
+        log.info("SSD KV tier %s: %d blocks, %d expired, %d dropped", self.dir, len(self._index), expired,
+                 self.dropped)
+        if self._bytes > self.config.capacity_bytes:  # a restart with a smaller --ssd-cache-gb
+            # enforced now: else only at the first write or lookup, which a worker rank may not make for long
+            self._enforce_capacity()
         if stale:
             log.info("SSD KV tier %s: removed %d temp files of writers that are gone", self.dir, stale)
 
-    def _validate(self, path: Path, expiry: float) -> bytes | None:
-        """The file's key if it is a whole, fresh block of this salt and rank, else None.
+    def _validate(self, path: Path) -> bytes | None:
+        """The file's key if it is a whole block of this salt and rank, else None.
 
         Raises FileNotFoundError when another process deleted it meanwhile (not a bad file)."""
         try:
-            if path.stat().st_mtime < expiry:
-                return None
             header, size = read_header(path, self.shape)
             meta = header.get("__metadata__") or {}
             key = key_of(path.name)
@@ -266,14 +274,18 @@ class SSDTier:
         return block if block is not None else self._read(key)
 
     def _read(self, key: bytes) -> Block | None:
-        """Read and verify a block; a bad or expired file is deleted and counted, and None returned.
+        """Read and verify a block; a bad file is deleted and counted as dropped, an expired one as evicted
+        (as a re-scan counts it), and None returned.
 
         A file another process deleted (evicted) is a plain miss: forgotten, not counted."""
         path = self._path(key)
         try:
             # lstat: a symlink's target (a device's mtime) is nothing of ours; the read refuses the link
             if path.lstat().st_mtime < time.time() - self.config.ttl_days * 86400:
-                raise ValueError("older than the TTL")
+                self._forget(key)
+                path.unlink(missing_ok=True)
+                self.evictions += 1
+                return None
             block, meta = read_block(path, self.shape)
             if meta.get("key") != key.hex() or meta.get("rank") != str(self.rank):
                 raise ValueError("a block of another key or rank")

@@ -372,6 +372,22 @@ def test_ttl_expiry_drops_old_files(tmp_path):
     tier = make_tier(tmp_path, ttl_days=2)
     assert keys[0] not in tier and not (d / (keys[0].hex() + SUFFIX)).exists()
     assert keys[1] in tier and keys[2] in tier
+    # Expiry is an eviction (as a re-scan counts it), not a damaged file: that was a restart's 'N dropped'.
+    assert tier.evictions == 1 and tier.dropped == 0
+
+
+def test_a_restart_with_less_capacity_evicts_at_once(tmp_path):
+    """It evicted only at its first write or lookup past the re-scan interval, which a worker rank (it never
+    looks up) or a server of short prompts may not make for long: the directory and its gauge stayed over."""
+    _, keys = write_blocks(tmp_path, 4)
+    d = make_tier(tmp_path).dir
+    now = time.time()
+    for age, k in zip((40, 30, 20, 10), keys):
+        os.utime(d / (k.hex() + SUFFIX), (now - age, now - age))
+    size = (d / (keys[0].hex() + SUFFIX)).stat().st_size
+    tier = make_tier(tmp_path, capacity=int(2.5 * size))
+    assert [k in tier for k in keys] == [False, False, True, True]
+    assert tier.evictions == 2 and tier.nbytes == sum(blocks_on_disk(d).values()) == 2 * size
 
 
 def test_capacity_deletes_the_oldest_on_write(tmp_path):
@@ -425,7 +441,8 @@ def test_files_expire_while_running(tmp_path):
     old = time.time() - 8 * 86400  # TTL 7 days
     os.utime(tier._path(keys[0]), (old, old))
     assert tier.load(keys[0]) is None and keys[0] not in tier and not tier._path(keys[0]).exists()
-    assert tier.dropped == 1 and tier.nbytes == tier._path(keys[1]).stat().st_size
+    assert tier.evictions == 1 and tier.dropped == 0  # an eviction, not a damaged file (it was a WARNING)
+    assert tier.nbytes == tier._path(keys[1]).stat().st_size
     assert blocks_equal(tier.load(keys[1]), fake_block(1))
 
 
