@@ -10,10 +10,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("meshlm_requests", "Requests by final status", ["status"], registry=r)
+        self.requests = Counter("meshlm_requests", "Sequences by final status: each choice of a request "
+                                "(n) and each prompt of a batched completion counts once", ["status"], registry=r)
         self.rejected = Counter("meshlm_rejected_requests", "Requests answered with an error before any sequence ran "
                                 "(a 400, 404, 413, 429, 503 ...), by HTTP status", ["status"], registry=r)
-        self.prompt_tokens = Counter("meshlm_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prompt_tokens = Counter("meshlm_prompt_tokens", "Prompt tokens of every sequence queued (a request "
+                                     "with n choices counts its prompt n times)", registry=r)
         self.cached_tokens = Counter("meshlm_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
         self.generation_tokens = Counter("meshlm_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("meshlm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
