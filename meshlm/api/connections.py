@@ -35,6 +35,24 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 REFUSED_ACCEPT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
+class _QuietTransport:
+    """The connection's transport, dropping writes once it is closing. A client that resets a stream makes
+    asyncio close the transport at the next send, but uvicorn learns it only when `connection_lost` runs
+    on a later turn of the loop: the chunks the stream writes meanwhile (a step's worth of n choices) are
+    dropped anyway, and from the sixth on each logs 'WARNING asyncio: socket.send() raised exception.',
+    which reads as a fault of the server's sockets."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class DeadlineProtocol(H11Protocol):
     def __init__(self, *args: Any, timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -43,7 +61,7 @@ class DeadlineProtocol(H11Protocol):
         self._write_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_QuietTransport(transport))  # type: ignore[arg-type]
         self._arm_head_deadline()
 
     def on_response_complete(self) -> None:
