@@ -203,12 +203,21 @@ def template_renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def _template_knows_developer(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "developer" in template
+
+
 def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:
     """Messages (and extra template arguments) for the chat template."""
     native = template_renders_tools(tokenizer)
+    developer = _template_knows_developer(tokenizer)
     messages = []
     for m in req.messages:
-        msg: dict = {"role": m.role, "content": m.text()}
+        # OpenAI's `developer` is the system message of its newer models; a template that does not know the
+        # role rendered it as a turn of an unknown speaker, after its own default system prompt
+        role = "system" if m.role == "developer" and not developer else m.role
+        msg: dict = {"role": role, "content": m.text()}
         if m.tool_calls:
             calls = [{"id": c.id, "type": "function",
                       "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}

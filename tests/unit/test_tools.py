@@ -179,3 +179,20 @@ def test_auto_with_parallel_tool_calls_false_returns_the_first_call_only():
     assert names_and_arguments(plan.calls(text)[1]) == [("f", '{"a": "x"}')]
     assert names_and_arguments(stream_all(plan, [text[i:i + 4] for i in range(0, len(text), 4)])[1]) == [("f", '{"a": "x"}')]
     assert len(auto_plan().calls(text)[1]) == 2
+
+
+def test_a_developer_message_is_the_system_message_unless_the_template_knows_the_role():
+    """OpenAI's `developer` role went to the template as is: ChatML-style templates then added their own default
+    system prompt and rendered a turn of an unknown speaker (another prompt, another answer)."""
+    from types import SimpleNamespace
+
+    from meshlm.api.schemas import ChatCompletionRequest
+    from meshlm.api.tools import template_messages
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "developer", "content": "Be a pirate."},
+                                                             {"role": "user", "content": "hi"}]})
+    plain = SimpleNamespace(chat_template="{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}")
+    messages, _ = template_messages(req, None, plain)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    knows = SimpleNamespace(chat_template="{% if m.role == 'developer' %}...{% endif %}")
+    assert [m["role"] for m in template_messages(req, None, knows)[0]] == ["developer", "user"]
