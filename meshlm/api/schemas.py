@@ -279,10 +279,17 @@ class TextPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):
+    """An assistant turn's refusal, as the client's own types send it back in a history: text too."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, RefusalPart]], None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's answer names the call it answers
@@ -292,7 +299,7 @@ class ChatMessage(BaseModel):
     def _text_parts_only(cls, value: Any) -> Any:
         """An image or audio part: said so, not pydantic's 'content.str: Input should be a valid string'."""
         if isinstance(value, list):
-            kinds = {p.get("type") for p in value if isinstance(p, dict)} - {"text"}
+            kinds = {p.get("type") for p in value if isinstance(p, dict)} - {"text", "refusal"}
             if kinds:
                 shown = ", ".join(sorted(repr(k)[:40] for k in kinds))
                 raise ValueError(f"content parts of type {shown} are not supported: this server takes text only")
@@ -300,7 +307,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
         return self.content or ""
 
 

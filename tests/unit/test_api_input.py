@@ -193,3 +193,16 @@ def test_a_content_part_that_is_not_text_is_refused_saying_so():
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts[:1]}]})
     assert ok.messages[0].text() == "what is this?"
+
+
+def test_an_assistant_refusal_part_in_the_history_is_its_text():
+    """The client's own assistant-message type has refusal parts; chat refused them as 'not text' (the
+    Responses API took them)."""
+    from meshlm.api.schemas import ChatCompletionRequest
+
+    history = [{"role": "user", "content": "do it"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."},
+                                                 {"type": "text", "text": " Sorry."}]},
+               {"role": "user", "content": "please"}]
+    req = ChatCompletionRequest.model_validate({"messages": history})
+    assert req.messages[1].text() == "I can't. Sorry."
