@@ -171,9 +171,12 @@ class Completion:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             if self.chat:
+                # A forced tool call (named, required) has no content, as the whole answer's null says; "" here
+                # made the client's stream helper assemble content "" (and fire a content event)
+                opening = None if self.tools is not None and self.tools.mode != "auto" else ""
                 for c in self.choices:
                     head = {**self._head(obj), **({"prompt_token_ids": self.prompts[0]} if self.ids else {})}
-                    yield self._event(head, c, self._delta(c, {"role": "assistant", "content": ""}))
+                    yield self._event(head, c, self._delta(c, {"role": "assistant", "content": opening}))
             calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.chat and self.tools else {}
             async for c, out in self.serving.outputs(self.choices, self.queue):
                 if out.error:
