@@ -32,6 +32,15 @@ _CHAT_FIELDS = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "
                 "skip_special_tokens", "speculative", "top_k", "min_p", "repetition_penalty", "seed",
                 "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_RESPONSES_NAME = {  # what a response request says instead of a chat parameter
+    "n": "a response has one output: send one request per answer",
+    "max_tokens": "use `max_output_tokens`",
+    "max_completion_tokens": "use `max_output_tokens`",
+    "response_format": "use `text.format`",
+    "messages": "use `input`",
+    "guided_json": "use `text.format` with a json_schema",
+    "structured_outputs": "use `text.format` with a json_schema, or /v1/chat/completions for the other kinds",
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -62,6 +71,18 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     max_tool_calls: Any = None
     background: Any = None
+    # Chat's names for what a response says otherwise, or cannot say: dropped as unknown fields, they gave
+    # 200s with another answer than asked for (an unconstrained one, one choice of n, no length cap).
+    n: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    response_format: Any = None
+    messages: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("conversation")
     @classmethod
@@ -75,6 +96,15 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _unsupported(cls, value: Any, info) -> Any:
         return _refuse(info.field_name, value)
+
+    @field_validator("n", "max_tokens", "max_completion_tokens", "response_format", "messages",
+                     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _chat_only(cls, value: Any, info) -> Any:
+        if value is None:
+            return value
+        instead = _RESPONSES_NAME.get(info.field_name, "send it to /v1/chat/completions, which takes it")
+        raise ValueError(f"`{info.field_name}` is a chat completions parameter, not a Responses one: {instead}")
 
     @field_validator("background")
     @classmethod

@@ -216,6 +216,12 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
     ({"input": "x", "truncation": "auto"}, "auto"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "effort"),
+    # chat's names: dropped as unknown fields, they were 200s with an unconstrained answer, one of n, no cap
+    ({"input": "x", "structured_outputs": {"choice": ["yes", "no"]}}, "`structured_outputs` is a chat"),
+    ({"input": "x", "guided_choice": ["yes", "no"]}, "/v1/chat/completions"),
+    ({"input": "x", "response_format": {"type": "json_object"}}, "use `text.format`"),
+    ({"input": "x", "n": 3}, "one output"),
+    ({"input": "x", "max_tokens": 3}, "use `max_output_tokens`"),
     ({"input": "x", "model": "gpt-9"}, "does not exist"),
     ({"input": "w " * 3000}, "context length"),
 ])
