@@ -85,8 +85,10 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     async def _version():
         return {"version": __version__}
 
+    created = now()  # when this server began serving the model: the same on every read of its card
+
     def card() -> dict:
-        return {"id": serving.model_name, "object": "model", "created": now(), "owned_by": "meshlm",
+        return {"id": serving.model_name, "object": "model", "created": created, "owned_by": "meshlm",
                 "max_model_len": serving.max_model_len}
 
     @app.get("/v1/models")

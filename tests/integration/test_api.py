@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import openai
 import pytest
@@ -29,6 +30,8 @@ def test_health_models_metrics(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-llama"
     assert client.get("/v1/models/tiny-llama").json()["id"] == "tiny-llama"  # openai's models.retrieve
+    time.sleep(1.1)  # a card's `created` is when the model began being served, not the time of each read
+    assert client.get("/v1/models/tiny-llama").json()["created"] == models["data"][0]["created"]
     missing = client.get("/v1/models/org/other-model")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     client.post("/v1/chat/completions", json=CHAT)
