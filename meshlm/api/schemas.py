@@ -327,6 +327,14 @@ class ChatCompletionRequest(_Request):
     # message left open for the model to continue (an assistant reply's start given by the client).
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    verbosity: Any = None  # OpenAI's: shorter or longer answers; only the model's own ('medium') here
+
+    @field_validator("verbosity")
+    @classmethod
+    def _own_verbosity(cls, value: Any) -> Any:
+        if value not in (None, "medium"):  # ignored, it was another answer than asked for (Responses refused it)
+            raise ValueError("only 'medium' is supported by this server")
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod
