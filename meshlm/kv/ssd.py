@@ -282,9 +282,10 @@ class SSDTier:
         try:
             # lstat: a symlink's target (a device's mtime) is nothing of ours; the read refuses the link
             if path.lstat().st_mtime < time.time() - self.config.ttl_days * 86400:
-                self._forget(key)
+                with self._lock:  # the writer thread counts its evictions under it too
+                    self._pop(key)
+                    self.evictions += 1
                 path.unlink(missing_ok=True)
-                self.evictions += 1
                 return None
             block, meta = read_block(path, self.shape)
             if meta.get("key") != key.hex() or meta.get("rank") != str(self.rank):
