@@ -264,7 +264,10 @@ class Serving:
             tokens.append(text)
             offsets.append(offset)
         for x in lps:
-            tops.append({self._entry(t, cursor)[0]: json_logprob(v) for t, v in x.top})
+            top: dict = {}
+            for t, v in x.top:  # best first: alternatives of one text (a character's first bytes: "") keep the best
+                top.setdefault(self._entry(t, cursor)[0], json_logprob(v))
+            tops.append(top)
             text, _, offset = self._entry(x.token_id, cursor, advance=True)
             tokens.append(text)
             offsets.append(offset)

@@ -83,6 +83,7 @@ class Completion:
         prompt = [dataclasses.replace(x, top=x.top[:k]) for x in self._scored(c)]
         cursor.echoed = self.echo_texts[c.prompt] if self.echo_sent else None
         head = self.serving.completion_logprobs(prompt, cursor, lead=self.prompts[c.prompt][0])
+        head["tokens"][-1] += cursor.close()  # the prompt's text was decoded on its own
         cursor.echoed = None
         tail = self.serving.completion_logprobs(list(lps), cursor)
         return {key: head[key] + tail[key] for key in head}

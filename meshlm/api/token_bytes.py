@@ -92,6 +92,15 @@ class TextCursor:
         return text, offset
 
 
+    def close(self) -> str:
+        """End the text here (an echoed prompt's, decoded on its own): a character begun and not ended
+        is U+FFFD there, as the text has it, not joined with the bytes that come next."""
+        text = self.pending.decode("utf-8", "replace")
+        self.pending = b""
+        self.offset += len(text)
+        return text
+
+
 def _complete(data: bytes) -> tuple[str, bytes]:
     """`data` decoded up to an unfinished character at its end (invalid bytes as U+FFFD, as the text has
     them); the unfinished character's bytes."""

@@ -785,6 +785,9 @@ class Engine:
         # a matched stop string the matcher releases nothing. (EOS used to drop them: "Paris." with stop
         # ["..."] ended "Paris".)
         tail = t.stop.feed(t.detok.flush()) + t.stop.flush()
+        if t.stop.stopped and reason is FinishReason.LENGTH:
+            # a stop string in the last, unfinished character's text: seen only now, and it cut the text
+            reason = FinishReason.STOP
         self.metrics.requests.labels(status=reason.value).inc()
         self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
         t.emit(

@@ -116,6 +116,38 @@ def test_a_stop_string_matched_on_the_last_allowed_token_is_a_stop(client):
     assert events[-2]["usage"]["completion_tokens"] == 80
 
 
+E4, B8, AD = 163, 119, 258  # the tiny tokenizer's byte tokens: the three bytes of one CJK character
+
+
+def test_a_stop_string_in_a_last_unfinished_character_is_a_stop(client):
+    """The detokenizer holds a character's first bytes back; at the length limit they are flushed as U+FFFD,
+    and a stop string there cut the text while finish_reason said "length"."""
+    body = {"prompt": "hi", "max_tokens": 1, "allowed_token_ids": [E4], "stop": ["\ufffd"]}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (got["text"], got["finish_reason"]) == ("", "stop")
+
+
+def test_echoed_logprobs_of_a_prompt_ending_mid_character_join_to_the_text(client):
+    """The prompt's text is decoded on its own (its last, unfinished character is U+FFFD); its bytes were joined
+    with the output's into a character the text does not have ('hi丸' against 'hi\ufffd\ufffd\ufffd')."""
+    body = {"prompt": [74, 75, E4], "max_tokens": 2, "echo": True, "logprobs": 0, "allowed_token_ids": [B8, AD]}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = got["logprobs"]
+    assert "".join(lp["tokens"]) == got["text"]
+    assert [got["text"][o:o + len(t)] for t, o in zip(lp["tokens"], lp["text_offset"])] == lp["tokens"]
+
+
+def test_completion_top_logprobs_of_one_text_keep_the_best(client):
+    """Alternatives that read the same (a character's first bytes: "") shared one key, and the last, lowest one
+    won: the chosen token's own entry could be below its logprob. The best of them is kept."""
+    # two first bytes of a character, both read "", the second made less likely
+    body = {"prompt": [74, 75], "max_tokens": 1, "logprobs": 5, "allowed_token_ids": [E4, E4 + 1], "temperature": 0,
+            "logit_bias": {str(E4 + 1): -1}}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    token, chosen, top = got["tokens"][0], got["token_logprobs"][0], got["top_logprobs"][0]
+    assert token == "" and list(top) == [token] and abs(top[token] - chosen) < 1e-6, (chosen, top)
+
+
 def test_a_stop_string_within_min_tokens_is_no_stop(client):
     """vLLM checks stop strings only once min_tokens are out (its detokenizer skips them before): a match
     ending within them is shown as text, and the first one ending past them stops. It used to stop there."""
