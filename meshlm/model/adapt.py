@@ -45,6 +45,11 @@ def check_supported(config: dict) -> None:
     kind = config.get("model_type")
     if kind not in SUPPORTED_TYPES:
         raise UnsupportedModel(f"model type {kind!r} is not supported; meshlm runs {', '.join(SUPPORTED_TYPES)}")
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    if (scaling.get("rope_type") or scaling.get("type")) == "dynamic":
+        # mlx-lm's dynamic NTK RoPE takes one offset for the whole batch, never one per token
+        raise UnsupportedModel("rope_scaling type 'dynamic' is not supported (config.json): its RoPE takes one "
+                               "position offset per batch, where meshlm's rows each have their own")
     if "sliding_attention" in (config.get("layer_types") or ()):
         raise UnsupportedModel(f"{kind} with sliding-window layers is not supported (every layer must attend "
                                "to the whole sequence)")

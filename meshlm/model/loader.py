@@ -279,13 +279,21 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
             fingerprint += {"bfloat16": "+bf16-weights", "float16": "+fp16-weights"}[dtype]
         dtype, what = "float32", f"{dtype} weights, float32 compute"
     model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
+    mx.eval(model.parameters(), _held_arrays(model))
     context = int(config.get("max_position_embeddings") or 4096)
     # The directory's own name, also for `--model .` (whose Path name is "")
     name = cfg.served_name or ("demo" if cfg.path == "demo" else path.resolve().name or str(path))
     log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,
                        int(config["vocab_size"]), generation_defaults(path))
+
+
+def _held_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays modules hold beside their parameters: mlx-lm's llama3, yarn, longrope and proportional RoPEs
+    keep their frequencies as `_freqs`, built lazily on this thread. Left unevaluated, the engine thread's
+    first forward evaluated a graph of this thread's stream, and every request failed ('There is no
+    Stream(cpu, 0) in current thread')."""
+    return [v for m in model.modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
 
 
 def _first_line(text: str) -> str:

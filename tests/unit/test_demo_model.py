@@ -388,3 +388,59 @@ def test_a_max_model_len_the_kv_budget_cannot_hold_is_lowered_with_a_warning(tmp
         engine = build_engine(cfg, load_model(cfg.model))
     assert engine.max_model_len == 512
     assert "--max-model-len 4096 lowered to 512: the KV budget holds" in caplog.text, caplog.text
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 1024}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("scaling, cpu_kernels", [(LLAMA3, True), (LLAMA3, False), (YARN, True), (YARN, False)],
+                         ids=["llama3", "llama3-no-kernels", "yarn", "yarn-no-kernels"])
+def test_rope_scalings_whose_tables_mlx_lm_builds_lazily_serve(tmp_path, scaling, cpu_kernels):
+    """A model with these rope_scaling types started healthy and failed every request ('There is no
+    Stream(cpu, 0) in current thread'): the RoPE's frequency table, held outside the parameters, was a
+    graph of the loading thread's, first evaluated on the engine thread (llama3 only with the CPU kernels
+    off, which read the table as they start; yarn always; Qwen's long-context configs use yarn)."""
+    import threading
+
+    from meshlm.app import build_engine
+    from meshlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
+    from meshlm.engine.request import SamplingParams
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    cfg = ServeConfig(model=ModelConfig(str(model), cpu_kernels=cpu_kernels), cache=CacheConfig(enabled=False),
+                      scheduler=SchedulerConfig(kv_cache_memory=2**24))
+    engine = build_engine(cfg, load_model(cfg.model))
+    engine.start()
+    outputs, done = [], threading.Event()
+
+    def emit(out) -> None:
+        outputs.append(out)
+        if out.finish_reason is not None:
+            done.set()
+
+    try:
+        engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), emit)
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert [o.error for o in outputs if o.error] == []
+    assert sum(len(o.token_ids) for o in outputs) == 4
+
+
+def test_a_dynamic_rope_scaling_is_refused_at_start(tmp_path):
+    """mlx-lm's dynamic NTK RoPE takes one offset per batch: every request failed on it ('Only length-1 arrays
+    can be converted to Python scalars')."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.adapt import UnsupportedModel
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(UnsupportedModel, match="rope_scaling type 'dynamic' is not supported"):
+        load_model(ModelConfig(str(model)))
