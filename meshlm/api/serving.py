@@ -52,6 +52,12 @@ class SamplingDefaults:
     source: str = "OpenAI defaults"
 
     def __post_init__(self) -> None:
+        numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p}
+        wrong = [f"{k} {v!r}" for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):  # 2.5 failed every sampled request
+            wrong.append(f"top_k {self.top_k!r} (an integer)")
+        if wrong:
+            raise ValueError(f"sampling defaults of the wrong type ({self.source}): {', '.join(wrong)}")
         if not (0 <= self.temperature <= 2 and 0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p <= 1):
             raise ValueError(f"sampling defaults out of range: {self.describe()}")
 
@@ -59,12 +65,11 @@ class SamplingDefaults:
     def resolve(cls, model: dict, temperature: float | None = None, top_p: float | None = None) -> "SamplingDefaults":
         """`model`: the sampling keys of the model's generation_config.json (maybe empty)."""
         values = {k: model[k] for k in ("temperature", "top_p", "top_k", "min_p") if model.get(k) is not None}
+        if isinstance(values.get("top_k"), float) and values["top_k"].is_integer():  # 50.0: a JSON writer's 50
+            values["top_k"] = int(values["top_k"])
         flags = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
         sources = [name for name, used in (("server flags", flags), ("generation_config.json", values)) if used]
-        try:
-            return cls(**{**values, **flags}, source=" over ".join(sources) or cls.source)
-        except TypeError as exc:  # a non-numeric value in generation_config.json
-            raise ValueError(f"bad sampling defaults {values}: {exc}") from None
+        return cls(**{**values, **flags}, source=" over ".join(sources) or cls.source)
 
     def describe(self) -> str:
         return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} min_p={self.min_p:g} "

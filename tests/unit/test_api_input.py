@@ -180,6 +180,12 @@ def test_sampling_defaults_resolution():
     for bad in ({"temperature": 7}, {"top_p": "high"}):
         with pytest.raises(ValueError):
             SamplingDefaults.resolve(bad)
+    # top_k 2.5 was taken, and failed every sampled request ('Cannot index mlx array using the given type')
+    with pytest.raises(ValueError, match=r"wrong type \(generation_config.json\): top_k 2.5 \(an integer\)"):
+        SamplingDefaults.resolve({"top_k": 2.5})
+    with pytest.raises(ValueError, match="top_p '0.9'"):  # was "'<' not supported between 'int' and 'str'"
+        SamplingDefaults.resolve({"top_p": "0.9"})
+    assert SamplingDefaults.resolve({"top_k": 50.0}).top_k == 50
 
 
 def test_a_content_part_that_is_not_text_is_refused_saying_so():
