@@ -15,11 +15,12 @@ import math
 from pathlib import Path
 
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 FILES = ("adapter_config.json", "adapters.safetensors")
 MAX_RANK = 4096  # lora_parameters.rank: matrices of in_dims x rank are made before any weight is checked
 FINE_TUNE_TYPES = ("lora", "dora", "full")
+ADAPTER_LEAVES = ("lora_a", "lora_b", "m")  # what a LoRA or DoRA layer holds beside the base weights
 
 
 def check_adapter(path: Path) -> dict:
@@ -56,11 +57,27 @@ def check_adapter(path: Path) -> dict:
 def apply_adapter(model: nn.Module, path: Path, load_adapters) -> None:
     """Load the adapter into `model` (mlx-lm's `load_adapters`, which checks every tensor's name and shape)
     and fuse it into the weights, lazily: nothing is computed until the model's weights are evaluated."""
-    check_adapter(path)
+    config = check_adapter(path)
     try:
         load_adapters(model, str(path))
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:  # incompatible or unreadable tensors
         raise ValueError(f"--adapter-path {path} does not fit this model: {exc}") from None
+    if config.get("fine_tune_type", "lora") != "full":  # a full fine-tune may hold only the layers it trained
+        _require_every_adapter_tensor(model, path)
     fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
     if fused:
         model.update_modules(tree_unflatten(fused))
+
+
+def _require_every_adapter_tensor(model: nn.Module, path: Path) -> None:
+    """mlx-lm loads what the file holds and leaves the rest of its LoRA layers as made: a missing lora_a kept
+    its random start (another answer at every start, and on every rank of a cluster), a missing lora_b
+    its zeros (that layer silently not adapted)."""
+    with open(path / FILES[1], "rb") as f:  # its header's names: load_adapters has read the file whole
+        held = set(json.loads(f.read(int.from_bytes(f.read(8), "little")))) - {"__metadata__"}
+    wanted = {name for name, _ in tree_flatten(model.parameters()) if name.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
+    missing = sorted(wanted - held)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(f"--adapter-path {path}: {FILES[1]} lacks {shown}, which its adapter_config.json's "
+                         "layers need")

@@ -57,6 +57,9 @@ def test_the_adapter_is_part_of_the_fingerprint(tiny):
      "does not fit this model"),  # shapes of another rank
     (lambda d: mx.save_safetensors(str(d / "adapters.safetensors"), {"model.norm.weight": mx.zeros((64,))}),
      "does not fit this model"),  # not an adapter's tensor
+    # served with that layer's random start (another answer at every start) or silently unadapted
+    (lambda d: _without(d, "model.layers.1.self_attn.q_proj.lora_a"), "lacks model.layers.1.self_attn.q_proj.lora_a"),
+    (lambda d: _without(d, "model.layers.0.self_attn.v_proj.lora_b"), "lacks model.layers.0.self_attn.v_proj.lora_b"),
 ])
 def test_a_bad_adapter_is_refused_naming_the_flag(tiny, tmp_path, damage, words):
     bad = shutil.copytree(tiny[1], tmp_path / "bad")
@@ -69,3 +72,11 @@ def test_a_bad_adapter_is_refused_naming_the_flag(tiny, tmp_path, damage, words)
 def _config(d, **changes):
     path = d / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _without(d, name):
+    path = d / "adapters.safetensors"
+    weights = mx.load(str(path))
+    assert name in weights, sorted(weights)
+    del weights[name]
+    mx.save_safetensors(str(path), weights)
