@@ -246,7 +246,8 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
         raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # transformers' and mlx-lm's own checks of the JSON files (a field of the wrong
         # type in config.json, a generation_config.json that is not an object): the model's files, not a bug
-        raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_first_line(str(exc))}") from None
+        raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_in_a_line(str(exc))}"
+                         f"{_missing_shards(path)}") from None
     check_tokenizer(tokenizer, path)
     # Beside the tokenizer's other check, before a shard's or a stage's (lazy) weights are read.
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
@@ -296,8 +297,21 @@ def _held_arrays(model: nn.Module) -> list[mx.array]:
     return [v for m in model.modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
 
 
-def _first_line(text: str) -> str:
-    return next(iter(text.splitlines()), "")
+def _in_a_line(text: str, limit: int = 400) -> str:
+    """An error's text on one line, cut at `limit`: mlx-lm names the missing or extra tensors on the lines
+    after its first ('Missing 1 parameters: \nmodel.layers.3.mlp.down_proj.weight.'), which were cut off."""
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _missing_shards(path: Path) -> str:
+    """Where an index names weight files the directory lacks (a cut download), say which."""
+    try:
+        files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return ""
+    missing = sorted(str(f) for f in files if not (path / str(f)).is_file())
+    return f" (model.safetensors.index.json names {', '.join(missing[:3])}, not in the directory)" if missing else ""
 
 
 def keep_stage(model: nn.Module, stage: StageSlice) -> None:

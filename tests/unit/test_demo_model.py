@@ -444,3 +444,24 @@ def test_a_dynamic_rope_scaling_is_refused_at_start(tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
     with pytest.raises(UnsupportedModel, match="rope_scaling type 'dynamic' is not supported"):
         load_model(ModelConfig(str(model)))
+
+
+def test_a_load_error_names_the_tensors_and_a_missing_shard(tmp_path):
+    """mlx-lm names the missing tensors on the lines after its first, which the message cut off ('Missing 1
+    parameters:'); a download cut short of a shard its index names said nothing of the shard."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    weights = mx.load(str(model / "model.safetensors"))
+    gone = "model.layers.0.mlp.down_proj.weight"
+    kept = {k: v for k, v in weights.items() if k != gone}
+    mx.save_safetensors(str(model / "model.safetensors"), kept, metadata={"format": "mlx"})
+    with pytest.raises(ValueError, match=re.escape(gone)):
+        load_model(ModelConfig(str(model)))
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in kept},
+                            gone: "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="index.json names model-00002-of-00002.safetensors, not in the directory"):
+        load_model(ModelConfig(str(model)))
