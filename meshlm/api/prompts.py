@@ -68,7 +68,7 @@ class PromptBuilder:
         if req.truncate_prompt_tokens is None:
             self._bound_chars(sum(len(m.text()) for m in req.messages), "messages")
         ids = await asyncio.to_thread(self._chat_sync, req, tools)
-        self.check_ids(ids, "messages")
+        self.check_ids(ids, "messages", tokenized=True)
         return self._truncated(ids, req.truncate_prompt_tokens)
 
     async def completion(self, req: CompletionRequest) -> list[list[int]]:
@@ -82,7 +82,7 @@ class PromptBuilder:
                 self._bound_chars(max(len(s) for s in p), "prompt")
             prompts = await asyncio.to_thread(self._encode_many, list(p), True)
             for i, ids in enumerate(prompts):
-                self.check_ids(ids, f"prompt[{i}]")
+                self.check_ids(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]", tokenized=True)
             return [self._truncated(ids, req.truncate_prompt_tokens) for ids in prompts]
         prompts = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
         for i, ids in enumerate(prompts):
@@ -103,13 +103,19 @@ class PromptBuilder:
         keep = self.max_model_len - 1 if keep == -1 else keep
         return ids[-keep:]
 
-    def check_ids(self, ids: Sequence[int], where: str, param: str | None = None) -> None:
-        """400 naming the first id outside the vocabulary (negative ones included)."""
+    def check_ids(self, ids: Sequence[int], where: str, param: str | None = None, tokenized: bool = False) -> None:
+        """400 naming the first id outside the vocabulary (negative ones included). `tokenized`: the ids are
+        the tokenizer's reading of the client's text, not ids the client sent (so `where[pos]` is no index)."""
         if not ids or (0 <= min(ids) and max(ids) < self.vocab_size):
             return
         pos = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-        raise bad_request(f"{where}[{pos}]: token id {ids[pos]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                          param=param or where.split("[")[0])
+        vocabulary = f"outside the vocabulary (0..{self.vocab_size - 1})"
+        if tokenized:  # the model's files disagree: nothing in the request is out of range as such
+            message = (f"{where}: the tokenizer made token {pos} of the prompt id {ids[pos]}, {vocabulary} of the "
+                       "model: its tokenizer holds more tokens than its embedding")
+        else:
+            message = f"{where}[{pos}]: token id {ids[pos]} is {vocabulary}"
+        raise bad_request(message, param=param or where.split("[")[0])
 
     # -- worker-thread side -------------------------------------------------
     def _bound_chars(self, chars: int, param: str) -> None:

@@ -155,7 +155,9 @@ def test_tokenized_ids_are_checked_too():
     b._fast = None
     with pytest.raises(APIError) as info:
         asyncio.run(b.completion(CompletionRequest(prompt="ab")))
-    assert "token id 50" in info.value.message
+    # the client sent text: its `prompt[1]` (or a chat's `messages[6]`) was read as an index into the request
+    assert info.value.message.startswith("prompt: the tokenizer made token 1 of the prompt id 50, outside the ")
+    assert "tokenizer holds more tokens than its embedding" in info.value.message
 
 
 def test_fast_backend_matches_the_tokenizer(tmp_path):
