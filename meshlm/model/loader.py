@@ -59,6 +59,34 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def check_generation_config(path: Path, config: dict) -> None:
+    """What mlx-lm and transformers read of the model's JSON before meshlm could: a generation_config.json
+    that is not an object ('AttributeError: list object has no attribute get'), an eos_token_id that is
+    not an id or a list of ids ('unhashable type: list', blamed on config.json), in a sentence naming it."""
+    files = [(path / "config.json", config)]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            files.append((gen, json.loads(gen.read_text())))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"{gen} is not readable JSON: {exc}") from None
+        if not isinstance(files[-1][1], dict):
+            raise ValueError(f"{gen} is not a JSON object")
+    for file, content in files:
+        eos = content.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {str(eos)[:60]}")
+    for key in ("num_hidden_layers", "vocab_size"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{path / 'config.json'}: {key} must be a positive integer, got {str(value)[:40]}")
+    theta = config.get("rope_theta")
+    if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool)
+                              or not 0 < theta < float("inf")):
+        raise ValueError(f"{path / 'config.json'}: rope_theta must be a positive number, got {str(theta)[:40]}")
+
+
 def resolve_path(path: str, dtype: str = "float32") -> Path:
     if path == "demo":
         from meshlm.model.demo import demo_model_dir
@@ -237,6 +265,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     path = resolve_path(cfg.path)
     config = read_config(path)
     check_supported(config)
+    check_generation_config(path, config)
     try:  # lazily for a shard or a stage: only their weights are then read
         model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names

@@ -321,7 +321,7 @@ def test_demo_export_matches_gguf_weights(smol):
         {**json.loads((d / "config.json").read_text()), "max_position_embeddings": "abc"})),
      "cannot load the model in"),  # transformers' own field check: was its traceback
     (lambda d: (d / "generation_config.json").write_text("[1]"),
-     "cannot load the model in"),  # mlx-lm read it as an object: was an AttributeError traceback
+     "generation_config.json is not a JSON object"),  # mlx-lm read it as an object: was an AttributeError
 ])
 def test_a_broken_model_directory_is_refused_saying_what_is_wrong(tmp_path, break_it, words):
     from meshlm.config import ModelConfig
@@ -464,4 +464,24 @@ def test_a_load_error_names_the_tensors_and_a_missing_shard(tmp_path):
                             gone: "model-00002-of-00002.safetensors"}}
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="index.json names model-00002-of-00002.safetensors, not in the directory"):
+        load_model(ModelConfig(str(model)))
+
+
+@pytest.mark.parametrize("file, change, words", [
+    ("generation_config.json", [1, 2], "generation_config.json is not a JSON object"),  # 'list' has no 'get'
+    ("generation_config.json", {"eos_token_id": [[2]]}, "generation_config.json: eos_token_id must be a token id"),
+    ("config.json", {"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ("config.json", {"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),  # an empty AssertionError
+    ("config.json", {"rope_theta": 0}, "rope_theta must be a positive number, got 0"),  # 'math domain error'
+    ("config.json", {"rope_theta": -5.0}, "rope_theta must be a positive number"),
+])
+def test_a_config_mlx_lm_would_trip_on_is_refused_naming_the_file_and_field(tmp_path, file, change, words):
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    if file == "config.json":
+        change = {**json.loads((model / file).read_text()), **change}
+    (model / file).write_text(json.dumps(change))
+    with pytest.raises(ValueError, match=re.escape(words)):
         load_model(ModelConfig(str(model)))
