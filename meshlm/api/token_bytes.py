@@ -91,7 +91,6 @@ class TextCursor:
         self.offset += len(text)
         return text, offset
 
-
     def close(self) -> str:
         """End the text here (an echoed prompt's, decoded on its own): a character begun and not ended
         is U+FFFD there, as the text has it, not joined with the bytes that come next."""

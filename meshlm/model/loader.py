@@ -59,10 +59,11 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def check_generation_config(path: Path, config: dict) -> None:
-    """What mlx-lm and transformers read of the model's JSON before meshlm could: a generation_config.json
+def check_model_json(path: Path, config: dict) -> None:
+    """What mlx-lm and transformers would trip on in the model's JSON, checked first: a generation_config.json
     that is not an object ('AttributeError: list object has no attribute get'), an eos_token_id that is
-    not an id or a list of ids ('unhashable type: list', blamed on config.json), in a sentence naming it."""
+    not an id or a list of ids ('unhashable type: list', blamed on config.json), no layers, no vocabulary,
+    a rope_theta of 0 ('math domain error'); each in a sentence naming the file and the field."""
     files = [(path / "config.json", config)]
     gen = path / "generation_config.json"
     if gen.is_file():
@@ -265,7 +266,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     path = resolve_path(cfg.path)
     config = read_config(path)
     check_supported(config)
-    check_generation_config(path, config)
+    check_model_json(path, config)
     try:  # lazily for a shard or a stage: only their weights are then read
         model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
@@ -328,7 +329,7 @@ def _held_arrays(model: nn.Module) -> list[mx.array]:
 
 def _in_a_line(text: str, limit: int = 400) -> str:
     """An error's text on one line, cut at `limit`: mlx-lm names the missing or extra tensors on the lines
-    after its first ('Missing 1 parameters: \nmodel.layers.3.mlp.down_proj.weight.'), which were cut off."""
+    after its first ('Missing 1 parameters: \\nmodel.layers.3.mlp.down_proj.weight.'), which were cut off."""
     line = " ".join(part.strip() for part in text.splitlines() if part.strip())
     return line if len(line) <= limit else line[:limit] + " ..."
 
