@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import socket
@@ -196,6 +197,16 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
         engine.stop()
 
 
+class _UnjoinedExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The HTTP loop's default executor (asyncio.to_thread: chat templates, tokenizing, grammars), not waited
+    for once serving ends: a model's chat template that never finishes kept its thread, and with it the
+    stopped server, running past SIGTERM (the loop's close joins its default executor's threads). What
+    still runs there ends with the process (`FatalExit.exit`)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+
+
 class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
@@ -203,7 +214,9 @@ class _DrainingServer(uvicorn.Server):
         self._draining = False
 
     async def serve(self, sockets=None) -> None:
-        asyncio.get_running_loop().set_exception_handler(AcceptErrors(log))
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(AcceptErrors(log))
+        loop.set_default_executor(_UnjoinedExecutor(thread_name_prefix="meshlm-http-work"))
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:

@@ -179,6 +179,23 @@ def test_sigterm_drains_then_stops_the_engine_and_exits_0(tiny_model, tmp_path):
     assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
 
 
+def test_sigterm_ends_a_server_whose_chat_template_never_finishes(tiny_model, tmp_path):
+    """A chat template that loops for ever (a model's own, or --chat-template) renders on a worker thread
+    nothing can stop; the client gone and SIGTERM sent, the process stayed alive at a full core (the HTTP
+    loop's close joined that thread). It now ends within the drain's deadlines."""
+    template = ("{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                "{% endfor %}{% endfor %}{% endif %}{{ messages[0].content }}")
+    srv = ServerProcess(tiny_model, "--chat-template", template, log_dir=tmp_path)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "loop"}]},
+                       timeout=2)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+
+
 def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path):
     """A second SIGTERM during the drain's grace period ends serving at once, but in order: the open stream
     gets its error event and ends, the engine stops, the SSD writes are flushed and the process exits 0
