@@ -112,7 +112,10 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.new or self.chunks or self.removed or self.trims or self.saves or self.exports)
+        """Nothing for any rank to do: a pipeline's engine drops such a plan while others are in flight, so
+        every field a rank applies counts (table updates, copies and loads were once left out)."""
+        return not (self.new or self.chunks or self.removed or self.tables or self.trims or self.copies
+                    or self.loads or self.saves or self.exports)
 
 
 def batch_fingerprint(lengths: dict[int, int]) -> int:

@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from meshlm.engine.plan import LOGITS_LAST, LOGITS_NONE, BlockSave, Chunk, NewSequence, StepPlan, batch_fingerprint
+from meshlm.engine.plan import (LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockLoad, BlockSave, Chunk, NewSequence, StepPlan,
+                                TableUpdate, batch_fingerprint)
 
 
 def test_fingerprint_is_independent_of_dict_order():
@@ -48,6 +49,10 @@ def test_plan_token_count_and_emptiness():
     assert plan.chunks[0].sample and not plan.chunks[1].sample
     assert not StepPlan(step_id=2, removed=(5,)).empty  # a removal alone must still be sent
     assert not StepPlan(step_id=3, saves=(BlockSave(0, b"k" * 16),)).empty  # so must blocks to save
+    # ... and every other change a rank applies: dropped, the ranks' tables and blocks would drift apart
+    assert not StepPlan(step_id=4, tables=(TableUpdate(1, (3,)),)).empty
+    assert not StepPlan(step_id=5, copies=(BlockCopy(1, 2, 4),)).empty
+    assert not StepPlan(step_id=6, loads=(BlockLoad(b"k" * 16, 2),)).empty
 
 
 def test_plan_is_immutable_and_compares_by_value():
