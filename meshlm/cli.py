@@ -368,11 +368,18 @@ def _serve(config: ServeConfig, argv: list[str], ports) -> None:
             sock.close()
 
 
+def log_format(rank: int | None) -> str:
+    """Rank 0's lines as a single server's; another rank's say which it is (a local cluster's ranks share
+    one terminal, and a model that cannot load was reported by each rank alike), after the time, so a
+    line still reads '... ERROR meshlm: ...'."""
+    tag = f"rank {rank} " if rank else ""
+    return f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format=log_format(getattr(args, "rank", 0)))
     from meshlm.cluster.bootstrap import ClusterError
 
     try:

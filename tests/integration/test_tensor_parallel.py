@@ -265,6 +265,9 @@ def test_ctrl_c_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model
         assert signal_group(proc, signal.SIGINT) == 130, log.read_text()[-3000:]
     text = log.read_text()
     assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
+    # the ranks share the terminal: a worker's lines say which rank wrote them, rank 0's stay as one server's
+    assert re.search(r"^\S+ \S+ rank 1 INFO meshlm\.platform: using OpenBLAS", text, re.M), text[-3000:]
+    assert re.search(r"^\S+ \S+ INFO meshlm\.platform: using OpenBLAS", text, re.M), text[-3000:]
     assert not list(tmp.iterdir())
 
 
