@@ -10,9 +10,9 @@ import re
 import sys
 from pathlib import Path
 
-from meshlm.config import (API_KEY_ENV, AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, DTYPES, REASONING_PARSERS, CacheConfig,
-                           DisaggConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig, ServerConfig,
-                           SpeculativeConfig)
+from meshlm.config import (API_KEY_ENV, AUTO_ON_OFF, CLIENT_TIMEOUT_SECONDS, CONTROL_PORT, DTYPES, REASONING_PARSERS,
+                           RING_PORT, STAGE_PORT, CacheConfig, DisaggConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig, ServeConfig, ServerConfig, SpeculativeConfig)
 from meshlm.process_exit import end_process
 
 log = logging.getLogger("meshlm")
@@ -104,9 +104,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--rank", type=int, default=0, help="this process's rank (set by meshlm launch)")
     g.add_argument("--control-addr", default=None, help="leader host:port for StepPlans")
     g.add_argument("--control-port", type=int, default=None,
-                   help="with --hostfile: the leader's control port (default 52100)")
+                   help=f"with --hostfile: the leader's control port (default {CONTROL_PORT})")
     g.add_argument("--ring-port", type=int, default=None,
-                   help="with --hostfile: rank r's ring backend port is this + r (default 52000)")
+                   help=f"with --hostfile: rank r's ring backend port is this + r (default {RING_PORT})")
     g.add_argument("--ring-hostfile", default=None, help=argparse.SUPPRESS)
     g.add_argument("--launch-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by meshlm launch
     g.add_argument("--step-timeout", type=float, default=60.0, help="a forward outliving this ends the cluster")
@@ -126,7 +126,7 @@ def _serve_parser(sub) -> None:
                    help="stages, each a rank holding a range of layers; alone on one machine it starts them itself")
     g.add_argument("--pp-split", default=None, help="layers per stage in pipeline order, e.g. 10,20 (default: even)")
     g.add_argument("--stage-port", type=int, default=None,
-                   help="with --hostfile: rank r's stage link port is this + r (default 52200)")
+                   help=f"with --hostfile: rank r's stage link port is this + r (default {STAGE_PORT})")
     g.add_argument("--stage-addrs", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("context parallelism (docs/CONTEXT_PARALLEL.md)")
     g.add_argument("--context-parallel", type=int, default=1,
@@ -272,8 +272,8 @@ def _template_kwargs(value: str | None) -> dict:
 
 
 # Ports a cluster over a hostfile listens on; a local cluster picks free ones on 127.0.0.1 itself.
-HOSTFILE_PORTS = {"control_port": ("--control-port", 52100), "ring_port": ("--ring-port", 52000),
-                  "stage_port": ("--stage-port", 52200)}
+HOSTFILE_PORTS = {"control_port": ("--control-port", CONTROL_PORT), "ring_port": ("--ring-port", RING_PORT),
+                  "stage_port": ("--stage-port", STAGE_PORT)}
 
 
 def _hostfile_ports(args: argparse.Namespace) -> None:

@@ -161,6 +161,11 @@ MIN_CLUSTER_TIMEOUT = 1.0
 CP_ALGORITHMS = ("auto", "pass-kv", "pass-q")
 
 
+# A cluster over a hostfile listens on these (rank r's ring and stage link on the port + r); a local cluster
+# picks free ports itself.
+CONTROL_PORT, RING_PORT, STAGE_PORT = 52100, 52000, 52200
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor or pipeline parallelism: how many ranks, how they find each other, and every deadline."""
@@ -183,7 +188,7 @@ class ParallelConfig:
     pipeline_parallel: int = 1  # stages, each a rank holding a range of layers (cluster/stages.py)
     pp_split: tuple[int, ...] | None = None  # layers per stage in pipeline order; None: even (or by memory)
     stage_addrs: tuple[str, ...] | None = None  # host:port each rank's stage link listens on; None: derived
-    stage_port: int = 52200  # with a hostfile: rank r's stage link listens on stage_port + r
+    stage_port: int = STAGE_PORT  # with a hostfile: rank r's stage link listens on stage_port + r
     context_parallel: int = 1  # ranks holding the whole model, each a share of every sequence's KV
     cp_algorithm: str = "auto"  # auto | pass-kv | pass-q (model/context_batch.py)
     cp_min_tokens: int = 0  # sequences shorter than this keep their KV whole on one rank (kv/context_blocks.py)

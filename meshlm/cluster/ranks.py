@@ -34,7 +34,7 @@ from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend,
 from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
-from meshlm.config import ParallelConfig, ServeConfig, check_port
+from meshlm.config import CONTROL_PORT, RING_PORT, ParallelConfig, ServeConfig, check_port
 from meshlm.executor.rank import RankSpec, RankState, build_rank
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.platform import import_mlx_lm, interrupt_deferred, kv_budget_bytes
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ClusterPorts:
-    control_port: int = 52100
-    ring_port: int = 52000
+    control_port: int = CONTROL_PORT
+    ring_port: int = RING_PORT
     ring_hostfile: str | None = None  # given to spawned children
 
     def __post_init__(self) -> None:
