@@ -50,13 +50,18 @@ class LoadedModel:
 
 def read_config(path: Path) -> dict:
     """A model directory's config.json; a file that is not a JSON object is a ValueError naming it."""
+    return read_json_object(path / "config.json")
+
+
+def read_json_object(file: Path) -> dict:
+    """One of the model's JSON files, which must hold an object: else a ValueError naming it."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        content = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # Recursion: nested 200,000 deep
-        raise ValueError(f"{path / 'config.json'} is not readable JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path / 'config.json'} is not a JSON object")
-    return config
+        raise ValueError(f"{file} is not readable JSON: {exc}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return content
 
 
 def check_model_json(path: Path, config: dict) -> None:
@@ -67,12 +72,7 @@ def check_model_json(path: Path, config: dict) -> None:
     files = [(path / "config.json", config)]
     gen = path / "generation_config.json"
     if gen.is_file():
-        try:
-            files.append((gen, json.loads(gen.read_text())))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise ValueError(f"{gen} is not readable JSON: {exc}") from None
-        if not isinstance(files[-1][1], dict):
-            raise ValueError(f"{gen} is not a JSON object")
+        files.append((gen, read_json_object(gen)))
     for file, content in files:
         eos = content.get("eos_token_id")
         ids = eos if isinstance(eos, list) else [eos]
