@@ -488,6 +488,8 @@ def test_bad_cluster_ports_and_addresses_fail_in_a_sentence(model, tmp_path, arg
     hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ips}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args if args[0] != "--ips"]
+        if "--control-port" not in args:  # the default (52100) may be another test's at this moment
+            args += ["--control-port", str(free_port())]
         r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--model", str(model), "--port", "0",
                             "--hostfile", str(hosts), "--start-timeout", "20", *args], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "MESHLM_CLUSTER_SECRET": "a" * 64})
