@@ -279,6 +279,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
         raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_in_a_line(str(exc))}"
                          f"{_missing_shards(path)}") from None
     check_tokenizer(tokenizer, path)
+    check_weight_types(model, path)
     # Beside the tokenizer's other check, before a shard's or a stage's (lazy) weights are read.
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
     outside = sorted(t for t in eos if not 0 <= t < int(config["vocab_size"]))
@@ -317,6 +318,20 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     log.info("loaded %s (%s, %s, context %d)", path, name, what, context)
     return LoadedModel(model, tokenizer, path, name, dtype, context, eos, fingerprint,
                        int(config["vocab_size"]), generation_defaults(path))
+
+
+def check_weight_types(model: nn.Module, path: Path) -> None:
+    """Every weight floating-point, but a quantized layer's packed integers. MLX loads integer tensors as
+    they are, and the model then failed every request at its first norm ('[rms_norm] Received unsupported
+    type int32'), a 500 for each, after a start that said nothing."""
+    for name, module in model.named_modules():
+        for key, value in module.items():
+            if key.startswith("_") or not isinstance(value, mx.array) or mx.issubdtype(value.dtype, mx.floating):
+                continue
+            if key == "weight" and hasattr(module, "bits"):  # QuantizedLinear / QuantizedEmbedding's packing
+                continue
+            raise ValueError(f"{path}: the weight {name}.{key} is {str(value.dtype).removeprefix('mlx.core.')}, "
+                             "not a floating-point type (nor a quantized layer's packed weights)")
 
 
 def _held_arrays(model: nn.Module) -> list[mx.array]:

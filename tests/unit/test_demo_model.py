@@ -485,3 +485,29 @@ def test_a_config_mlx_lm_would_trip_on_is_refused_naming_the_file_and_field(tmp_
     (model / file).write_text(json.dumps(change))
     with pytest.raises(ValueError, match=re.escape(words)):
         load_model(ModelConfig(str(model)))
+
+
+def test_integer_weights_are_refused_and_a_quantized_models_packed_weights_are_not(tmp_path):
+    """Integer tensors load as they are: the server started and failed every request at the first norm
+    ('[rms_norm] Received unsupported type int32'), a 500 each."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=1)
+    loaded = load_model(ModelConfig(str(model)))
+    config = json.loads((model / "config.json").read_text())
+    quantized, config = quantize_model(loaded.model, config, group_size=32, bits=4)
+    (tmp_path / "q").mkdir()
+    save_model(tmp_path / "q", quantized)
+    for name in model.iterdir():
+        if name.name != "model.safetensors":
+            (tmp_path / "q" / name.name).write_bytes(name.read_bytes())
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    assert load_model(ModelConfig(str(tmp_path / "q"))).model.model.layers[0].mlp.up_proj.bits == 4
+
+    weights = mx.load(str(model / "model.safetensors"))
+    mx.save_safetensors(str(model / "model.safetensors"), {k: (v * 100).astype(mx.int32) for k, v in weights.items()})
+    with pytest.raises(ValueError, match=r"the weight \S+ is int32, not a floating-point type"):
+        load_model(ModelConfig(str(model)))
