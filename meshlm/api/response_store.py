@@ -2,9 +2,10 @@
 
 In memory only, on the server that answered, least recently used first out, within a byte budget: a
 restart or an eviction makes an id unknown (a 404 naming it), never another conversation. Each entry
-holds the response object as answered and the conversation it closes as chat messages (its history, its
+holds the response object as answered, the conversation it closes as chat messages (its history, its
 input, its output as the assistant's turn), so a follow-up is templated exactly as if the client had sent
-it all. Instructions are not carried over, as OpenAI's are not.
+it all, and the items it was answered from (`GET /v1/responses/{id}/input_items`: the earlier responses'
+inputs and outputs, then its own input). Instructions are not carried over, as OpenAI's are not.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ MAX_RESPONSES = 4096
 class Stored:
     body: dict  # the response object
     messages: tuple[dict, ...]  # the conversation through this response's output, as chat messages
+    items: tuple[dict, ...]  # the input items it answered, earlier responses' first (each with an id)
     size: int
+
+    def conversation_items(self) -> tuple[dict, ...]:
+        """What a response continuing this one was answered from before its own input."""
+        return self.items + tuple(self.body["output"])
 
 
 class ResponseStore:
@@ -34,13 +40,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, body: dict, messages: list[dict]) -> bool:
+    def put(self, body: dict, messages: list[dict], items: list[dict] = ()) -> bool:
         """Keep a finished response; False when it alone is larger than the budget (not kept)."""
-        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(messages, ensure_ascii=False))
+        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in (body, messages, items))
         if size > self.max_bytes:
             return False
         self.delete(body["id"])
-        self._entries[body["id"]] = Stored(body, tuple(messages), size)
+        self._entries[body["id"]] = Stored(body, tuple(messages), tuple(items), size)
         self._bytes += size
         while self._bytes > self.max_bytes or len(self._entries) > self.max_responses:
             _, old = self._entries.popitem(last=False)
@@ -58,6 +64,20 @@ class ResponseStore:
         if stored is not None:
             self._bytes -= stored.size
         return stored is not None
+
+
+def item_page(items: tuple[dict, ...], limit: int, order: str, after: str | None) -> dict:
+    """A page of a response's input items as OpenAI's list object: `order` asc is the conversation's
+    order, desc (OpenAI's default) the newest first; `after`: the id of the item the page starts after."""
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise KeyError(after)
+        ordered = ordered[ids.index(after) + 1:]
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
 
 
 def assistant_turn(output: list[dict]) -> dict:

@@ -23,13 +23,15 @@ class ResponseRun:
     """One `POST /v1/responses` over the chat completion it amounts to (n = 1)."""
 
     def __init__(self, req: ResponsesRequest, completion: Completion, conversation: list[dict] = (),
-                 store: ResponseStore | None = None) -> None:
+                 store: ResponseStore | None = None, earlier_items: tuple[dict, ...] = ()) -> None:
         """`conversation`: the chat messages this response answers (previous_response_id's and the input);
-        `store`: where a finished response is kept (None: `store` false)."""
+        `store`: where a finished response is kept (None: `store` false); `earlier_items`: the items of
+        the responses it continues (their inputs and outputs), which it keeps before its own input's."""
         self.req = req
         self.completion = completion
         self.conversation = list(conversation)
         self.store = store
+        self.items = list(earlier_items) + input_items(req) if store is not None else []
         self.id = new_id("resp")
         self.created = now()
 
@@ -64,7 +66,7 @@ class ResponseRun:
         """The finished response's object, kept when `store` says so."""
         body = self._response(output, c)
         if self.store is not None:
-            self.store.put(body, self._closed(assistant_turn(output)))
+            self.store.put(body, self._closed(assistant_turn(output)), self.items)
         return body
 
     def _closed(self, turn: dict) -> list[dict]:
@@ -263,6 +265,32 @@ class _Output:
             out += self._open(_message_item(new_id("msg"), "", "in_progress", self.logprobs))
             out += self._close_open(status)
         return out
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as `GET /v1/responses/{id}/input_items` lists it (OpenAI's item objects): a
+    string is a user message with one input_text part, a message's string content one text part, and an
+    item the client sent without an id gets one."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "id": new_id("msg"), "status": "completed", "role": "user",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    items = []
+    for given in req.input:
+        item = _copy(given)
+        kind = item.setdefault("type", "message")  # a message may leave its type out (input_messages)
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = {"type": "input_text", "text": item["content"]}
+            if item["role"] == "assistant":
+                part = {"type": "output_text", "text": item["content"], "annotations": []}
+            item["content"] = [part]
+        if item.get("id") is None:
+            item["id"] = new_id(_ID_PREFIX.get(kind, "item"))
+        item.setdefault("status", "completed")
+        items.append(item)
+    return items
 
 
 def _copy(item: dict) -> dict:

@@ -194,6 +194,8 @@ class ResponsesRequest(BaseModel):
         for i, item in enumerate(self.input):
             kind = item.get("type", "message" if "role" in item else None)
             where = f"input.{i}"
+            if item.get("id") is not None and not (isinstance(item["id"], str) and 0 < len(item["id"]) <= 200):
+                raise ValueError(f"{where}.id must be a string of 1 to 200 characters")  # listed as given
             if kind == "message":
                 role = item.get("role")
                 if role not in _ROLES:

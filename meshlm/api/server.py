@@ -19,7 +19,7 @@ from meshlm.api.body import BodyLimits, parse_json_sync, read_body
 from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                 TokenizeRequest)
-from meshlm.api.response_store import ResponseStore
+from meshlm.api.response_store import ResponseStore, item_page
 from meshlm.api.responses import ResponseRun
 from meshlm.api.responses_request import ResponsesRequest, chat_request
 from meshlm.api.serving import Serving, now
@@ -113,16 +113,17 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     async def _responses(request: Request):
         req = await _parse(request, ResponsesRequest, limits)
         serving.check_model(req.model)
-        history = ()
+        history, earlier = (), ()
         if req.previous_response_id is not None:
-            history = _stored(req.previous_response_id, "previous_response_id").messages
+            previous = _stored(req.previous_response_id, "previous_response_id")
+            history, earlier = previous.messages, previous.conversation_items()
         chat, conversation = await asyncio.to_thread(_as_chat, req, history)
         tools = plan_tools(chat, serving.tokenizer)
         prompt = await serving.prompts.chat(chat, tools)
         grammar = await request_grammar(serving.grammars, chat, limits, tools)
         completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
         return await _respond(request, ResponseRun(req, completion, conversation,
-                                                   None if req.store is False else store))
+                                                   None if req.store is False else store, earlier))
 
     def _stored(response_id: str, param: str | None = None):
         stored = store.get(response_id)
@@ -135,6 +136,22 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     @app.get("/v1/responses/{response_id}")
     async def _get_response(response_id: str):
         return _stored(response_id).body
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def _input_items(response_id: str, request: Request):
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+            raise bad_request(f"limit must be an integer from 1 to 100, got {limit[:40]!r}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc', got {order[:40]!r}", param="order")
+        after = query.get("after")
+        try:
+            return item_page(_stored(response_id).items, int(limit), order, after)
+        except KeyError:
+            raise bad_request(f"after: no input item of response {response_id[:64]!r} has the id "
+                              f"{after[:64]!r}", param="after") from None
 
     @app.delete("/v1/responses/{response_id}")
     async def _delete_response(response_id: str):

@@ -264,6 +264,38 @@ def test_a_stored_response_is_continued_fetched_and_deleted(client, model):
         client.responses.cancel(second.id)
 
 
+def test_input_items_list_what_a_response_was_answered_from(client, model, server):
+    """`client.responses.input_items.list` (a 404 before): the earlier responses' inputs and outputs, then
+    its own input, newest first by default, with ids, paged by `after` and `limit`."""
+    first = client.responses.create(model=model, input="Hi", temperature=0, max_output_tokens=3)
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, temperature=0, max_output_tokens=3,
+        input=[{"role": "user", "content": "And?"},
+               {"type": "message", "role": "user", "id": "msg_mine", "content": [{"type": "input_text", "text": "Go"}]}])
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in items] == ["message"] * 4
+    assert [i.role for i in items] == ["user", "assistant", "user", "user"]
+    assert items[0].content[0].text == "Hi" and items[0].content[0].type == "input_text"
+    assert items[1].id == first.output[0].id and items[1].content[0].text == first.output_text
+    assert items[2].content[0].text == "And?" and items[3].id == "msg_mine"
+    assert len({i.id for i in items}) == 4 and items[1].status == first.output[0].status  # as answered
+    assert [items[k].status for k in (0, 2, 3)] == ["completed"] * 3
+    newest = client.responses.input_items.list(second.id)  # desc, OpenAI's default
+    assert [i.id for i in newest.data] == [i.id for i in reversed(items)] and not newest.has_more
+    page = client.responses.input_items.list(second.id, order="asc", limit=2, after=items[0].id)
+    assert [i.id for i in page.data] == [items[1].id, items[2].id] and page.has_more
+    assert page.first_id == items[1].id and page.last_id == items[2].id
+    assert [i.id for i in client.responses.input_items.list(first.id).data] == [items[0].id]
+    for query, words in (({"limit": 0}, "limit must be"), ({"order": "up"}, "order must be"),
+                         ({"after": "msg_none"}, "no input item")):
+        r = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params=query, timeout=10)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = httpx.get(f"{server.url}/v1/responses/resp_none/input_items", timeout=10)
+    assert r.status_code == 404, r.text
+    r = httpx.post(server.url + "/v1/responses", json={"input": [{"role": "user", "content": "x", "id": 7}]})
+    assert r.status_code == 400 and "input.0.id must be a string" in r.text
+
+
 def test_a_function_call_continued_by_previous_response_id(client, model):
     first = client.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0,

@@ -1,6 +1,8 @@
 """The in-memory store behind previous_response_id: bounded in bytes and count, least recently used out."""
 
-from meshlm.api.response_store import ResponseStore, assistant_turn
+import pytest
+
+from meshlm.api.response_store import ResponseStore, assistant_turn, item_page
 
 
 def body(i: int, text: str = "x") -> dict:
@@ -26,3 +28,22 @@ def test_the_output_as_the_assistants_turn():
               {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}]
     assert assistant_turn(output) == {"role": "assistant", "content": "Let me look.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def test_item_pages_in_either_order_after_an_id():
+    items = tuple({"id": f"i{k}"} for k in range(5))
+    assert item_page(items, 20, "desc", None) == {"object": "list", "data": list(reversed(items)),
+                                                   "first_id": "i4", "last_id": "i0", "has_more": False}
+    page = item_page(items, 2, "asc", "i1")
+    assert [i["id"] for i in page["data"]] == ["i2", "i3"] and page["has_more"]
+    last = item_page(items, 2, "desc", "i0")
+    assert last["data"] == [] and last["first_id"] is None and not last["has_more"]
+    with pytest.raises(KeyError):
+        item_page(items, 2, "asc", "nope")
+
+
+def test_stored_items_count_in_the_budget():
+    store = ResponseStore(max_bytes=1_000)
+    assert not store.put(body(1), [], [{"id": "msg_1", "text": "w" * 2_000}])
+    assert store.put(body(2), [], [{"id": "msg_2"}]) and store.get("resp_2").conversation_items() == (
+        {"id": "msg_2"}, *body(2)["output"])
