@@ -19,14 +19,16 @@ class APIKeyMiddleware:
     def __init__(self, app, key: str, rejected: Callable[[int], None]) -> None:
         """`rejected(status)`: count a request refused here."""
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
         self.rejected = rejected
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, credentials = given.partition(b" ")
+        # The scheme is case-insensitive (RFC 9110 11.1): a client sending "bearer" was refused.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials, self.expected):
             return await self.app(scope, receive, send)
         self.rejected(401)
         error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",

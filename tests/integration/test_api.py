@@ -493,7 +493,7 @@ def test_an_api_key_guards_every_route_but_probes(tiny_model, tmp_path):
     try:
         for path in ("/health", "/metrics", "/version"):
             assert httpx.get(srv.url + path).status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
             r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers=headers)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
@@ -504,7 +504,9 @@ def test_an_api_key_guards_every_route_but_probes(tiny_model, tmp_path):
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == page
         denied = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": page})
         assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == page  # readable
-        assert srv.metric('meshlm_rejected_requests_total{status="401"}') == 6
+        assert srv.metric('meshlm_rejected_requests_total{status="401"}') == 7
+        # The scheme is case-insensitive (RFC 9110): "bearer" was a 401
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"bearer {key}"}).status_code == 200
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
         name = client.models.list().data[0].id
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
