@@ -493,7 +493,8 @@ def test_an_api_key_guards_every_route_but_probes(tiny_model, tmp_path):
     try:
         for path in ("/health", "/metrics", "/version"):
             assert httpx.get(srv.url + path).status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                        {"Authorization": f"Basic {key}"}):
             r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers=headers)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
