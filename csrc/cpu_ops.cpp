@@ -1896,6 +1896,29 @@ void set_gemm_threads(int n) {
 #endif
 }
 
+// Moves each evaluated array's whole 2 MiB pages into transparent huge pages (MADV_COLLAPSE, Linux 6.1
+// and later; this machine's THP setting is "madvise", so nothing else would). A decode step streams every
+// weight once: with 4 KiB pages it takes a TLB miss every 4 KiB, and the hardware prefetcher stops at each
+// page's end. Huge pages took a stage's 8-row GEMMs over 144 MB of weights from ~12.4 to ~10.3 ms and a
+// 16-row step's from ~16.7 to ~14.7 (one core, 2026-11-28). Returns the bytes moved: 0 where the kernel
+// cannot (older, or THP off), which changes nothing but speed.
+#if defined(__linux__) && !defined(MADV_COLLAPSE)
+#define MADV_COLLAPSE 25  // the kernel's value; C libraries before glibc 2.37 do not name it
+#endif
+size_t huge_pages(const std::vector<mx::array>& arrays) {
+  size_t moved = 0;
+#ifdef MADV_COLLAPSE
+  constexpr uintptr_t HUGE = uintptr_t{2} << 20;
+  for (const auto& a : arrays) {
+    if (!a.is_available() || a.data<char>() == nullptr) continue;  // memory only once evaluated
+    uintptr_t p = reinterpret_cast<uintptr_t>(a.data<char>());
+    uintptr_t lo = (p + HUGE - 1) & ~(HUGE - 1), hi = (p + a.nbytes()) & ~(HUGE - 1);
+    if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_COLLAPSE) == 0) moved += hi - lo;
+  }
+#endif
+  return moved;
+}
+
 bool set_wide_kernels(bool on) {
   wide_kernels().store(on && MESHLM_AVX512);
   return wide_kernels().load();
@@ -1932,6 +1955,9 @@ NB_MODULE(_cpu_ops, m) {
         "[partial attention output, K pool, V pool] (tensor-parallel o and down: decode_mlp follows the sum)");
   m.def("decode_mlp", &decode_mlp, nb::arg("h"), nb::arg("attention"), nb::arg("weights"), nb::arg("eps"),
         "a split decode layer after its attention sum: [h + attention, partial MLP output]");
+  m.def("huge_pages", &huge_pages, nb::arg("arrays"),
+        "moves the evaluated arrays' whole 2 MiB pages into transparent huge pages where Linux can "
+        "(MADV_COLLAPSE); returns the bytes moved");
   m.def("untouched_zeros", &untouched_zeros, nb::arg("shape"), nb::arg("dtype"),
         "zeros whose memory pages are supplied on first write (resident only where written)");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),

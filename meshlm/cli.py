@@ -56,6 +56,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
                    help="on CPU, run a decode step's layers op by op instead of each as four compiled nodes "
                         "(same outputs; for comparison)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="on CPU, leave the weights in the 4 KiB pages they were loaded into instead of moving "
+                        "them into 2 MiB transparent huge pages (same outputs; for comparison)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
@@ -294,7 +297,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     args.rank = _rank(args)
     return ServeConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name, args.cpu_kernels,
-                          args.native_kernels, args.half_weights, args.fused_decode, args.adapter_path),
+                          args.native_kernels, args.half_weights, args.fused_decode, args.adapter_path,
+                          args.huge_pages),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
                                   args.async_scheduling),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,

@@ -106,6 +106,8 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
         if native is not None:
             # A process-wide setting of the compiled GEMM: this process's share of the cores.
             native.set_gemm_threads(cores_for_this_process())
+            if model_cfg.huge_pages:
+                cpu_kernels.in_huge_pages(loaded.model, native)
     log.info("attention: %s", backend.name)
     shape = kv_shape(loaded.model, parts, cache_cfg.block_size, getattr(mx, loaded.dtype))
     max_blocks = kv_budget // shape.block_bytes

@@ -819,3 +819,38 @@ def test_no_half_weights_and_its_old_spelling_hold_every_layer_in_float32():
         return cli.serve_config(cli.build_parser().parse_args(["serve", *flags])).model.half_weights
 
     assert held_half() and not held_half("--no-half-weights") and not held_half("--no-bf16-weights")
+
+
+def _collapse_expected() -> bool:
+    """MADV_COLLAPSE: Linux 6.1 and later, transparent huge pages not 'never'."""
+    import platform
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return sys.platform == "linux" and (major, minor) >= (6, 1) and thp.exists() and "[never]" not in thp.read_text()
+
+
+@NEEDS_PACKED_GEMM
+def test_weights_moved_into_huge_pages_keep_their_values_and_products():
+    """csrc's huge_pages moves an evaluated array's whole 2 MiB pages (a decode step streams every weight:
+    fewer TLB misses); the values, and so every product, stay the same. An unevaluated array is skipped."""
+    layer = cpu_kernels.PackedLinear(nn.Linear(1024, 4096, bias=False), NATIVE)
+    x = mx.random.normal((8, 1024))
+    before, values = layer(x), layer["weight_p"] * 1  # a copy
+    mx.eval(before, values)
+    model = nn.Sequential(layer)
+    moved = cpu_kernels.in_huge_pages(model, NATIVE)
+    assert moved % (2 << 20) == 0 and moved <= layer["weight_p"].nbytes
+    assert (moved > 0) == _collapse_expected()
+    assert mx.array_equal(layer["weight_p"], values) and mx.array_equal(layer(x), before)
+    assert NATIVE.huge_pages([mx.zeros((4 << 20,)) + 1]) == 0  # lazy: no memory yet, nothing moved
+
+
+def test_huge_pages_are_on_by_default_and_the_flag_turns_them_off():
+    from meshlm import cli
+
+    def huge(*flags: str) -> bool:
+        return cli.serve_config(cli.build_parser().parse_args(["serve", *flags])).model.huge_pages
+
+    assert huge() and not huge("--no-huge-pages")
