@@ -279,10 +279,14 @@ class Scheduler:
                 ended.append(Finished(seq, FinishReason.ABORT))
             if seq.finished:
                 self._leave(seq)
-        for seq in [s for s in self.waiting if s.aborted]:
+        for seq in [s for s in self.waiting if s.aborted or s.finished]:
             self.waiting.remove(seq)
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
-            ended.append(Finished(seq, FinishReason.ABORT))
+            # Finished while waiting: the engine found a stop string in the tokens of a step after the
+            # next step, which preempted it, was planned. Admitted again, it ran untracked until an empty
+            # chunk failed the step (every request of the batch a 503; under TP/PP the server stopped).
+            if not seq.finished:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
+                ended.append(Finished(seq, FinishReason.ABORT))
         return ended
 
     def _leave(self, seq: Sequence) -> None:

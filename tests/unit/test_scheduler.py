@@ -240,6 +240,25 @@ def test_newest_sequence_is_preempted_when_kv_is_full_and_recomputed_later():
     assert a.finish_reason is FinishReason.LENGTH and len(a.output_ids) == 10
 
 
+def test_a_sequence_finished_while_preempted_leaves_the_queue_and_is_never_admitted_again():
+    """The engine plans step t+1 before it reads step t's text: that plan can preempt a sequence whose
+    tokens then hold a stop string, and the engine finishes it while it waits. It was admitted again,
+    ran untracked, and its empty chunk failed the whole batch ('SplitBrain')."""
+    sched = make_scheduler(kv_budget=20, max_model_len=20)
+    a, b = make_seq(0, prompt_len=8, max_tokens=10), make_seq(1, prompt_len=8, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    token = iter(range(1000, 2000))
+    while not b.num_preemptions:
+        step(sched, token=lambda uid: next(token))
+    assert b.status is SeqStatus.WAITING and sched.waiting[0] is b
+    sched.finish(b, FinishReason.STOP)  # its stop string, found after the preempting plan
+    plans = run_until_idle(sched, token=lambda uid: next(token))
+    assert all(n.uid != 1 for p in plans for n in p.new) and all(c.uid != 1 for p in plans for c in p.chunks)
+    assert not sched.waiting and b.finish_reason is FinishReason.STOP
+    assert a.finish_reason is FinishReason.LENGTH and len(a.output_ids) == 10
+
+
 def test_admission_waits_for_room_for_the_whole_prompt():
     sched = make_scheduler(kv_budget=20, max_model_len=20, max_tokens_per_step=64)
     a, b = make_seq(0, prompt_len=12, max_tokens=3), make_seq(1, prompt_len=8, max_tokens=3)
