@@ -30,6 +30,13 @@ from typing import Callable, Protocol, Sequence
 from meshlm.kv.keys import CacheSalt, chain_key
 
 
+def admit_tokens(length: int, reach: int | None) -> int:
+    """Positions a sequence of `length` tokens needs to be admitted: its own and the next token's, unless
+    it generates none (`reach` = length: echo with max_tokens 0 of a prompt that fills the context, which
+    asked for one position more than the whole KV store and waited at the head of the queue for ever)."""
+    return length + 1 if reach is None or reach > length else length
+
+
 class KeyIndex(Protocol):
     """What the block manager asks of the SSD tier (counts and booleans, never arrays)."""
 
@@ -158,7 +165,7 @@ class BlockManager:
     def can_admit(self, length: int, reach: int | None = None) -> bool:
         """A sequence of `length` tokens fits whole, with room for the token it generates next. `reach`:
         the most tokens it may grow to (kv/context_blocks.py places by it)."""
-        return self.blocks_for(length + 1) <= self.num_free
+        return self.blocks_for(admit_tokens(length, reach)) <= self.num_free
 
     def cover(self, uid: int) -> int:
         """Positions `uid` could hold with its blocks and every free one."""

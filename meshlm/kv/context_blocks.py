@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from meshlm.kv.blocks import BlockManager, CacheStats, Match
+from meshlm.kv.blocks import BlockManager, CacheStats, Match, admit_tokens
 
 
 @dataclass
@@ -132,8 +132,8 @@ class ContextBlocks:
 
     def can_admit(self, length: int, reach: int | None = None) -> bool:
         if not self._wants_whole(length, reach):
-            return self.inner.can_admit(length)
-        return self._blocks(length + 1) <= self._free_on(self._place())
+            return self.inner.can_admit(length, reach)
+        return self._blocks(admit_tokens(length, reach)) <= self._free_on(self._place())
 
     def cover(self, uid: int) -> int:
         w = self._whole.get(uid)

@@ -82,3 +82,12 @@ def test_a_short_prompt_that_may_outgrow_one_ranks_pools_is_split():
     cb.match(1, list(range(9)), 10, reach=32)
     cb.match(2, list(range(9)), 10, reach=33)
     assert (cb.holder(1), cb.holder(2)) == (0, -1)
+
+
+def test_a_whole_sequence_that_generates_nothing_needs_no_next_position():
+    """Echo with max_tokens 0 (reach = its length): one rank's whole pools hold it exactly; asking for the
+    next token's position too, it waited for ever (and so did the queue behind it)."""
+    cb = blocks(num=8, min_tokens=100)  # one rank's pools: 8 * B = 32 positions
+    assert cb.can_admit(32, reach=32)
+    cb.match(1, list(range(31)), 32, reach=32)
+    assert cb.allocate(1, 32) is not None and cb.holder(1) == 0

@@ -259,6 +259,23 @@ def test_a_sequence_finished_while_preempted_leaves_the_queue_and_is_never_admit
     assert a.finish_reason is FinishReason.LENGTH and len(a.output_ids) == 10
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_a_prompt_filling_the_whole_kv_store_with_nothing_to_generate_is_admitted(block_size):
+    """Echo with max_tokens 0 of a prompt as long as the context, itself the whole KV store: admission
+    asked for one position more (the next token's), so it waited at the head of the queue for ever and
+    every request behind it too."""
+    config = SchedulerConfig(max_batch_size=8, max_tokens_per_step=64, max_waiting=64)
+    sched = Scheduler(config, BlockManager(16 // block_size, block_size), 16, frozenset({EOS}))  # 16 positions
+    full, after = make_seq(0, prompt_len=16, max_tokens=0), make_seq(1, prompt_len=3, max_tokens=2)
+    sched.add(full)
+    sched.add(after)
+    run_until_idle(sched, max_steps=20)
+    assert full.finish_reason is FinishReason.LENGTH and full.output_ids == []
+    assert after.finish_reason is FinishReason.LENGTH and len(after.output_ids) == 2
+    blocks = BlockManager(16 // block_size, block_size)
+    assert blocks.can_admit(16, reach=16) and not blocks.can_admit(16, reach=17) and not blocks.can_admit(16)
+
+
 def test_admission_waits_for_room_for_the_whole_prompt():
     sched = make_scheduler(kv_budget=20, max_model_len=20, max_tokens_per_step=64)
     a, b = make_seq(0, prompt_len=12, max_tokens=3), make_seq(1, prompt_len=8, max_tokens=3)
