@@ -864,6 +864,7 @@ class Engine:
             self._preemptions_seen = 0
             self._restart_at = None
             self.error = None
+        self._update_gauges()  # else they kept the failed step's batch and queue until the next request
         log.info("engine restarted")
 
     @property

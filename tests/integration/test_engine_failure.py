@@ -71,6 +71,9 @@ def test_failure_fails_in_flight_requests_then_the_engine_restarts(tiny_model, t
         refused = httpx.post(srv.url + "/v1/completions", json=NORMAL, timeout=10)
         assert refused.status_code == 503 and time.monotonic() - t0 < 1
         wait_healthy(srv)
+        # A restarted engine's gauges are idle before any request runs (they kept the failed batch)
+        assert srv.metric("meshlm_batch_size") == 0 and srv.metric("meshlm_queue_depth") == 0
+        assert srv.metric("meshlm_kv_blocks_used") == 0
         ok = httpx.post(srv.url + "/v1/completions", json=NORMAL, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         assert srv.proc.poll() is None
