@@ -119,9 +119,14 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
             history, earlier = previous.messages, previous.conversation_items()
         chat, conversation = await asyncio.to_thread(_as_chat, req, history)
         tools = plan_tools(chat, serving.tokenizer)
-        prompt = await serving.prompts.chat(chat, tools)
-        grammar = await request_grammar(serving.grammars, chat, limits, tools)
-        completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
+        try:
+            prompt = await serving.prompts.chat(chat, tools)
+            grammar = await request_grammar(serving.grammars, chat, limits, tools)
+            completion = Completion(serving, chat, [prompt], chat=True, grammar=grammar, tools=tools)
+        except APIError as exc:  # the chat path names its messages; a response request has `input`
+            if (exc.param or "").startswith("messages"):
+                exc.param = "input"
+            raise
         return await _respond(request, ResponseRun(req, completion, conversation,
                                                    None if req.store is False else store, earlier))
 

@@ -224,10 +224,13 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
     ({"input": "x", "max_tokens": 3}, "use `max_output_tokens`"),
     ({"input": "x", "model": "gpt-9"}, "does not exist"),
     ({"input": "w " * 3000}, "context length"),
+    ({"input": "w " * 2100}, "context length"),  # counted in tokens, not refused by its length alone
 ])
 def test_what_cannot_be_done_is_a_400_naming_it(server, body, words):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code in (400, 404) and words in r.json()["error"]["message"], r.text
+    if words == "context length":  # chat's name for the prompt was given ("messages")
+        assert r.json()["error"]["param"] == "input", r.text
     assert (r.status_code == 404) == ("model" in body or "previous_response_id" in body)
 
 
