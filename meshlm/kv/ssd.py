@@ -141,6 +141,10 @@ class SSDTier:
         self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
         self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
         self._scan_queued = False  # a lookup asked the writer thread for a re-scan (`_rescan_when_due`)
+        if config.capacity_bytes < shape.block_bytes:  # every block written would be evicted at once
+            self._disable(f"--ssd-cache-gb {config.capacity_bytes / 2**30:.3g} holds no KV block of this store "
+                          f"({shape.block_bytes} bytes each)")
+            return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._rebuild_index()

@@ -651,3 +651,12 @@ def test_a_directory_in_one_blocks_place_keeps_that_block_off_disk_not_the_whole
     tier.flush()
     assert tier.enabled and keys[0] not in tier and all(k in tier for k in keys[1:])
     assert list((tier.dir / TMP_DIR).iterdir()) == []  # its temp file went too
+
+
+def test_a_tier_too_small_for_one_block_is_off_saying_so(tmp_path, caplog):
+    """It wrote every block and evicted it at once: disk writes for nothing, and no word why nothing hit."""
+    tier = make_tier(tmp_path, capacity=SHAPE.block_bytes - 1)
+    assert not tier.enabled and "holds no KV block of this store" in caplog.text
+    tier.save(block_keys(ids(BS), SALT)[0], fake_block(0))
+    tier.flush()
+    assert not list(tmp_path.rglob("*" + SUFFIX)) and tier.writes == 0
