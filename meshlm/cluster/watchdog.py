@@ -37,6 +37,12 @@ class Watchdog:
             with self._lock:
                 self._started = None
 
+    @property
+    def current_step(self) -> str | None:
+        """The label of the step in progress, or None between steps."""
+        with self._lock:
+            return self._label if self._started is not None else None
+
     def _watch(self) -> None:
         while not self._stop.wait(min(0.5, self.deadline / 4)):
             with self._lock:

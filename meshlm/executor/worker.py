@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 import mlx.core as mx
@@ -29,13 +30,36 @@ from meshlm.transport.control import ControlError, ControlWorker, LeaderLost
 log = logging.getLogger(__name__)
 
 EXIT_SHUTDOWN, EXIT_LEADER_LOST, EXIT_STEP_FAILED, EXIT_DEADLINE = 0, 3, 4, 5
+LEADER_GONE_GRACE = 1.0  # seconds a hung-up leader connection must last inside one step
 # A local worker given SIGINT/SIGTERM waits this long for rank 0 to stop it (rank 0 drains for up to 2 s).
 FOLLOW_SECONDS = 15.0
 
 
-def _hard_exit(message: str) -> None:
+def _hard_exit(message: str, code: int = EXIT_DEADLINE) -> None:
     log.error("rank exiting: %s", message)
-    os._exit(EXIT_DEADLINE)
+    os._exit(code)
+
+
+def _leader_gone_probe(control: ControlWorker, watchdog: Watchdog, rank: int) -> Callable[[], None]:
+    """The step watchdog's probe on a worker: a leader whose connection closed while this rank is inside a
+    step ends the rank within about a second. Between steps the plan reader sees the hang-up itself; inside
+    one, the rank may wait in a collective whose peer died (the ring backend's sends fail, and its wait
+    stayed until the step's deadline: 60 s after the leader was killed, with a word about a deadline).
+    A hang-up must last LEADER_GONE_GRACE inside one step: a leader that finished cleanly closes right
+    after its SHUTDOWN, which the plan reader takes once the step ends."""
+    first_seen: dict[str, float] = {}
+
+    def probe() -> None:
+        step = watchdog.current_step
+        if step is None or not control.leader_hung_up():
+            first_seen.clear()
+            return
+        since = first_seen.setdefault(step, time.monotonic())
+        if time.monotonic() - since >= LEADER_GONE_GRACE:
+            _hard_exit(f"rank {rank}: the leader's connection closed during {step} (its process died, or its "
+                       "host reset the connection)", EXIT_LEADER_LOST)
+
+    return probe
 
 
 def answer_roll_call(cfg: ParallelConfig, secret: ClusterSecret, start_timeout: float,
@@ -78,6 +102,7 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
         control.close()
         raise ClusterError(str(exc)) from None
     watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")
+    watchdog.probe = _leader_gone_probe(control, watchdog, cfg.rank)
     try:
         return _serve_plans(control, rank, watchdog, io)
     finally:

@@ -48,7 +48,7 @@ from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joi
                                   prove_worker)
 from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, Loaded, ProtocolError, TokenIds,
                                     VersionMismatch, Welcome)
-from meshlm.transport.link import Link, LinkClosed, LinkTimeout, remaining, tune, wait_readable
+from meshlm.transport.link import Link, LinkClosed, LinkTimeout, hung_up, remaining, tune, wait_readable
 from meshlm.step_times import check_totals
 
 __all__ = ["Ack", "ControlError", "ControlLeader", "ControlWorker", "HandshakeError", "LeaderLost", "Loaded",
@@ -734,6 +734,11 @@ class ControlWorker:
             self.close()
             raise HandshakeError(f"leader runs world size {welcome.world_size}, this rank expects {self.world_size}")
         return welcome
+
+    def leader_hung_up(self) -> bool:
+        """Non-blocking, from any thread, reading nothing: the leader's connection was closed or reset
+        (its process died), or failed its keepalives (its host went away)."""
+        return self._link is None or hung_up(self._link)
 
     def sockets(self) -> dict[int, socket.socket]:
         """The leader's connection, as rank 0's (see ControlLeader.sockets)."""

@@ -6,6 +6,7 @@ deadline-bounded I/O and keepalive tuning (pure Python, no MLX).
 
 from __future__ import annotations
 
+import select
 import selectors
 import socket
 import time
@@ -156,6 +157,20 @@ class Link:
             self._sel.close()
             self.sock.close()
             self._out.close()
+
+
+def hung_up(link: Link) -> bool:
+    """The peer closed or reset `link`'s connection (or the kernel gave up on it: failed keepalives), seen
+    without reading: the bytes before the hang-up stay for whoever reads the link. Linux's POLLRDHUP sees
+    a peer's FIN even behind unread data; elsewhere only a reset or a hang-up of both directions shows."""
+    if link.closed:
+        return True
+    poller = select.poll()
+    poller.register(link.sock, getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR)
+    try:
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # closed under us
+        return True
 
 
 def wait_readable(links: Iterable[Link], deadline: float) -> list[Link]:

@@ -55,6 +55,7 @@ def _plant(kind: str, arg: int) -> None:
 
     def stalling_prepare(self, plan, *rest, **kw):
         if plan.step_id == arg:
+            print(f"fault: stalling step {arg}", file=sys.stderr, flush=True)
             time.sleep(3600)
         return prepare(self, plan, *rest, **kw)
 

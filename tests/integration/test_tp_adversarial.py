@@ -319,6 +319,31 @@ def test_hung_worker_is_ended_by_the_watchdogs(model, tmp_path):
         finish(procs)
 
 
+def test_a_worker_whose_leader_is_killed_mid_step_leaves_at_once(model, tmp_path):
+    """Ranks on two hosts (here by hand, from a hostfile): the leader killed while rank 1 waits in a step's
+    collective. Its sends fail but the wait stayed until the step's 60 s deadline (exit 5, a word about a
+    deadline); the step watchdog's probe now sees the leader's connection closed and ends it (exit 3)."""
+    hc = HandCluster.create(tmp_path)
+    # The fault holds rank 1 inside step 3 (a collective's wait) until the leader is gone
+    procs = [hc.start(model, 0),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, "stall_step", "3"), env={"MESHLM_OPENBLAS": "0"})]
+    try:
+        wait_healthy(hc.url, procs)
+        def ask() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its server is killed under it
+                complete(hc.url, [5, 6, 7, 8], timeout=30)
+
+        threading.Thread(target=ask, daemon=True).start()
+        assert wait_until(lambda: "fault: stalling step 3" in hc.log(1).read_text(), 30), hc.log(1).read_text()[-2000:]
+        procs[0].kill()
+        t0 = time.monotonic()
+        assert procs[1].wait(15) == 3, hc.log(1).read_text()[-2000:]
+        assert time.monotonic() - t0 < 5
+        assert "the leader's connection closed during step 3" in hc.log(1).read_text()
+    finally:
+        kill_all(procs)
+
+
 def test_ranks_with_different_models_refuse_to_form_a_cluster(model, tmp_path):
     from meshlm.model.demo import make_tiny
 
