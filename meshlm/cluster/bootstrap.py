@@ -7,6 +7,7 @@ the backend must exist and have its settings.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import ipaddress
 import json
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import stat
@@ -306,15 +308,25 @@ def init_group(cfg: ParallelConfig, ring_file: Path | None, timeout: float):
     try:
         group = mx.distributed.init(strict=True, backend=cfg.backend)
     except RuntimeError as exc:
-        hint = (": another process holds this rank's ring address (a cluster still running? choose another "
-                "--ring-port)" if "bind" in str(exc).lower() else "")
-        raise ClusterError(f"rank {cfg.rank} could not join the MLX group ({cfg.backend}): {exc}{hint}") from None
+        raise ClusterError(f"rank {cfg.rank} could not join the MLX group ({cfg.backend}): {exc}"
+                           f"{_bind_hint(str(exc))}") from None
     finally:
         faulthandler.cancel_dump_traceback_later()
     if group.size() != cfg.world_size or group.rank() != cfg.rank:
         raise ClusterError(f"group is rank {group.rank()} of {group.size()}, expected {cfg.rank} of "
                            f"{cfg.world_size}: check the hostfile")
     return group
+
+
+def _bind_hint(error: str) -> str:
+    """What to fix when MLX's ring could not bind this rank's address ('Couldn't bind socket (error: N)')."""
+    if "bind" not in error.lower():
+        return ""
+    code = re.search(r"error:? *(\d+)", error)
+    if code is not None and int(code.group(1)) == errno.EADDRNOTAVAIL:
+        return (": this rank's ring address is not an address of this machine (check its \"ips\" in the "
+                "hostfile)")
+    return ": another process holds this rank's ring address (a cluster still running? choose another --ring-port)"
 
 
 def spawn_local_workers(argv: list[str], cluster: LocalCluster, n: int, secret: ClusterSecret,

@@ -133,3 +133,16 @@ def test_every_supported_model_type_has_mlx_lms_tensor_parallel_split():
     for model_type in SUPPORTED_TYPES:
         model_class, _ = _get_classes({"model_type": model_type})
         assert callable(getattr(model_class, "shard", None)), model_type
+
+
+@pytest.mark.parametrize("error, words", [
+    ("[ring] Couldn't bind socket (error: 98)", "another process holds this rank's ring address"),
+    ("[ring] Couldn't bind socket (error: 99)", "not an address of this machine (check its \"ips\""),
+    ("[ring] Connection refused", ""),
+])
+def test_a_ring_that_cannot_bind_says_what_to_fix(error, words):
+    """Error 99 (EADDRNOTAVAIL: a hostfile address this host lacks) sent operators to --ring-port."""
+    from meshlm.cluster.bootstrap import _bind_hint
+
+    hint = _bind_hint(error)
+    assert (words in hint) if words else hint == ""
