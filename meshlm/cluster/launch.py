@@ -189,5 +189,9 @@ def _supervise(procs: list[subprocess.Popen], names: list[str], report: int | No
         except subprocess.TimeoutExpired:
             log.warning("rank still running 10 s after the leader exited; killing it")
             proc.kill()
-    # uvicorn re-raises the signal after its orderly shutdown: that is a clean stop we asked for.
-    return 0 if forwarded and code == -forwarded[0] else code
+    # uvicorn re-raises the signal after its orderly shutdown, and a start interrupted before serving
+    # exits 128 + the signal: either is a clean stop we asked for.
+    if forwarded and code in (-forwarded[0], 128 + forwarded[0]):
+        return 0
+    # A leader killed by a signal: its status as a shell reports one (SIGKILL 137, not 256 - 9 = 247)
+    return 128 - code if code < 0 else code

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -272,3 +273,25 @@ def test_pipeline_ranks_told_the_control_address_still_find_every_stage(tmp_path
     assert local is None and topo.parallel.stage_addrs == ("10.0.0.1:6000", "10.0.0.2:6001")
     with pytest.raises(ClusterError, match="needs --stage-addrs, or a --hostfile"):
         resolve_topology(dataclasses.replace(p, hostfile=None), ClusterPorts())
+
+
+@pytest.mark.parametrize("leader_code, sig, want", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", None, 137),  # was 247 (256 - 9)
+    ("import os, signal, time; time.sleep(30)", signal.SIGINT, 0),  # a stop launch forwarded: clean
+    ("import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(30)",
+     signal.SIGINT, 0),  # a start interrupted before serving exits 130
+])
+def test_launch_exits_with_a_shells_status_for_a_signalled_leader(leader_code, sig, want):
+    from meshlm.cluster import launch
+
+    leader = subprocess.Popen([sys.executable, "-c", leader_code])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if sig is not None:
+            threading.Timer(1.0, os.kill, (os.getpid(), sig)).start()  # as a terminal's Ctrl-C to launch
+        assert launch._supervise([leader], ["localhost"]) == want
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if leader.poll() is None:
+            leader.kill()
