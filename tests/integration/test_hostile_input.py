@@ -284,10 +284,10 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": many}, timeout=30)
     assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
     r = httpx.post(server.url + "/v1/responses", json={"input": many}, timeout=30)
-    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+    assert error_of(r, 400, "input")["code"] == "context_length_exceeded"  # a response request's name
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "lorem ipsum " * 500_000}
     r = httpx.post(server.url + "/v1/responses", timeout=30, json={"input": [call]})
-    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+    assert error_of(r, 400, "input")["code"] == "context_length_exceeded"
     assert time.monotonic() - t0 < 10
     still_serving(server)
 
