@@ -185,8 +185,8 @@ def in_huge_pages(model: nn.Module, native) -> int:
     mx.eval(weights)
     moved = native.huge_pages(weights)
     total = sum(a.nbytes for a in weights)
-    log.info("CPU kernels: %.0f of %.0f MiB of weights in 2 MiB pages%s", moved / 2**20, total / 2**20,
-             "" if moved else " (this kernel cannot: MADV_COLLAPSE needs Linux 6.1 and THP not 'never')")
+    log.info("CPU kernels: %.0f MiB holding the weights (%.0f MiB) moved into 2 MiB pages%s", moved / 2**20,
+             total / 2**20, "" if moved else " (this kernel cannot: MADV_COLLAPSE needs Linux 6.1 and THP not 'never')")
     return moved
 
 
