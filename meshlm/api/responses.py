@@ -23,15 +23,15 @@ class ResponseRun:
     """One `POST /v1/responses` over the chat completion it amounts to (n = 1)."""
 
     def __init__(self, req: ResponsesRequest, completion: Completion, conversation: list[dict] = (),
-                 store: ResponseStore | None = None, earlier_items: tuple[dict, ...] = ()) -> None:
+                 store: ResponseStore | None = None, items: list[dict] = ()) -> None:
         """`conversation`: the chat messages this response answers (previous_response_id's and the input);
-        `store`: where a finished response is kept (None: `store` false); `earlier_items`: the items of
-        the responses it continues (their inputs and outputs), which it keeps before its own input's."""
+        `store`: where a finished response is kept (None: `store` false), with `items`, those it was
+        answered from (the earlier responses' inputs and outputs, then its own input: `input_items`)."""
         self.req = req
         self.completion = completion
         self.conversation = list(conversation)
         self.store = store
-        self.items = list(earlier_items) + input_items(req) if store is not None else []
+        self.items = list(items)
         self.id = new_id("resp")
         self.created = now()
 

@@ -20,7 +20,7 @@ from meshlm.api.errors import APIError, bad_request
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                 TokenizeRequest)
 from meshlm.api.response_store import ResponseStore, item_page
-from meshlm.api.responses import ResponseRun
+from meshlm.api.responses import ResponseRun, input_items
 from meshlm.api.responses_request import ResponsesRequest, chat_request
 from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
@@ -118,6 +118,10 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
             previous = _stored(req.previous_response_id, "previous_response_id")
             history, earlier = previous.messages, previous.conversation_items()
         chat, conversation = await asyncio.to_thread(_as_chat, req, history)
+        kept = None if req.store is False else store
+        # Its input as items: a copy of the whole input, so off the loop's thread (as _as_chat), and before
+        # any sequence is queued (an await after that could leave them running for nobody)
+        items = [*earlier, *await asyncio.to_thread(input_items, req)] if kept is not None else []
         tools = plan_tools(chat, serving.tokenizer)
         try:
             prompt = await serving.prompts.chat(chat, tools)
@@ -127,8 +131,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
             if (exc.param or "").startswith("messages"):
                 exc.param = "input"
             raise
-        return await _respond(request, ResponseRun(req, completion, conversation,
-                                                   None if req.store is False else store, earlier))
+        return await _respond(request, ResponseRun(req, completion, conversation, kept, items))
 
     def _stored(response_id: str, param: str | None = None):
         stored = store.get(response_id)
