@@ -12,6 +12,7 @@
 // falls back to meshlm/model/cpu_kernels.py's MLX versions when it is absent.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1323,6 +1324,134 @@ void dispatch_gemm(mx::Stream s, GemmArgs g, const mx::array& x, const mx::array
   });
 }
 
+// ---- Causal attention of a prefill chunk -----------------------------------------------------
+//
+// A prompt's chunk attends as the last T of its S positions: query i sees keys 0 .. S - T + i. As MLX ops
+// (cpu_kernels.attention) that was a matmul, a mask select, the softmax and a second matmul per block of
+// 128 queries, each block slicing its keys into a copy: ~40 GFLOP/s, so a 4,096-token prompt of the demo
+// model spent ~12 of its ~18 s in attention. Here each KV head's keys are packed once as 16-key panels
+// (D x 16, the packed GEMM's layout with keys for columns) and its values as 16-dimension panels (S x 16),
+// and each block of up to 12 query rows (its queries times the query heads that share the KV head) runs
+// the packed GEMM's micro-kernels twice: scores over the keys it can see, then the probabilities times
+// the values. The masked keys are never computed: a row's softmax stops at its last visible key and its
+// probabilities beyond are zeros.
+struct CausalShape {
+  int64_t T, S, H, Hk, D;
+  std::array<int64_t, 3> qs, ks, vs;  // element strides of q (T, H, D), k and v (S, Hk, D)
+  float q_scale;                      // scale * log2(e): scores in base 2
+  bool wide;
+};
+
+constexpr int64_t CAUSAL_ROWS = 12;  // query rows a block: one pass of the 512-bit micro-kernel
+
+// c[i][0 : 16 * np] = x[i] @ the np panels (K x 16 each, `pstride` floats apart) for rows i < M; np even.
+void panels_gemm(const float* x, int64_t ldx, int64_t M, const float* w, int64_t pstride, int64_t np, float* c,
+                 int64_t ldc, int64_t K, bool wide) {
+#if MESHLM_AVX512
+  if (wide) {
+    for (int64_t p = 0; p < np; p += 2) {
+      for (int64_t i = 0; i < M; i += ROWS_512) {
+        MICRO_512<float>[std::min(ROWS_512, M - i)](x + i * ldx, ldx, w + p * pstride, w + (p + 1) * pstride,
+                                                    nullptr, nullptr, c + i * ldc + p * PANEL, ldc,
+                                                    c + i * ldc + (p + 1) * PANEL, ldc, K);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t p = 0; p < np; ++p) {
+    for (int64_t i = 0; i < M; i += ROWS_256) {
+      MICRO_256<float>[std::min(ROWS_256, M - i)](x + i * ldx, ldx, w + p * pstride, nullptr,
+                                                  c + i * ldc + p * PANEL, ldc, K);
+    }
+  }
+}
+
+void causal_attention_kernel(const CausalShape& sh, const float* q, const float* k, const float* v, float* out) {
+  const int64_t r = sh.H / sh.Hk, D = sh.D, S = sh.S, T = sh.T;
+  const int64_t S_pad = (S + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);  // keys: whole panel pairs
+  const int64_t D_pad = (D + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);
+  const int64_t heads = std::min(r, CAUSAL_ROWS);            // query heads a block
+  const int64_t groups = (r + heads - 1) / heads;             // blocks of heads per KV head
+  const int64_t per_block = std::max<int64_t>(1, CAUSAL_ROWS / heads);  // queries a block
+  const int64_t blocks = (T + per_block - 1) / per_block;
+  std::vector<float> kp(static_cast<size_t>(S_pad * D)), vp(static_cast<size_t>(D_pad * S_pad));
+  for (int64_t h = 0; h < sh.Hk; ++h) {
+    // Packed: kp[p][d][j] = key p * 16 + j, dimension d; vp[c][s][j] = value s, dimension c * 16 + j.
+    parallel_items(S_pad / PANEL, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        float* kd = kp.data() + p * D * PANEL;
+        for (int64_t j = 0; j < PANEL; ++j) {
+          int64_t s = p * PANEL + j;
+          const float* row = k + s * sh.ks[0] + h * sh.ks[1];
+          for (int64_t d = 0; d < D; ++d) kd[d * PANEL + j] = s < S ? row[d * sh.ks[2]] : 0.0f;
+        }
+        for (int64_t s = p * PANEL; s < (p + 1) * PANEL; ++s) {
+          const float* row = v + s * sh.vs[0] + h * sh.vs[1];
+          for (int64_t d = 0; d < D_pad; ++d) {
+            vp[(d / PANEL) * S_pad * PANEL + s * PANEL + d % PANEL] = s < S && d < D ? row[d * sh.vs[2]] : 0.0f;
+          }
+        }
+      }
+    });
+    parallel_items(groups * blocks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> x(CAUSAL_ROWS * D), sc, o(CAUSAL_ROWS * D_pad);
+      for (int64_t item = i0; item < i1; ++item) {
+        int64_t g0 = (item / blocks) * heads, g1 = std::min(g0 + heads, r), ng = g1 - g0;
+        int64_t t0 = (item % blocks) * per_block, t1 = std::min(t0 + per_block, T), rows = (t1 - t0) * ng;
+        for (int64_t t = t0; t < t1; ++t) {  // rows query-major: (t, g) at (t - t0) * ng + g - g0
+          for (int64_t g = g0; g < g1; ++g) {
+            const float* src = q + t * sh.qs[0] + (h * r + g) * sh.qs[1];
+            float* dst = x.data() + ((t - t0) * ng + g - g0) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d * sh.qs[2]] * sh.q_scale;
+          }
+        }
+        int64_t seen = S - T + t1;  // keys the block's last query sees
+        int64_t width = (seen + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);
+        sc.resize(static_cast<size_t>(rows * width));
+        panels_gemm(x.data(), D, rows, kp.data(), D * PANEL, width / PANEL, sc.data(), width, D, sh.wide);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* row = sc.data() + i * width;
+          int64_t n = S - T + t0 + i / ng + 1;
+          float inv = softmax_row(row, n);
+          for (int64_t s = 0; s < n; ++s) row[s] *= inv;
+          std::fill(row + n, row + width, 0.0f);
+        }
+        panels_gemm(sc.data(), width, rows, vp.data(), S_pad * PANEL, D_pad / PANEL, o.data(), D_pad, width, sh.wide);
+        for (int64_t i = 0; i < rows; ++i) {
+          int64_t t = t0 + i / ng, g = g0 + i % ng;
+          std::copy_n(o.data() + i * D_pad, D, out + (t * sh.H + h * r + g) * D);
+        }
+      }
+    });
+  }
+}
+
+class CausalAttention : public CpuOnly {
+ public:
+  CausalAttention(mx::Stream s, float q_scale) : CpuOnly(s), q_scale_(q_scale) {}
+  const char* name() const override { return "MeshlmCausalAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return q_scale_ == static_cast<const CausalAttention&>(other).q_scale_;
+  }
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto &q = in[0], &k = in[1], &v = in[2];
+    auto strides = [](const mx::array& a) {
+      return std::array<int64_t, 3>{a.strides()[0], a.strides()[1], a.strides()[2]};
+    };
+    CausalShape sh{q.shape(0), k.shape(0), q.shape(1), k.shape(1), q.shape(2),
+                   strides(q), strides(k), strides(v), q_scale_, wide_kernels().load()};
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), o = out.data<float>()]() {
+      causal_attention_kernel(sh, qp, kp, vp, o);
+    });
+  }
+
+ private:
+  float q_scale_;
+};
+
 class PackedLinear : public CpuOnly {
  public:
   PackedLinear(mx::Stream s, bool has_bias) : CpuOnly(s), has_bias_(has_bias) {}
@@ -1640,6 +1769,24 @@ class DecodeMLP : public mx::Primitive {
   DecodeLayerShape sh_;
 };
 #endif
+
+// q (T, H, D) against k, v (S, Hk, D), the queries the last T of the S positions (a prefill chunk); any
+// strides. Returns (T, H, D).
+mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v, float q_scale) {
+  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
+                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 &&
+                q.shape(0) <= k.shape(0);
+  if (!shapes) {
+    throw std::invalid_argument("causal_attention: q (T, H, D), k and v (S, Hk, D), 0 < T <= S, H a multiple of Hk");
+  }
+#if MESHLM_AVX2
+  auto s = current_stream();
+  std::vector<mx::array> inputs{require_float32(q), require_float32(k), require_float32(v)};
+  return mx::array(q.shape(), mx::float32, std::make_shared<CausalAttention>(s, q_scale), inputs);
+#else
+  throw std::runtime_error("causal_attention: built without AVX2 (see the module's packed_gemm)");
+#endif
+}
 
 mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx::array> bias) {
   if (w.ndim() != 3 || w.shape(2) != PANEL || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
@@ -1987,6 +2134,9 @@ NB_MODULE(_cpu_ops, m) {
         "the result is stored token-major (a transposed (1, T, H, D) array)");
   m.def("kv_write", &kv_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
         "the pool with rows (1, Hk, T, D) written at slots (T,), in place when MLX can donate its buffer");
+  m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_scale") = 1.0f,
+        "q (T, H, D) attending causally to k, v (S, Hk, D) as the last T of the S positions; q times q_scale "
+        "is in base 2 (scale * log2(e) for a softmax scale)");
   m.def("paged_decode_attention", &paged_decode_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"), nb::arg("q_scale") = 1.0f,
         "one query position per row against its blocks of a KV pool; q times q_scale is in base 2 "

@@ -173,6 +173,9 @@ class CPUBackend:
     def extend(self, q, keys, values, scale):
         if q.dtype != mx.float32:
             return PortableBackend.extend(self, q, keys, values, scale)
+        if self.native is not None and self.native.packed_gemm:
+            # The keys and values are (Hk, S, D) views of token-major rows: the kernel reads them in place.
+            return self.native.causal_attention(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale * LOG2E)
         out = cpu_kernels.attention(q.transpose(1, 0, 2)[None], keys[None], values[None], scale, self.native)
         return out.squeeze(0).transpose(1, 0, 2)
 

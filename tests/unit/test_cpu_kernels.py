@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 from meshlm.model import cpu_kernels
+from meshlm.model.cpu_kernels import LOG2E
 
 TOL = 5e-6  # outputs are O(1); the kernels differ only in exp vs power(2, .) rounding
 
@@ -100,6 +101,31 @@ def test_paged_decode_reads_each_rows_blocks_in_place(head_dim, flat, kernel_wid
         keys, values = pool_k[slots].transpose(1, 0, 2)[None], pool_v[slots].transpose(1, 0, 2)[None]
         want = reference(q[b].reshape(1, 8, 1, head_dim), keys, values, scale=0.125)
         assert mx.abs(got[b].reshape(8, head_dim) - want.reshape(8, head_dim)).max().item() < TOL
+
+
+@NEEDS_PACKED_GEMM
+@pytest.mark.parametrize(
+    "T,S,H,Hk,D",
+    [
+        (1, 1, 2, 1, 64),  # one token
+        (300, 300, 9, 3, 64),  # a fresh chunk: every query block sees a different number of keys
+        (37, 650, 9, 3, 64),  # a later chunk against a longer cache
+        (5, 40, 32, 1, 64),  # 32 query heads a KV head: blocks of heads, one query each
+        (20, 70, 16, 8, 128),  # wide heads
+        (13, 50, 6, 2, 48),  # a head dim of one 16-wide panel and a half, padded
+        (64, 200, 4, 4, 80),  # no GQA, a head dim of five panels
+    ],
+)
+def test_causal_attention_of_a_chunk_matches_mlx(T, S, H, Hk, D, kernel_width):
+    """The compiled prefill attention (queries the last T of S positions) against MLX's fused kernel, with
+    the keys and values handed over as the transposed views the backend passes."""
+    mx.random.seed(T * 7 + S)
+    q = mx.random.normal((T, H, D))
+    k, v = mx.random.normal((Hk, S, D)), mx.random.normal((Hk, S, D))  # head-major, read through views
+    want = reference(q.transpose(1, 0, 2)[None], k[None], v[None], scale=D**-0.5, mask="causal")[0].transpose(1, 0, 2)
+    got = NATIVE.causal_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), D**-0.5 * LOG2E)
+    assert got.shape == (T, H, D)
+    assert mx.abs(got - want).max().item() < TOL
 
 
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
@@ -509,6 +535,8 @@ def test_any_number_of_gemm_threads_gives_one_threads_outputs_bit_for_bit():
     def outputs():
         got = [NATIVE.packed_linear(x[:, : w.shape[1]], w, None) for x in xs for w in weights]
         got.append(NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, lengths, bs, 0.18))
+        if NATIVE.packed_gemm:
+            got.append(NATIVE.causal_attention(mx.concatenate([q] * 8), pool_k[:300], pool_v[:300], 0.18))
         mx.eval(got)
         return got
 
@@ -578,6 +606,12 @@ def test_native_ops_reject_bad_shapes_with_clear_errors():
         NATIVE.paged_decode_attention(mx.zeros((2, 1, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 5)
     with pytest.raises(ValueError, match="pools"):
         NATIVE.paged_decode_attention(mx.zeros((2, 2, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 8)
+    with pytest.raises(ValueError, match="0 < T <= S"):
+        NATIVE.causal_attention(mx.zeros((17, 2, 8)), pool, pool)  # more queries than positions
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        NATIVE.causal_attention(mx.zeros((4, 3, 8)), mx.zeros((16, 2, 8)), mx.zeros((16, 2, 8)))
+    with pytest.raises(ValueError, match="float32"):
+        NATIVE.causal_attention(mx.zeros((4, 1, 8), dtype=mx.float16), pool, pool)
 
 
 @pytest.mark.parametrize("native", KERNELS)
