@@ -155,6 +155,36 @@ MESHLM_SHARED_KERNEL void rope_kernel(const float* __restrict x, int64_t xs_t, i
   }
 }
 
+// The largest of n floats (-inf for none). GCC leaves `omp simd reduction(max)` over std::max scalar: one
+// vmaxss after another, 4 cycles each, which made the max ~half of a long row's softmax (the causal
+// prefill's rows of thousands of keys). A max is exact in any order, so the lanes change no result.
+float row_max(const float* __restrict x, int64_t n) {
+  float m = -INFINITY;
+  int64_t i = 0;
+#if MESHLM_AVX512
+  __m512 a = _mm512_set1_ps(-INFINITY), b = a, c = a, d = a;
+  for (; i + 64 <= n; i += 64) {
+    a = _mm512_max_ps(a, _mm512_loadu_ps(x + i));
+    b = _mm512_max_ps(b, _mm512_loadu_ps(x + i + 16));
+    c = _mm512_max_ps(c, _mm512_loadu_ps(x + i + 32));
+    d = _mm512_max_ps(d, _mm512_loadu_ps(x + i + 48));
+  }
+  for (; i + 16 <= n; i += 16) a = _mm512_max_ps(a, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+#elif MESHLM_AVX2
+  __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+  for (; i + 16 <= n; i += 16) {
+    a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
+    b = _mm256_max_ps(b, _mm256_loadu_ps(x + i + 8));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(a, b));
+  for (float v : lanes) m = std::max(m, v);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // Rows of base-2 scores -> probabilities (each row sums to 1).
 // Softmax over each row of base-2 scores; with `lse`, also each row's log2-sum-exp (max + log2(sum)),
 // for merging partial attentions over disjoint keys without a second pass over the scores.
@@ -163,9 +193,7 @@ void softmax2_kernel(const float* __restrict s, float* __restrict out, size_t ro
   for (size_t r = 0; r < rows; ++r) {
     const float* row = s + r * n;
     float* o = out + r * n;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (size_t i = 0; i < n; ++i) m = std::max(m, row[i]);
+    float m = row_max(row, static_cast<int64_t>(n));
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (size_t i = 0; i < n; ++i) {
@@ -334,9 +362,7 @@ void weighted_values_64_acc(const float* __restrict p, const float* __restrict v
 // Base-2 softmax of one row of scores in place (every key counts: a paged row's keys are exactly its
 // length); returns 1 / sum. The max is a vector reduction: its scalar loop took ~13 % of the kernel.
 float softmax_row(float* __restrict sc, int64_t S) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t s = 0; s < S; ++s) m = std::max(m, sc[s]);
+  float m = row_max(sc, S);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t s = 0; s < S; ++s) {
@@ -1410,17 +1436,19 @@ void causal_attention_kernel(const CausalShape& sh, const float* q, const float*
         int64_t width = (seen + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);
         sc.resize(static_cast<size_t>(rows * width));
         panels_gemm(x.data(), D, rows, kp.data(), D * PANEL, width / PANEL, sc.data(), width, D, sh.wide);
+        float inv[CAUSAL_ROWS];  // each row's 1 / sum: applied to its output, not to its `width` weights
         for (int64_t i = 0; i < rows; ++i) {
           float* row = sc.data() + i * width;
           int64_t n = S - T + t0 + i / ng + 1;
-          float inv = softmax_row(row, n);
-          for (int64_t s = 0; s < n; ++s) row[s] *= inv;
+          inv[i] = softmax_row(row, n);
           std::fill(row + n, row + width, 0.0f);
         }
         panels_gemm(sc.data(), width, rows, vp.data(), S_pad * PANEL, D_pad / PANEL, o.data(), D_pad, width, sh.wide);
         for (int64_t i = 0; i < rows; ++i) {
           int64_t t = t0 + i / ng, g = g0 + i % ng;
-          std::copy_n(o.data() + i * D_pad, D, out + (t * sh.H + h * r + g) * D);
+          const float* src = o.data() + i * D_pad;
+          float* dst = out + (t * sh.H + h * r + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv[i];
         }
       }
     });
