@@ -576,6 +576,33 @@ def test_paged_decode_items_of_whole_rows_or_some_heads_agree(rows):
         assert mx.abs(outs[0][b] - want.reshape(Hk * 2, D)).max().item() < TOL
 
 
+@pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
+def test_long_decode_rows_go_in_chunks_that_merge_into_the_whole_in_any_batch(kernel_width):
+    """A row longer than 512 keys is computed as equal chunks of whole blocks, merged after (its few KV heads
+    no longer leave a thread idle). Where it is cut depends on its length alone: alone or in a batch, on one
+    thread or two, a row's output is the same bits, and it is the attention over all its keys."""
+    bs, blocks, Hk, r, D = 16, 320, 3, 3, 64
+    pool_k, pool_v = mx.random.normal((blocks * bs, Hk, D)), mx.random.normal((blocks * bs, Hk, D))
+    lengths = [513, 700, 2047, 40, 1200]
+    mb = max(-(-n // bs) for n in lengths)
+    tables = mx.array([[(b * 97 + 7 * j) % blocks for j in range(mb)] for b in range(len(lengths))])
+    q = mx.random.normal((len(lengths), Hk * r, D))
+    batch = {}
+    for threads in (1, 2):
+        NATIVE.set_gemm_threads(threads)
+        batch[threads] = NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, mx.array(lengths), bs, 0.18)
+        mx.eval(batch[threads])
+    NATIVE.set_gemm_threads(2)
+    assert mx.array_equal(batch[1], batch[2]).item()
+    for b, n in enumerate(lengths):
+        alone = NATIVE.paged_decode_attention(q[b : b + 1], pool_k, pool_v, tables[b : b + 1], mx.array([n]), bs, 0.18)
+        assert mx.array_equal(alone[0], batch[2][b]).item(), n
+        slots = mx.array([tables[b, p // bs].item() * bs + p % bs for p in range(n)])
+        keys, values = pool_k[slots].transpose(1, 0, 2)[None], pool_v[slots].transpose(1, 0, 2)[None]
+        want = reference(q[b].reshape(1, Hk * r, 1, D), keys, values, scale=0.18 / cpu_kernels.LOG2E)
+        assert mx.abs(batch[2][b] - want.reshape(Hk * r, D)).max().item() < TOL, n
+
+
 @NEEDS_PACKED_GEMM
 def test_transpose_linears_packs_where_the_panel_fits():
     block = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False))  # 40 outputs: not a multiple of 16
