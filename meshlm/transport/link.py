@@ -16,6 +16,7 @@ from meshlm.transport import codec as wire
 from meshlm.transport.codec import Frame, Kind, ProtocolError
 
 _RECV_BYTES = 1 << 20
+CLOSE_CHECK_S = 0.25  # the longest a wait on a link goes on after the link is closed on this side
 
 
 class LinkClosed(Exception):
@@ -146,7 +147,15 @@ class Link:
     def recv(self, deadline: float) -> Frame:
         """Block until one whole frame arrives; `LinkTimeout` at the deadline, `LinkClosed` on EOF."""
         while (frame := self.next_frame()) is None:
-            if not self._sel.select(remaining(deadline)) and remaining(deadline) == 0:
+            # In slices: closing the link from another thread (a worker leaving) does not wake an epoll
+            # wait on it, which then lasted until the deadline, seconds after the link was gone.
+            try:
+                ready = not self.closed and self._sel.select(min(remaining(deadline), CLOSE_CHECK_S))
+            except (OSError, ValueError):  # closed meanwhile
+                ready = False
+            if self.closed:
+                raise LinkClosed("link closed on this side")
+            if not ready and remaining(deadline) == 0:
                 raise LinkTimeout()
             self.read_available()
         return frame
