@@ -165,7 +165,9 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, h
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
-    if on_cpu and cpu_kernels.pack_tied_embedding(model, native, half_weights):
+    # Only where the table is the LM head: a pipeline's first stage only looks rows up (packed, a lookup
+    # gathers from panels, and the log claimed a head the stage does not have).
+    if on_cpu and model_parts(model).computes_logits and cpu_kernels.pack_tied_embedding(model, native, half_weights):
         half = cpu_kernels.half_table(model)
         log.info("CPU kernels: the tied embedding table is packed for the LM head%s",
                  f" ({half}: every value exactly one)" if half else "")

@@ -8,12 +8,14 @@ import socket
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
 from meshlm.cluster.stages import StageLayout
 from meshlm.config import ModelConfig
-from meshlm.model import demo
+from meshlm.model import cpu_kernels, demo
+from meshlm.model.adapt import adapt
 from meshlm.model.loader import StageSlice, load_model
 from meshlm.transport import stage_link
 from meshlm.transport.auth import ClusterSecret
@@ -69,6 +71,16 @@ def test_each_stage_holds_only_its_weights(tied):
     assert "model.embed_tokens.weight" in _names(last) and not any(n.startswith("lm_head") for n in _names(last))
     whole = sum(v.nbytes for _, v in tree_flatten(load_model(cfg).model.parameters()))
     assert sum(v.nbytes for _, v in tree_flatten(middle.model.parameters())) < whole / 2
+
+
+@pytest.mark.skipif(cpu_kernels.native_ops()[0] is None, reason="the compiled kernels are not built")
+def test_only_the_stage_computing_logits_packs_a_tied_table(tied):
+    """The packed table serves the LM head; the first stage only looks rows up, so it keeps the plain table."""
+    cfg, native = ModelConfig(str(tied)), cpu_kernels.native_ops()[0]
+    first = load_model(cfg, stage=StageSlice(0, 1, embeds=True, logits=False))
+    last = load_model(cfg, stage=StageSlice(3, 4, embeds=False, logits=True))
+    assert type(adapt(first.model, True, native).embed) is nn.Embedding
+    assert isinstance(adapt(last.model, True, native).embed, cpu_kernels.PackedEmbedding)
 
 
 def _pair(accept_secret=SECRET, connect_secret=SECRET, claim=(0, 1), timeout=5.0):
