@@ -40,6 +40,7 @@ SPLIT_DECODE_ROWS = 8  # decode batches this large run half their attention on a
 
 class AttentionBackend(Protocol):
     name: str
+    groups_extend_rows: bool  # several short prompts attend in one padded call (Batch.build groups them)
 
     def decode(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, rows: DecodeRows, block_size: int,
                scale: float) -> mx.array:
@@ -106,6 +107,7 @@ class PortableBackend:
     """MLX only: gather each row's blocks once, then the fused SDPA kernel."""
 
     name = "portable (gather + mx.fast.scaled_dot_product_attention)"
+    groups_extend_rows = True  # a row's gather and SDPA are several MLX ops: fewer calls for many short rows
 
     def decode(self, q, pool_k, pool_v, rows, block_size, scale):
         outs = []
@@ -132,6 +134,10 @@ class CPUBackend:
 
     def __init__(self, native=None, cores: int = 1) -> None:
         self.native = native
+        # With the compiled causal attention each row is one node that computes only what it sees: 16
+        # prompts of ~260 tokens prefilled 12 % faster on the 72M llama (one core) and ~30 % on the demo
+        # model (two threads) row by row than in padded groups of MLX ops, and 16 of 4-43 tokens ~7 %.
+        self.groups_extend_rows = native is None or not native.packed_gemm
         self.split = cores >= 2  # a second stream for big decode batches: only with a core to spare
         self._stream: mx.Stream | None = None
         self.name = "CPU kernels" + (" (compiled, paged decode)" if native is not None else " (MLX ops)")

@@ -90,9 +90,11 @@ class Batch:
         return int(self.tokens.shape[0])
 
     @classmethod
-    def build(cls, rows: list[RowSpec], block_size: int) -> "Batch":
+    def build(cls, rows: list[RowSpec], block_size: int, group: bool = True) -> "Batch":
+        """`group`: extend rows may share padded attention calls (the backend's `groups_extend_rows`); the
+        tokens' order is the same either way, so stages of a pipeline agree on their activations."""
         rows = _split_short_rows(rows)
-        groups = _group_extend_rows([r for r in rows if len(r.token_ids) != 1])
+        groups = _group_extend_rows([r for r in rows if len(r.token_ids) != 1], PAD_FACTOR if group else 0.0)
         rows = [r for r in rows if len(r.token_ids) == 1] + [r for g in groups for r in g]
         tokens, positions, slots, logit_index, logit_rows = [], [], [], [], []
         for r in rows:
@@ -156,14 +158,14 @@ def _decode_rows(rows: list[RowSpec], block_size: int) -> DecodeRows | None:
 PAD_FACTOR = 1.5  # padded attention work a group may take, relative to what its rows need
 
 
-def _group_extend_rows(rows: list[RowSpec]) -> list[list[RowSpec]]:
+def _group_extend_rows(rows: list[RowSpec], pad_factor: float) -> list[list[RowSpec]]:
     """Extend rows in groups whose padded attention (rows x longest chunk x longest context) stays
-    within PAD_FACTOR of the work their rows need. Fresh rows (start 0) and rows continuing a prefix
-    are never mixed; rows holding a subset of positions stay alone."""
+    within `pad_factor` of the work their rows need (0: every row alone). Fresh rows (start 0) and rows
+    continuing a prefix are never mixed; rows holding a subset of positions stay alone."""
     groups: list[list[RowSpec]] = []
     for r in sorted(rows, key=lambda r: (r.start == 0, r.start + len(r.token_ids), len(r.token_ids)), reverse=True):
         g = groups[-1] if groups and _groupable(groups[-1][0], r) else None
-        if g is not None and _padded(g + [r]) <= PAD_FACTOR * sum(_work(x) for x in g + [r]):
+        if g is not None and _padded(g + [r]) <= pad_factor * sum(_work(x) for x in g + [r]):
             g.append(r)
         else:
             groups.append([r])

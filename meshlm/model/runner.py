@@ -154,7 +154,7 @@ class Runner:
                 raise SplitBrain(f"step {plan.step_id}: a context-parallel step takes no tokens planned ahead")
             result, collective = self._ring_step(rows, t0)
         elif rows:
-            batch = Batch.build(rows, self.store.block_size)
+            batch = Batch.build(rows, self.store.block_size, self.backend.groups_extend_rows)
             if tokens is not None:
                 batch = self._with_tokens(batch, tokens, plan)
             out = forward(self.parts, batch, self.store, self.backend, hidden)

@@ -12,7 +12,7 @@ from meshlm.model import cpu_kernels
 from meshlm.model.adapt import TokenRoPE
 from meshlm.model.attention import (CPUBackend, PortableBackend, TokenPositions, attend_batch, attend_exact,
                                     merge_partials)
-from meshlm.model.batch import Batch, RowSpec
+from meshlm.model.batch import Batch, ExtendGroup, RowSpec
 
 NATIVE, NATIVE_STATUS = cpu_kernels.native_ops()
 BACKENDS = [
@@ -34,7 +34,8 @@ def dense(q, k, v, scale, q_offset):
 @pytest.mark.parametrize("make", BACKENDS)
 @pytest.mark.parametrize("decode_rows", [1, 9])  # nine: the split over two CPU streams
 @pytest.mark.parametrize("extend", [[(10, 4), (0, 2)], [(6, 3), (9, 2), (0, 5), (0, 4), (0, 5)]])
-def test_backends_on_paged_pools_equal_dense_attention(make, decode_rows, extend):
+@pytest.mark.parametrize("group", [True, False])  # padded groups of extend rows, or each row alone
+def test_backends_on_paged_pools_equal_dense_attention(make, decode_rows, extend, group):
     """Decode rows, extend rows alone and in padded groups, fresh (start 0) and continuing ones."""
     mx.random.seed(decode_rows)
     blocks = 96
@@ -48,7 +49,8 @@ def test_backends_on_paged_pools_equal_dense_attention(make, decode_rows, extend
         table = tuple(rng[used : used + need][::-1])  # scattered, out of order
         used += need
         rows.append(RowSpec(uid, length, tuple(range(n)), table, LOGITS_ALL))
-    batch = Batch.build(rows, BS)
+    batch = Batch.build(rows, BS, group)
+    assert group or not any(isinstance(item, ExtendGroup) for item in batch.extend)
     q = mx.random.normal((batch.num_tokens, H, D))
     new_k, new_v = pool_k[batch.slots], pool_v[batch.slots]  # the step's own keys, as written
     out = attend_batch(q, pool_k, pool_v, batch, make(), D**-0.5, BS, new_k, new_v)
@@ -118,3 +120,17 @@ def test_token_rope_rotates_each_token_by_its_own_position(traditional):
     for i, p in enumerate(scattered.tolist()):
         one = nn.RoPE(D, traditional=traditional, base=10000)(x[:, :, i : i + 1], offset=p)
         assert mx.abs(got[:, :, i : i + 1] - one).max().item() < 1e-6
+
+
+def test_the_compiled_backend_attends_row_by_row_and_the_token_order_stays():
+    """With the compiled causal attention every extend row is its own call; grouped or not, a batch lays its
+    tokens out in one order, so a pipeline's stages agree on their activations whatever their backends."""
+    assert PortableBackend.groups_extend_rows and CPUBackend(None).groups_extend_rows
+    if NATIVE is not None and NATIVE.packed_gemm:
+        assert not CPUBackend(NATIVE).groups_extend_rows
+    rows = [RowSpec(u, s, tuple(range(n)), tuple(range(8 * u, 8 * u + 8))) for u, (s, n) in
+            enumerate([(0, 5), (0, 4), (6, 3), (0, 5), (9, 2), (2, 1)])]
+    grouped, alone = Batch.build(rows, BS), Batch.build(rows, BS, group=False)
+    assert any(isinstance(item, ExtendGroup) for item in grouped.extend)
+    assert [r.uid for r in grouped.rows] == [r.uid for r in alone.rows]
+    assert mx.array_equal(grouped.tokens, alone.tokens) and mx.array_equal(grouped.slots, alone.slots)
