@@ -456,10 +456,9 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
       }
     }
   }
-  for (int64_t i = 0; i < n_q; ++i) {
+  for (int64_t i = 0; i < n_q; ++i) {  // a chunk keeps each head's max and sum instead of normalising
     float* max_sum = chunk.out ? chunk.max_sum + (((b * chunk.count + chunk.index) * sh.Hk + h0) * r + i) * 2 : nullptr;
-    inv[i] = chunk.out ? 1.0f : softmax_row(scores.data() + i * len, len);
-    if (chunk.out) softmax_row(scores.data() + i * len, len, max_sum);
+    inv[i] = softmax_row(scores.data() + i * len, len, max_sum);
   }
   std::fill(oh, oh + n_q * D, 0.0f);
   for (int64_t blk = 0; blk * bs < len; ++blk) {

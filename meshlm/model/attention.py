@@ -134,10 +134,11 @@ class CPUBackend:
 
     def __init__(self, native=None, cores: int = 1) -> None:
         self.native = native
+        self._causal = native.causal_attention if native is not None and native.packed_gemm else None
         # With the compiled causal attention each row is one node that computes only what it sees: 16
         # prompts of ~260 tokens prefilled 12 % faster on the 72M llama (one core) and ~30 % on the demo
         # model (two threads) row by row than in padded groups of MLX ops, and 16 of 4-43 tokens ~7 %.
-        self.groups_extend_rows = native is None or not native.packed_gemm
+        self.groups_extend_rows = self._causal is None
         self.split = cores >= 2  # a second stream for big decode batches: only with a core to spare
         self._stream: mx.Stream | None = None
         self.name = "CPU kernels" + (" (compiled, paged decode)" if native is not None else " (MLX ops)")
@@ -179,9 +180,9 @@ class CPUBackend:
     def extend(self, q, keys, values, scale):
         if q.dtype != mx.float32:
             return PortableBackend.extend(self, q, keys, values, scale)
-        if self.native is not None and self.native.packed_gemm:
+        if self._causal is not None:
             # The keys and values are (Hk, S, D) views of token-major rows: the kernel reads them in place.
-            return self.native.causal_attention(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale * LOG2E)
+            return self._causal(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale * LOG2E)
         out = cpu_kernels.attention(q.transpose(1, 0, 2)[None], keys[None], values[None], scale, self.native)
         return out.squeeze(0).transpose(1, 0, 2)
 
