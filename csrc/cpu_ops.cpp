@@ -1629,20 +1629,22 @@ class PackedSwiGLU : public CpuOnly {
   }
 };
 
-// ---- A decoder layer of a decode step in four nodes ------------------------
+// ---- A decoder layer of a decode step as one node ---------------------------
 //
 // A decode step of the demo model was ~780 graph nodes, 26 per layer: four GEMMs, nine small ops (norms,
 // RoPE, KV writes, the paged attention, residual adds) and the views between them. At one row the small
 // ops' arithmetic is nothing, but each node costs the thread that builds and launches the step, a task
 // hand-off to the stream thread and a wake-up of the GEMM helper: ~3.5 ms of a ~10 ms step whose GEMMs
 // take ~6.7 ms at the read bandwidth. Here a layer of llama / qwen2 / qwen3 shape (pre-norm attention and
-// SwiGLU MLP with residuals) for rows of one new token each is four nodes calling the same kernels in the
+// SwiGLU MLP with residuals) for rows of one new token each is one node calling the same kernels in the
 // same order on the same values, so its outputs are the unfused layer's bit for bit:
-//   qkv:   norm1(h) @ Wqkv (+ bias), qwen3's q/k norms, RoPE of q and k;
-//   two writes of its K and V rows into the pools (unary nodes, so MLX can donate each pool to its write:
-//          a node with several outputs holds its inputs once per output, and no input of it is donatable);
-//   rest:  the paged attention over the written pools, o, the residual, norm2, gate/up, SwiGLU, down, the
-//          residual.
+//   norm1(h) @ Wqkv (+ bias), qwen3's q/k norms, RoPE of q and k;
+//   the K and V rows written into the pools (the node's second and third outputs);
+//   the paged attention over the written pools, o, the residual, norm2, gate/up, SwiGLU, down, the residual.
+// It was four nodes (q/k/v, the two writes, the rest) until 2026-11-28: MLX's CPU stream lets a launching
+// thread queue only ~100 dispatches (two a node) ahead, so the 120 nodes of 30 layers woke the launching
+// thread ~15 times a step, each wake taking a core from the GEMM threads; one node a layer is launched at
+// once (docs/BENCHMARKS.md).
 struct DecodeLayerShape {
   int64_t E, H, Hk, D, I;  // hidden, query heads, KV heads, head dim, MLP width
   float eps1, eps2, qk_eps;  // qk_eps: qwen3's per-head q/k norms
@@ -1677,87 +1679,8 @@ void gemm_parts(const float* a, int64_t R, int64_t K, const void* w, PanelType t
   gemm_pool().run(g, end);
 }
 
-// A one-output node of a decode layer.
-class DecodeNode : public CpuOnly {
- public:
-  DecodeNode(mx::Stream s, DecodeLayerShape sh) : CpuOnly(s), sh_(sh) {}
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
-
- protected:
-  DecodeLayerShape sh_;
-};
-
-// inputs: h, norm1, q/k/v panels, inv_freq, positions[, q/k/v bias][, q norm, k norm]. The output is planar:
-// q (R, H, D) then k (R, Hk, D) roped, then v (R, Hk, D); only this file's nodes read it.
-class DecodeQKV : public DecodeNode {
- public:
-  using DecodeNode::DecodeNode;
-  const char* name() const override { return "MeshlmDecodeQKV"; }
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    const auto& w = in[2];
-    const float* bias = sh_.qkv_bias ? in[5].data<float>() : nullptr;
-    const float* q_norm = sh_.qk_norm ? in[5 + sh_.qkv_bias].data<float>() : nullptr;
-    const float* k_norm = sh_.qk_norm ? in[6 + sh_.qkv_bias].data<float>() : nullptr;
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh = sh_, hi = In<float>(in[0]), ln1 = in[1].data<float>(), w = w.data<void>(), t = panel_type(w),
-                  inv_freq = in[3].data<float>(), pi = In<int32_t>(in[4]), bias, q_norm, k_norm,
-                  o = out.data<float>(), R = in[4].size()]() {
-      const int64_t E = sh.E, D = sh.D, Nq = sh.Nq(), Nk = sh.Nk(), rows = static_cast<int64_t>(R);
-      std::vector<float> hs;
-      std::vector<int32_t> ps;
-      const float* h = hi.get(hs);
-      const int32_t* pos = pi.get(ps);
-      thread_local std::vector<float> buf;  // per thread: no allocation per layer
-      buf.resize(static_cast<size_t>(rows * (E + 2 * Nq + 2 * Nk)));
-      float *x = buf.data(), *q = x + rows * E, *k = q + rows * Nq, *qn = k + rows * Nk, *kn = qn + rows * Nq;
-      float *q_out = o, *k_out = o + rows * Nq, *v_out = k_out + rows * Nk;
-      rms_norm_kernel(h, ln1, x, rows, E, sh.eps1);
-      gemm_parts(x, rows, E, w, t, bias, {{q, Nq}, {k, Nk}, {v_out, Nk}});
-      const float *qs = q, *ks = k;
-      if (q_norm != nullptr) {
-        rms_norm_kernel(q, q_norm, qn, rows * sh.H, D, sh.qk_eps);
-        rms_norm_kernel(k, k_norm, kn, rows * sh.Hk, D, sh.qk_eps);
-        qs = qn;
-        ks = kn;
-      }
-      rope_kernel(qs, Nq, D, pos, inv_freq, q_out, rows, sh.H, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
-      rope_kernel(ks, Nk, D, pos, inv_freq, k_out, rows, sh.Hk, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
-    });
-  }
-};
-
-// pool (S, Hk, D) with rows (R, Hk * D) written at slots (R,), the rows `offset` floats into a planar
-// DecodeQKV output; in place when MLX can donate the pool (kv_write's rule). Slots outside the pool
-// (which the runner refuses first) are skipped, never a stray write.
-class DecodeKVWrite : public CpuOnly {
- public:
-  DecodeKVWrite(mx::Stream s, int64_t offset) : CpuOnly(s), offset_(offset) {}
-  const char* name() const override { return "MeshlmDecodeKVWrite"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pool
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    const auto &pool = in[0], &slots = in[1], &rows = in[2];
-    int64_t S = pool.shape(0), N = pool.shape(1) * pool.shape(2);
-    auto src = pool_output(pool, out);  // first: out's buffer is set here
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([src = std::move(src), sl = In<int32_t>(slots), r = rows.data<float>() + offset_,
-                  o = out.data<float>(), S, N, R = static_cast<int64_t>(slots.size())]() {
-      copy_pool(src, o, static_cast<size_t>(S * N));
-      std::vector<int32_t> ss;
-      const int32_t* sp = sl.get(ss);
-      for (int64_t t = 0; t < R; ++t) {
-        if (sp[t] < 0 || sp[t] >= S) continue;
-        std::memcpy(o + sp[t] * N, r + t * N, static_cast<size_t>(N) * sizeof(float));
-      }
-    });
-  }
-
- private:
-  int64_t offset_;
-};
-
-// The attention after the writes: each row's q (planar, as DecodeQKV left it) over its blocks of the
-// written pools, then o: y (rows, E). att: (rows, H * D) scratch.
+// The attention after the writes: each row's q (planar, as decode_qkv_out left it) over its blocks of
+// the written pools, then o: y (rows, E). att: (rows, H * D) scratch.
 void decode_attention_out(const DecodeLayerShape& sh, int64_t rows, const float* q, const float* kp, const float* vp,
                           int64_t S, const int32_t* table, const int32_t* len, int64_t max_blocks, const void* o_w,
                           PanelType o_t, const float* o_bias, float* att, float* y) {
@@ -1778,60 +1701,121 @@ void decode_mlp_out(const DecodeLayerShape& sh, int64_t rows, const float* h2, c
   gemm_parts(g, rows, I, down_w, down_t, nullptr, {{d, E}});
 }
 
-// inputs: h, the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels, norm2,
-// gate/up panels, down panels[, o bias]. Output: the layer's h (a layer on one rank: no sums between).
-class DecodeRest : public DecodeNode {
+// norm1(h) @ Wqkv (+ bias), qwen3's q/k norms and RoPE into `planar`: q (R, H, D) then k (R, Hk, D) roped,
+// then v (R, Hk, D). scratch: rows * (E + 2 Nq + 2 Nk).
+void decode_qkv_out(const DecodeLayerShape& sh, int64_t rows, const float* h, const float* ln1, const void* w,
+                    PanelType t, const float* bias, const float* q_norm, const float* k_norm, const float* inv_freq,
+                    const int32_t* pos, float* scratch, float* planar) {
+  const int64_t E = sh.E, D = sh.D, Nq = sh.Nq(), Nk = sh.Nk();
+  float *x = scratch, *q = x + rows * E, *k = q + rows * Nq, *qn = k + rows * Nk, *kn = qn + rows * Nq;
+  float *q_out = planar, *k_out = planar + rows * Nq, *v_out = k_out + rows * Nk;
+  rms_norm_kernel(h, ln1, x, rows, E, sh.eps1);
+  gemm_parts(x, rows, E, w, t, bias, {{q, Nq}, {k, Nk}, {v_out, Nk}});
+  const float *qs = q, *ks = k;
+  if (q_norm != nullptr) {
+    rms_norm_kernel(q, q_norm, qn, rows * sh.H, D, sh.qk_eps);
+    rms_norm_kernel(k, k_norm, kn, rows * sh.Hk, D, sh.qk_eps);
+    qs = qn;
+    ks = kn;
+  }
+  rope_kernel(qs, Nq, D, pos, inv_freq, q_out, rows, sh.H, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
+  rope_kernel(ks, Nk, D, pos, inv_freq, k_out, rows, sh.Hk, D, sh.rope_dims, sh.rope_traditional, sh.rope_scale);
+}
+
+// `rows` rows of n floats written into a pool of S slots at `slots`. Slots outside the pool (which the
+// runner refuses first) are skipped, never a stray write.
+void write_slots(float* pool, int64_t S, int64_t n, const int32_t* slots, const float* rows, int64_t R) {
+  for (int64_t t = 0; t < R; ++t) {
+    if (slots[t] < 0 || slots[t] >= S) continue;
+    std::memcpy(pool + slots[t] * n, rows + t * n, static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+// The node. Inputs: h, norm1, q/k/v panels, inv_freq, positions, K pool, V pool, slots, tables, lengths,
+// o panels, then norm2, gate/up panels, down panels (not under `split`), then the optional q/k/v bias,
+// q and k norms, o bias. Outputs: the layer's h (`split`: this rank's partial o, to be summed before
+// DecodeMLP), the K pool and the V pool with this step's rows written, in place when MLX can donate them.
+class DecodeLayerNode : public mx::Primitive {
  public:
-  using DecodeNode::DecodeNode;
-  const char* name() const override { return "MeshlmDecodeRest"; }
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    const auto &kpool = in[2], &tables = in[4], &o = in[6], &gu = in[8], &down = in[9];
-    const float* o_bias = sh_.o_bias ? in[10].data<float>() : nullptr;
+  static constexpr int K_POOL = 5, V_POOL = 6, SLOTS = 7, TABLES = 8, LENGTHS = 9, O = 10, LN2 = 11, GU = 12,
+                       DOWN = 13;
+  DecodeLayerNode(mx::Stream s, DecodeLayerShape sh, bool split) : mx::Primitive(s), sh_(sh), split_(split) {}
+  const char* name() const override { return "MeshlmDecodeLayer"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pools
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    release_sibling_inputs(in, outs);
+    outs[0].set_data(mx::allocator::malloc(outs[0].nbytes()));
+    auto k_src = pool_output(in[K_POOL], outs[1]);
+    auto v_src = pool_output(in[V_POOL], outs[2]);
+    int opt = split_ ? LN2 : DOWN + 1;  // the optional inputs follow the fixed ones
+    const float* qkv_bias = sh_.qkv_bias ? in[opt++].data<float>() : nullptr;
+    const float* q_norm = sh_.qk_norm ? in[opt++].data<float>() : nullptr;
+    const float* k_norm = sh_.qk_norm ? in[opt++].data<float>() : nullptr;
+    const float* o_bias = sh_.o_bias ? in[opt++].data<float>() : nullptr;
+    const auto &qkv = in[2], &kpool = in[K_POOL], &tables = in[TABLES], &o = in[O];
+    const void *gu_w = nullptr, *down_w = nullptr;
+    PanelType gu_t = PanelType::f32, down_t = PanelType::f32;
+    if (!split_) {
+      gu_w = in[GU].data<void>();
+      gu_t = panel_type(in[GU]);
+      down_w = in[DOWN].data<void>();
+      down_t = panel_type(in[DOWN]);
+    }
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh = sh_, hi = In<float>(in[0]), qp = in[1].data<float>(), kp = kpool.data<float>(),
-                  vp = in[3].data<float>(), S = kpool.shape(0), tp = In<int32_t>(tables),
-                  lp = In<int32_t>(in[5]), max_blocks = tables.shape(1), o_w = o.data<void>(), o_t = panel_type(o),
-                  o_bias, ln2 = in[7].data<float>(), gu_w = gu.data<void>(), gu_t = panel_type(gu),
-                  down_w = down.data<void>(), down_t = panel_type(down), hp = out.data<float>(),
-                  rows = tables.shape(0)]() {
-      const int64_t E = sh.E;
+    enc.dispatch([sh = sh_, split = split_, hi = In<float>(in[0]), ln1 = in[1].data<float>(), qkv_w = qkv.data<void>(),
+                  qkv_t = panel_type(qkv), inv_freq = in[3].data<float>(), pi = In<int32_t>(in[4]), qkv_bias, q_norm,
+                  k_norm, k_src = std::move(k_src), v_src = std::move(v_src), kp = outs[1].data<float>(),
+                  vp = outs[2].data<float>(), S = kpool.shape(0), si = In<int32_t>(in[SLOTS]),
+                  tp = In<int32_t>(tables), lp = In<int32_t>(in[LENGTHS]), max_blocks = tables.shape(1),
+                  o_w = o.data<void>(), o_t = panel_type(o), o_bias, ln2 = split_ ? nullptr : in[LN2].data<float>(),
+                  gu_w, gu_t, down_w, down_t, y_out = outs[0].data<float>(), rows = tables.shape(0)]() {
+      const int64_t E = sh.E, Nq = sh.Nq(), Nk = sh.Nk();
       std::vector<float> hs;
-      std::vector<int32_t> ts, ls;
+      std::vector<int32_t> ps, ss, ts, ls;
       const float* h = hi.get(hs);
       thread_local std::vector<float> buf;  // per thread: no allocation per layer
-      buf.resize(static_cast<size_t>(rows * (2 * E + sh.Nq() + 3 * sh.I)));
-      float *att = buf.data(), *y = att + rows * sh.Nq(), *scratch = y + rows * E;
-      decode_attention_out(sh, rows, qp, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, o_bias, att, y);
-      add_kernel(h, y, hp, static_cast<size_t>(rows * E));  // h + attention, kept in the output
-      decode_mlp_out(sh, rows, hp, ln2, gu_w, gu_t, down_w, down_t, scratch, y);
-      add_kernel(hp, y, hp, static_cast<size_t>(rows * E));
+      const int64_t scratch_size = std::max(E + 2 * Nq + 2 * Nk, 2 * E + Nq + 3 * sh.I);  // q/k/v's, the rest's
+      buf.resize(static_cast<size_t>(rows * (Nq + 2 * Nk + scratch_size)));
+      float *planar = buf.data(), *scratch = planar + rows * (Nq + 2 * Nk);
+      decode_qkv_out(sh, rows, h, ln1, qkv_w, qkv_t, qkv_bias, q_norm, k_norm, inv_freq, pi.get(ps), scratch, planar);
+      copy_pool(k_src, kp, static_cast<size_t>(S * Nk));
+      copy_pool(v_src, vp, static_cast<size_t>(S * Nk));
+      const int32_t* slots = si.get(ss);
+      write_slots(kp, S, Nk, slots, planar + rows * Nq, rows);
+      write_slots(vp, S, Nk, slots, planar + rows * (Nq + Nk), rows);
+      float *att = scratch, *y = att + rows * Nq, *mlp = y + rows * E;
+      if (split) {  // the attention and this rank's partial o: summed over the ranks before DecodeMLP
+        decode_attention_out(sh, rows, planar, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, nullptr,
+                             att, y_out);
+        return;
+      }
+      decode_attention_out(sh, rows, planar, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, o_bias, att, y);
+      add_kernel(h, y, y_out, static_cast<size_t>(rows * E));  // h + attention, kept in the output
+      decode_mlp_out(sh, rows, y_out, ln2, gu_w, gu_t, down_w, down_t, mlp, y);
+      add_kernel(y_out, y, y_out, static_cast<size_t>(rows * E));
     });
   }
-};
 
-// Under tensor parallelism the layer's o and down are row shards whose outputs are summed over the ranks,
-// so the layer is cut at the sums: DecodeAttnO (the attention and this rank's partial o), then, after the
-// sum, DecodeMLP (the residual and this rank's partial down).
-// inputs: the DecodeQKV output, K pool, V pool (both written), tables, lengths, o panels. Output: y (h's shape).
-class DecodeAttnO : public DecodeNode {
- public:
-  using DecodeNode::DecodeNode;
-  const char* name() const override { return "MeshlmDecodeAttnO"; }
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    const auto &kpool = in[1], &tables = in[3], &o = in[5];
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh = sh_, qp = in[0].data<float>(), kp = kpool.data<float>(), vp = in[2].data<float>(),
-                  S = kpool.shape(0), tp = In<int32_t>(tables), lp = In<int32_t>(in[4]), max_blocks = tables.shape(1),
-                  o_w = o.data<void>(), o_t = panel_type(o), y = out.data<float>(), rows = tables.shape(0)]() {
-      std::vector<int32_t> ts, ls;
-      thread_local std::vector<float> att;
-      att.resize(static_cast<size_t>(rows * sh.Nq()));
-      decode_attention_out(sh, rows, qp, kp, vp, S, tp.get(ts), lp.get(ls), max_blocks, o_w, o_t, nullptr,
-                           att.data(), y);
-    });
+ private:
+  // MLX gives each output of a node its own copy of the node's inputs, so a pool is held three times and
+  // never donatable (array::is_donatable: held once). The outputs that are not being evaluated (`in` is
+  // the evaluated one's list) drop their copies now, as MLX's detach does right after this call: a pool
+  // is then held as a unary node's input is, and donated on the same terms (pool_output). Should MLX hand
+  // over a copy of the list instead, nothing is dropped and the pools are copied, never lost.
+  static void release_sibling_inputs(const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    bool found = false;
+    for (auto& o : outs) found |= &o.inputs() == &in;
+    if (!found) return;
+    for (auto& o : outs) {
+      if (&o.inputs() != &in) o.inputs().clear();
+    }
   }
+
+  DecodeLayerShape sh_;
+  bool split_;
 };
 
 // inputs: h, the summed attention output (its bias added), norm2, gate/up panels, down panels.
@@ -2071,29 +2055,17 @@ std::vector<mx::array> decode_layer(const mx::array& h, const std::vector<mx::ar
   DecodeLayerShape sh{E, heads, Hk, D, I, eps[0], eps[1], eps[2], rope_dims, rope_traditional, rope_scale,
                       block_size, q_scale, qkv_bias.has_value(), o_bias.has_value(), q_norm.has_value()};
   auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
-  auto slot_ids = i32(slots);
-  std::vector<mx::array> qkv_in{float32_input(h, s), float32_input(ln1, s), panel_weight(qkv, s),
-                                float32_input(inv_freq, s), i32(positions)};
-  for (const auto* opt : {&qkv_bias, &q_norm, &k_norm}) {
-    if (*opt) qkv_in.push_back(float32_input(**opt, s));
+  std::vector<mx::array> in{float32_input(h, s), float32_input(ln1, s), panel_weight(qkv, s),
+                            float32_input(inv_freq, s), i32(positions), k_pool, v_pool, i32(slots), i32(tables),
+                            i32(lengths), panel_weight(o, s)};
+  if (!split) {
+    in.insert(in.end(), {float32_input(ln2, s), panel_weight(gu, s), panel_weight(down, s)});
   }
-  const int64_t Nk = Hk * D;
-  auto planar = mx::array({static_cast<int>(R * (Nq + 2 * Nk))}, mx::float32, std::make_shared<DecodeQKV>(s, sh),
-                          std::move(qkv_in));
-  auto k_new = mx::array(k_pool.shape(), mx::float32, std::make_shared<DecodeKVWrite>(s, R * Nq),
-                         {k_pool, slot_ids, planar});
-  auto v_new = mx::array(v_pool.shape(), mx::float32, std::make_shared<DecodeKVWrite>(s, R * (Nq + Nk)),
-                         {v_pool, slot_ids, planar});
-  if (split) {
-    auto y = mx::array(h.shape(), mx::float32, std::make_shared<DecodeAttnO>(s, sh),
-                       {planar, k_new, v_new, i32(tables), i32(lengths), panel_weight(o, s)});
-    return {y, k_new, v_new};
+  for (const auto* opt : {&qkv_bias, &q_norm, &k_norm, &o_bias}) {
+    if (*opt) in.push_back(float32_input(**opt, s));
   }
-  std::vector<mx::array> rest_in{float32_input(h, s), planar, k_new, v_new, i32(tables), i32(lengths),
-                                 panel_weight(o, s), float32_input(ln2, s), panel_weight(gu, s), panel_weight(down, s)};
-  if (o_bias) rest_in.push_back(float32_input(*o_bias, s));
-  auto out = mx::array(h.shape(), mx::float32, std::make_shared<DecodeRest>(s, sh), std::move(rest_in));
-  return {out, k_new, v_new};
+  return mx::array::make_arrays({h.shape(), k_pool.shape(), v_pool.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecodeLayerNode>(s, sh, split), std::move(in));
 #else
   throw std::invalid_argument("decode_layer: built without AVX2");
 #endif

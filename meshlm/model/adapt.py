@@ -122,7 +122,7 @@ class ModelParts:
     lm_head: nn.Module | None  # None with tied embeddings: the embedding table projects
     first_layer: int = 0  # index of layers[0] in the whole model
     num_layers: int = 0  # of the whole model
-    # Each layer as four nodes for steps of decode rows (model/decode_layer.py); None: the modules always.
+    # Each layer as one node for steps of decode rows (model/decode_layer.py); None: the modules always.
     decode_layers: list[DecodeLayer] | None = None
 
     @property
@@ -161,7 +161,7 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, h
     """Prepare `model` (this engine's own instance) for meshlm's forward; returns its parts. `sum_group`:
     what tensor-parallel layers sum over instead of their MLX group (transport/local_reduce.py);
     `half_weights`: packed layers whose weights are all exact bfloat16 (or float16) values keep them so;
-    `fused_decode`: steps of decode rows run each layer as four nodes where every layer can."""
+    `fused_decode`: steps of decode rows run each layer as one node where every layer can."""
     module = sys.modules[type(model).__module__]
     install_seam(module)
     on_cpu = cpu_kernels_on and mx.default_device() == mx.cpu
@@ -202,6 +202,6 @@ def adapt(model: nn.Module, cpu_kernels_on: bool, native=None, sum_group=None, h
     if on_cpu and fused_decode:
         parts.decode_layers = decode_layers(parts.layers, native)
         if parts.decode_layers:
-            log.info("CPU kernels: a step of decode rows runs its %d layers fused, four nodes each%s",
+            log.info("CPU kernels: a step of decode rows runs its %d layers fused, one node each%s",
                      len(parts.layers), " and two sums" if parts.decode_layers[0].group is not None else "")
     return parts

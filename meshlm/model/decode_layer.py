@@ -1,4 +1,4 @@
-"""A decoder layer of a decode step as four graph nodes: `_cpu_ops.decode_layer` (CPU kernels only).
+"""A decoder layer of a decode step as one graph node: `_cpu_ops.decode_layer` (CPU kernels only).
 
 With every weight packed and every small op compiled, a one-row decode step of
 the demo model was still ~780 MLX nodes, 26 per layer (four GEMMs, nine small
@@ -7,11 +7,16 @@ the step, a task hand-off and a wake-up of the GEMM helper: ~3.5 ms of a
 ~10 ms step whose GEMMs take ~6.7 ms at the read bandwidth. When every row of
 a step is a decode row (one new token; `Batch.build` also splits short verify
 chunks into such rows), each layer whose parts are all meshlm's CPU forms runs
-instead as four nodes (q/k/v with RoPE, the two KV writes, the rest) calling
+instead as one node (q/k/v with RoPE, the two KV writes, the attention, o and
+the MLP; its outputs are the layer's output and the two written pools) calling
 the same kernels on the same values in the same order, so the outputs are the
 module path's bit for bit (tests/unit/test_decode_layer.py holds them to it).
-Under tensor parallelism o and down are row shards summed over the ranks: the
-layer is cut at the two sums (`split`), which stay the same collectives.
+A demo step is then 59 nodes, which MLX's CPU stream takes all at once: with
+four nodes a layer (149), it let the launching thread queue only ~100
+dispatches ahead and woke it ~15 times a step, each wake taking a core from
+the GEMM threads. Under tensor parallelism o and down are row shards summed
+over the ranks: the layer is cut at the two sums (`split`), which stay the
+same collectives.
 
 A layer fuses only when nothing in it is other than what the kernel computes:
 RMSNorms as `NativeRMSNorm`, q/k/v as one packed GEMM (`FusedPart`s), o and down

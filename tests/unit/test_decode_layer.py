@@ -1,5 +1,5 @@
 """The fused decode layer (model/decode_layer.py, `_cpu_ops.decode_layer`): a step of decode rows run as
-four nodes per layer gives the module path's logits and KV bit for bit, on every family and panel type;
+one node per layer gives the module path's logits and KV bit for bit, on every family and panel type;
 layers it cannot compute are left to the modules; the pools are updated in place."""
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def check_bit_for_bit(path, split: bool, monkeypatch) -> None:
 
 
 def test_fused_layers_write_the_pools_in_place(tmp_path):
-    """Each write node is given its pool alone, so MLX donates it: a step copies no pool (a copy per
-    layer and pool made a one-row step of the demo model ~30x slower)."""
+    """The layer's node holds each pool once (its other outputs drop their copies of its inputs), so MLX
+    donates it: a step copies no pool (a copy per layer and pool made a one-row step of the demo model
+    ~30x slower)."""
     rank = make_rank(demo.make_tiny(tmp_path, seed=1), fused=True)
     store = rank.runner.store
     steps = plans()
