@@ -64,6 +64,14 @@ std::atomic<bool>& wide_kernels() {
   return on;
 }
 
+// Whether the few-row GEMM kernel prefetches its panels in software (gemm_few_rows): on Intel cores,
+// where it streams ~12 % faster with it; off elsewhere, as on the AMD EPYC VM, where it was slower.
+// Settable, so tests run both paths on any machine.
+std::atomic<bool>& few_rows_prefetch() {
+  static std::atomic<bool> on{__builtin_cpu_is("intel") != 0};
+  return on;
+}
+
 // 2^x, relative error ~2e-7 (Cephes exp2f polynomial on [-0.5, 0.5]); inputs
 // below -64 give exactly 0. Branch-free so the loops around it vectorise.
 // Why 0 below -64: a softmax weight under 2^-64 of the row's largest changes
@@ -1096,6 +1104,7 @@ struct GemmArgs {
   int splits;
   int64_t M, K;
   bool wide = false;  // the 512-bit micro-kernel (wide_kernels)
+  bool prefetch = false;  // the few-row kernel's software prefetch (few_rows_prefetch)
   PanelType type = PanelType::f32;
 };
 
@@ -1144,8 +1153,8 @@ constexpr Micro512<W> MICRO_512[ROWS_512 + 1] = {
     gemm_micro_512x2<12, W>};
 
 // A few rows (a decode step of one to six sequences, a short speculative verify): NP panels at once, NP
-// weight streams and MR * NP independent FMA chains where the pair kernel has two streams, left to the
-// hardware prefetchers (no software prefetch: with this many streams they do better alone). Each column
+// weight streams and MR * NP independent FMA chains where the pair kernel has two streams. PF > 0: each
+// stream is prefetched PF bytes ahead, once a 64-byte line (few_rows_prefetch says where). Each column
 // sums over k in the same order as in every other kernel here, so a row's outputs are the same bits
 // whatever its batch. Measured in one process, alternating with the pair kernel through a scratch switch
 // (2026-11-27, the AMD VM; docs/BENCHMARKS.md): a one-row decode step of the demo model (16-bit panels)
@@ -1157,7 +1166,13 @@ constexpr int64_t FEW_ROWS = 6;  // up to this many rows take `gemm_few_rows`; m
 // four beyond.
 constexpr int64_t few_row_panels(int64_t rows) { return rows <= 3 ? 8 : 4; }
 
-template <int MR, int NP, typename W>
+// The few-row kernel's software prefetch distance where it prefetches. On the Xeon VM (2026-11-28,
+// docs/BENCHMARKS.md), forward-only demo decode steps alternating in one process: 1 row 12.1 ms without,
+// 10.7 with 512 bytes or 1 KiB, 10.9 with 2 KiB, 11.1 with 4 KiB; 2 to 6 rows 10-14 % faster with 1 KiB.
+// On the AMD EPYC VM a prefetch every other line made the one-row step slower (11.1 -> 12.4 ms).
+constexpr int FEW_ROWS_PREFETCH_BYTES = 1024;
+
+template <int MR, int NP, typename W, int PF>
 void gemm_few_rows(const float* __restrict x, int64_t ldx, const PanelOut<W>* o, int64_t K) {
   const W* w[NP];
 #pragma GCC unroll 8
@@ -1165,7 +1180,14 @@ void gemm_few_rows(const float* __restrict x, int64_t ldx, const PanelOut<W>* o,
   __m512 acc[MR * NP];  // fully unrolled below, so these stay in registers
 #pragma GCC unroll 32
   for (int i = 0; i < MR * NP; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int64_t LINE_K = 64 / (PANEL * static_cast<int64_t>(sizeof(W)));  // k steps a 64-byte line holds
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (PF > 0) {
+      if (k % LINE_K == 0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + PANEL * k) + PF, _MM_HINT_T0);
+      }
+    }
     __m512 v[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) v[r] = _mm512_set1_ps(x[r * ldx + k]);
@@ -1184,6 +1206,20 @@ void gemm_few_rows(const float* __restrict x, int64_t ldx, const PanelOut<W>* o,
   }
 }
 
+template <typename W, int PF>
+bool few_rows_of(const GemmArgs& g, const PanelOut<W>* o) {
+  switch (g.M) {
+    case 1: gemm_few_rows<1, 8, W, PF>(g.x, g.K, o, g.K); break;
+    case 2: gemm_few_rows<2, 8, W, PF>(g.x, g.K, o, g.K); break;
+    case 3: gemm_few_rows<3, 8, W, PF>(g.x, g.K, o, g.K); break;
+    case 4: gemm_few_rows<4, 4, W, PF>(g.x, g.K, o, g.K); break;
+    case 5: gemm_few_rows<5, 4, W, PF>(g.x, g.K, o, g.K); break;
+    case 6: gemm_few_rows<6, 4, W, PF>(g.x, g.K, o, g.K); break;
+    default: return false;
+  }
+  return true;
+}
+
 // Panels [p, p + few_row_panels(M)) of a GEMM of at most FEW_ROWS rows; false when fewer are left.
 template <typename W>
 bool packed_gemm_few_rows(const GemmArgs& g, int64_t p, int64_t p1) {
@@ -1191,16 +1227,7 @@ bool packed_gemm_few_rows(const GemmArgs& g, int64_t p, int64_t p1) {
   if (p + np > p1) return false;
   PanelOut<W> o[8];
   for (int64_t j = 0; j < np; ++j) o[j] = panel_out<W>(g, p + j);
-  switch (g.M) {
-    case 1: gemm_few_rows<1, 8, W>(g.x, g.K, o, g.K); break;
-    case 2: gemm_few_rows<2, 8, W>(g.x, g.K, o, g.K); break;
-    case 3: gemm_few_rows<3, 8, W>(g.x, g.K, o, g.K); break;
-    case 4: gemm_few_rows<4, 4, W>(g.x, g.K, o, g.K); break;
-    case 5: gemm_few_rows<5, 4, W>(g.x, g.K, o, g.K); break;
-    case 6: gemm_few_rows<6, 4, W>(g.x, g.K, o, g.K); break;
-    default: return false;
-  }
-  return true;
+  return g.prefetch ? few_rows_of<W, FEW_ROWS_PREFETCH_BYTES>(g, o) : few_rows_of<W, 0>(g, o);
 }
 
 template <typename W>
@@ -1262,6 +1289,7 @@ class GemmPool {
   void run(GemmArgs g, int64_t panels) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
     g.wide = wide_kernels().load();
+    g.prefetch = few_rows_prefetch().load();
     int threads = threads_.load();  // once a job: set_threads may run meanwhile, from Python
     if (threads < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
       packed_gemm_panels(g, 0, panels);
@@ -2152,6 +2180,8 @@ size_t huge_pages(const std::vector<mx::array>& arrays) {
   return moved;
 }
 
+bool set_few_rows_prefetch(bool on) { return few_rows_prefetch().exchange(on); }
+
 bool set_wide_kernels(bool on) {
   wide_kernels().store(on && MESHLM_AVX512);
   return wide_kernels().load();
@@ -2175,6 +2205,9 @@ NB_MODULE(_cpu_ops, m) {
         "silu(x @ Wg) * (x @ Wu), W holding Wg's panels then Wu's");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
   m.attr("wide_kernels_built") = static_cast<bool>(MESHLM_AVX512);
+  m.def("set_few_rows_prefetch", &set_few_rows_prefetch, nb::arg("on"),
+        "the few-row packed GEMM prefetches its panels in software (default: on Intel cores); returns the "
+        "previous setting");
   m.def("set_wide_kernels", &set_wide_kernels, nb::arg("on"),
         "the packed GEMM and the paged decode scores use their 512-bit versions (where built; the default) "
         "or the 256-bit ones; returns which");

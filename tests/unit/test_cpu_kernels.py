@@ -443,12 +443,15 @@ def test_a_split_gemm_pairs_panels_across_its_outputs(rows, kernel_width):
 @NEEDS_PACKED_GEMM
 @pytest.mark.parametrize("panels", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, kernel_width):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
+def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, prefetch, kernel_width):
     """GEMMs of up to six rows (decode steps of a few sequences) have their own kernels on 512-bit builds,
-    eight or four panels at once; each column still sums in the same order, so a row's outputs do not
-    depend on its batch: every size from 1 to 7 rows gives the bits of a 13-row GEMM's rows. 21 panels:
-    groups of eight or four, a pair and one left over; the split puts output boundaries inside the groups."""
+    eight or four panels at once, with or without their software prefetch (on by default on Intel cores);
+    each column still sums in the same order, so a row's outputs do not depend on its batch: every size
+    from 1 to 7 rows gives the bits of a 13-row GEMM's rows. 21 panels: groups of eight or four, a pair and
+    one left over; the split puts output boundaries inside the groups."""
     NATIVE.set_gemm_threads(threads)
+    default = NATIVE.set_few_rows_prefetch(prefetch)
     try:
         w = mx.random.normal((96, 21 * 16)).astype(panels).astype(mx.float32)
         packed = mx.contiguous(w.reshape(96, 21, 16).transpose(1, 0, 2).astype(panels))
@@ -464,6 +467,7 @@ def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, kernel_wi
             assert all(mx.array_equal(a, s[:rows]).item() for a, s in zip(split, split_batch)), rows
     finally:
         NATIVE.set_gemm_threads(2)
+        NATIVE.set_few_rows_prefetch(default)
 
 
 @NEEDS_PACKED_GEMM
