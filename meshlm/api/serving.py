@@ -102,15 +102,17 @@ class Serving:
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
     def sampling_params(self, req: _Request, prompt_len: int, grammar: str | None = None,
-                        reasoning: Reasoning | None = None) -> SamplingParams:
+                        reasoning: Reasoning | None = None, where: str = "prompt") -> SamplingParams:
+        """`where`: the prompt as the client names it (`prompt[2]` of a list), for the errors."""
         if prompt_len == 0:
-            raise bad_request("prompt is empty after tokenization", param="prompt")
+            raise bad_request(f"{where} is empty after tokenization", param="prompt")
         room = self.max_model_len - prompt_len
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if room < (0 if asked == 0 else 1):  # echo with max_tokens 0 scores a whole context's worth
             raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{prompt_len} tokens, leaving none to generate. Please shorten it.",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"{'your prompt' if where == 'prompt' else where} has {prompt_len} tokens, leaving none to generate. "
+                "Please shorten it.",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
@@ -171,7 +173,8 @@ class Serving:
         if wanted > self.engine.max_waiting:  # a 429 would be retried, and never succeed
             raise bad_request(f"this request asks for {wanted} sequences ({len(prompts)} prompt(s), n={req.n}); "
                               f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
-        params = [self.sampling_params(req, len(p), grammar, reasoning) for p in prompts]
+        where = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        params = [self.sampling_params(req, len(p), grammar, reasoning, w) for p, w in zip(prompts, where)]
         items = []
         for which, (p, base) in enumerate(zip(prompts, params)):
             for i in range(req.n):

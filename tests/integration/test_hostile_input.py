@@ -62,6 +62,18 @@ def test_token_ids_outside_the_vocabulary_are_refused(server, prompt, where):
     still_serving(server)
 
 
+@pytest.mark.parametrize("prompt, words", [
+    (["hello", ""], ["prompt[1] is empty after tokenization"]),
+    ([[1, 2], list(range(1, 512)) + [1]], ["prompt[1] has 512 tokens", "maximum context length is 512"]),
+    ([list(range(1, 512)) + [1]], ["your prompt has 512 tokens"]),
+])
+def test_a_prompt_of_a_list_that_cannot_run_is_named(server, prompt, words):
+    """The 400 for one prompt of several says which (it said `prompt` whichever it was)."""
+    error_of(httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, "prompt",
+             *words)
+    still_serving(server)
+
+
 def test_integers_beyond_64_bits_are_refused_before_validation(server):
     for body in ({"prompt": [1, 2**64]}, {"prompt": "hi", "seed": -(2**70)}, {"prompt": "hi", "max_tokens": 10**30}):
         error_of(httpx.post(server.url + "/v1/completions", json=body), 400, None, "out of range")
