@@ -88,6 +88,39 @@ def check_model_json(path: Path, config: dict) -> None:
         raise ValueError(f"{path / 'config.json'}: rope_theta must be a positive number, got {str(theta)[:40]}")
 
 
+# Quantization methods whose checkpoints mlx-lm repacks from their own tensors (`*.qweight`, `*.scales`).
+REPACKED_METHODS = ("awq", "gptq")
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # bytes of a header's JSON read at most
+
+
+def check_quantization(path: Path, config: dict) -> None:
+    """A config.json that declares AWQ or GPTQ weights over a checkpoint holding none: mlx-lm then failed
+    with 'UnboundLocalError: cannot access local variable model_dtype'."""
+    q = config.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method not in REPACKED_METHODS:
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        if any(k.endswith(".qweight") for k in safetensors_keys(file)):
+            return
+    raise ValueError(f"{path / 'config.json'}: quantization_config.quant_method is {method!r}, but no weight in "
+                     f"{path} is a packed {method} tensor (*.qweight): the weights and config.json disagree")
+
+
+def safetensors_keys(file: Path) -> list[str]:
+    """The tensor names a .safetensors file's header lists, read without its tensors; [] for a file that is
+    not one (MLX's loader then names it)."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= SAFETENSORS_HEADER_LIMIT:
+                return []
+            header = json.loads(f.read(size))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return []
+    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+
+
 def resolve_path(path: str, dtype: str = "float32") -> Path:
     if path == "demo":
         from meshlm.model.demo import demo_model_dir
@@ -267,6 +300,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     config = read_config(path)
     check_supported(config)
     check_model_json(path, config)
+    check_quantization(path, config)
     try:  # lazily for a shard or a stage: only their weights are then read
         model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names

@@ -474,6 +474,10 @@ def test_a_load_error_names_the_tensors_and_a_missing_shard(tmp_path):
     ("config.json", {"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),  # an empty AssertionError
     ("config.json", {"rope_theta": 0}, "rope_theta must be a positive number, got 0"),  # 'math domain error'
     ("config.json", {"rope_theta": -5.0}, "rope_theta must be a positive number"),
+    # float weights under a GPTQ / AWQ config: 'UnboundLocalError: ... model_dtype' from mlx-lm's repacking
+    ("config.json", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quant_method is 'gptq', but no weight in"),
+    ("config.json", {"quantization_config": {"quant_method": "awq"}}, "no weight in"),
 ])
 def test_a_config_mlx_lm_would_trip_on_is_refused_naming_the_file_and_field(tmp_path, file, change, words):
     from meshlm.config import ModelConfig
