@@ -93,6 +93,15 @@ REPACKED_METHODS = ("awq", "gptq")
 SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # bytes of a header's JSON read at most
 
 
+def check_weight_files(path: Path) -> None:
+    """Every *.safetensors a regular file (or a link to one): a directory of that name failed in MLX's reader
+    as '[read] Unable to read 8 bytes from file'."""
+    for file in sorted(path.glob("*.safetensors")):
+        if not file.is_file():
+            kind = "a directory" if file.is_dir() else "not a regular file (a broken link?)"
+            raise ValueError(f"{file} is {kind}; the weights must be .safetensors files")
+
+
 def check_quantization(path: Path, config: dict) -> None:
     """A config.json that declares AWQ or GPTQ weights over a checkpoint holding none: mlx-lm then failed
     with 'UnboundLocalError: cannot access local variable model_dtype'."""
@@ -300,6 +309,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     config = read_config(path)
     check_supported(config)
     check_model_json(path, config)
+    check_weight_files(path)
     check_quantization(path, config)
     try:  # lazily for a shard or a stage: only their weights are then read
         model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)

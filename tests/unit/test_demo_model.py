@@ -491,6 +491,22 @@ def test_a_config_mlx_lm_would_trip_on_is_refused_naming_the_file_and_field(tmp_
         load_model(ModelConfig(str(model)))
 
 
+@pytest.mark.parametrize("kind", ["directory", "broken link"])
+def test_a_weights_name_that_is_no_file_is_refused_naming_it(tmp_path, kind):
+    """MLX's reader said only '[read] Unable to read 8 bytes from file'."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    (model / "model.safetensors").rename(model / "elsewhere")
+    if kind == "directory":
+        (model / "model.safetensors").mkdir()
+    else:
+        (model / "model.safetensors").symlink_to(tmp_path / "missing")
+    with pytest.raises(ValueError, match="model.safetensors is (a directory|not a regular file)"):
+        load_model(ModelConfig(str(model)))
+
+
 def test_integer_weights_are_refused_and_a_quantized_models_packed_weights_are_not(tmp_path):
     """Integer tensors load as they are: the server started and failed every request at the first norm
     ('[rms_norm] Received unsupported type int32'), a 500 each."""
