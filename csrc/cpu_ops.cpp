@@ -64,10 +64,10 @@ std::atomic<bool>& wide_kernels() {
   return on;
 }
 
-// Whether the few-row GEMM kernel prefetches its panels in software (gemm_few_rows): on Intel cores,
-// where it streams ~12 % faster with it; off elsewhere, as on the AMD EPYC VM, where it was slower.
-// Settable, so tests run both paths on any machine.
-std::atomic<bool>& few_rows_prefetch() {
+// Whether the few-row GEMM kernel and the paged decode prefetch in software what they read next
+// (gemm_few_rows, prefetch_row): on Intel cores, where each is 12-17 % faster with it; off elsewhere, as
+// on the AMD EPYC VM, where the GEMM's was slower. Settable, so tests run both paths on any machine.
+std::atomic<bool>& software_prefetch() {
   static std::atomic<bool> on{__builtin_cpu_is("intel") != 0};
   return on;
 }
@@ -253,9 +253,28 @@ inline __m256 sum8(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512
 // o[j][0:DV*16] += sum_s p[j][s] * values[s][0:DV*16] for the NQ query heads of one KV head at once: each
 // value row is loaded once for all of them (one block of a paged row; p rows pstride apart). The same
 // multiply-adds in the same order per element as one head at a time, so the same result.
+// How far ahead the paged decode's 512-bit kernels prefetch, in rows of the head they read. Each block's
+// rows are a few KiB of a scattered block, whose 4 KiB pages the hardware prefetchers do not cross. On
+// the Xeon VM (2026-11-28, docs/BENCHMARKS.md), 30 demo layers (3 KV heads of 64): one 3,900-key row
+// 12.2 -> 10.1 ms with 8 rows, 9.7 with 16; 16 rows of 250 keys 12.0 -> 10.3 (16: 10.0); but 8 KV heads of
+// 128, 4 rows of 2,000 keys, 27.0 -> 26.9 with 8 and 30.6 with 16, and a pipeline stage's 8 heads of 64
+// the same with 8 rows.
+constexpr int64_t DECODE_PREFETCH_ROWS = 8;
+
+// Prefetch a head's row `row` of a block of S rows `stride` floats apart (`bytes` of it), or of the row's
+// next block `next` (null: the row's last block) past its end.
+inline void prefetch_row(const float* block, int64_t S, const float* next, int64_t stride, int64_t row,
+                         int64_t bytes) {
+  const float* a = row < S ? block + row * stride : next != nullptr ? next + (row - S) * stride : nullptr;
+  if (a == nullptr) return;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a) + o, _MM_HINT_T0);
+}
+
+// `next`, `prefetch`: the head's next block, and whether to prefetch its rows ahead (prefetch_row).
 template <int NQ, int DV>
 inline void weighted_values_multi(const float* __restrict p, int64_t pstride, const float* __restrict vh,
-                                  int64_t vstride, int64_t S, float* __restrict o, int64_t ostride) {
+                                  int64_t vstride, int64_t S, float* __restrict o, int64_t ostride,
+                                  const float* next = nullptr, bool prefetch = false) {
   static_assert(NQ * DV <= 16);
   __m512 acc[NQ][DV];
 #pragma GCC unroll 16
@@ -265,6 +284,7 @@ inline void weighted_values_multi(const float* __restrict p, int64_t pstride, co
   }
   for (int64_t s = 0; s < S; ++s) {
     const float* vr = vh + s * vstride;
+    if (prefetch) prefetch_row(vh, S, next, vstride, s + DECODE_PREFETCH_ROWS, DV * 64);
     __m512 v[DV];
 #pragma GCC unroll 16
     for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vr + 16 * d);
@@ -285,21 +305,27 @@ inline void weighted_values_multi(const float* __restrict p, int64_t pstride, co
 // All r query heads' values of one block, in groups as wide as the registers allow (D 64 or 128); false:
 // another head size, which the caller handles one head at a time.
 inline bool weighted_values_heads(const float* p, int64_t pstride, int64_t r, const float* vb, int64_t vstride,
-                                  int64_t n, float* o, int64_t D) {
+                                  int64_t n, float* o, int64_t D, const float* next = nullptr,
+                                  bool prefetch = false) {
+  // Query heads j.. as one group of NQ. The first group reads each row first: it prefetches, and the
+  // others find the rows in L1.
+  auto group = [&]<int NQ, int DV>(int64_t j) {
+    weighted_values_multi<NQ, DV>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D, next, prefetch && j == 0);
+  };
   if (D == 64) {
     int64_t j = 0;
-    for (; j + 4 <= r; j += 4) weighted_values_multi<4, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
+    for (; j + 4 <= r; j += 4) group.template operator()<4, 4>(j);
     switch (r - j) {
-      case 3: weighted_values_multi<3, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
-      case 2: weighted_values_multi<2, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
-      case 1: weighted_values_multi<1, 4>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D); break;
+      case 3: group.template operator()<3, 4>(j); break;
+      case 2: group.template operator()<2, 4>(j); break;
+      case 1: group.template operator()<1, 4>(j); break;
     }
     return true;
   }
   if (D == 128) {
     int64_t j = 0;
-    for (; j + 2 <= r; j += 2) weighted_values_multi<2, 8>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
-    if (j < r) weighted_values_multi<1, 8>(p + j * pstride, pstride, vb, vstride, n, o + j * D, D);
+    for (; j + 2 <= r; j += 2) group.template operator()<2, 8>(j);
+    if (j < r) group.template operator()<1, 8>(j);
     return true;
   }
   return false;
@@ -308,11 +334,15 @@ inline bool weighted_values_heads(const float* p, int64_t pstride, int64_t r, co
 // scores[s] = q . keys[s] for D a multiple of 16, eight keys at a time: eight independent FMA chains keep
 // both FMA units busy, where head_scores' one key at a time waits on its chain of dependent FMAs and its
 // horizontal sum (~4x slower per key on a Xeon).
+// `next`, `prefetch`: as weighted_values_multi's.
 void head_scores_512(const float* __restrict q, const float* __restrict kh, int64_t kstride, int64_t S, int64_t D,
-                     float* __restrict scores) {
+                     float* __restrict scores, const float* next = nullptr, bool prefetch = false) {
   int64_t s = 0;
   for (; s + 8 <= S; s += 8) {
     const float* kr = kh + s * kstride;
+    for (int64_t i = 0; prefetch && i < 8; ++i) {
+      prefetch_row(kh, S, next, kstride, s + DECODE_PREFETCH_ROWS + i, D * 4);
+    }
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t d = 0; d < D; d += 16) {
       __m512 qv = _mm512_loadu_ps(q + d);
@@ -391,6 +421,7 @@ struct PagedShape {
   int64_t ks[2], vs[2];  // element strides of the pools on Hk, slot
   float q_scale;  // applied to q here: a separate multiply is one more graph node per layer
   bool wide = false;  // the 512-bit scores (wide_kernels)
+  bool prefetch = false;  // the 512-bit kernels prefetch the rows they read next (software_prefetch)
 };
 
 // Where a chunk of a long row's keys leaves its partial attention (see paged_decode).
@@ -435,16 +466,20 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
   const float* qsrc = q + (b * sh.Hk + h0) * r * D;
 #pragma omp simd
   for (int64_t i = 0; i < n_q * D; ++i) qbuf[i] = qsrc[i] * sh.q_scale;
+  // Head g's rows of block blk of the pool (strides st), or null past the item's last block.
+  auto head_block = [&](const float* pool, const int64_t* st, int64_t g, int64_t blk) -> const float* {
+    return blk * bs < len ? pool + (h0 + g) * st[0] + static_cast<int64_t>(table[blk]) * bs * st[1] : nullptr;
+  };
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
     for (int64_t g = 0; g < G; ++g) {
-      const float* kb = k + (h0 + g) * sh.ks[0] + static_cast<int64_t>(table[blk]) * bs * sh.ks[1];
+      const float* kb = head_block(k, sh.ks, g, blk);
       for (int64_t j = 0; j < r; ++j) {
         const float* qj = qbuf.data() + (g * r + j) * D;
         float* sc = scores.data() + (g * r + j) * len + blk * bs;
 #if MESHLM_AVX512
         if (sh.wide && D % 16 == 0) {
-          head_scores_512(qj, kb, sh.ks[1], n, D, sc);
+          head_scores_512(qj, kb, sh.ks[1], n, D, sc, head_block(k, sh.ks, g, blk + 1), sh.prefetch && j == 0);
           continue;
         }
 #endif
@@ -472,11 +507,14 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
     for (int64_t g = 0; g < G; ++g) {
-      const float* vb = v + (h0 + g) * sh.vs[0] + static_cast<int64_t>(table[blk]) * bs * sh.vs[1];
+      const float* vb = head_block(v, sh.vs, g, blk);
       const float* pg = scores.data() + g * r * len + blk * bs;
       float* og = oh + g * r * D;
 #if MESHLM_AVX512
-      if (sh.wide && weighted_values_heads(pg, len, r, vb, sh.vs[1], n, og, D)) continue;
+      if (sh.wide &&
+          weighted_values_heads(pg, len, r, vb, sh.vs[1], n, og, D, head_block(v, sh.vs, g, blk + 1), sh.prefetch)) {
+        continue;
+      }
 #endif
       for (int64_t j = 0; j < r; ++j) {
         const float* p = pg + j * len;
@@ -686,7 +724,7 @@ class PagedDecodeAttention : public CpuOnly {
     int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
     PagedShape sh{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
                   tables.shape(1), block_size_, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
-                  q_scale_, wide_kernels().load()};
+                  q_scale_, wide_kernels().load(), software_prefetch().load()};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = In<float>(q), kp = k.data<float>(), vp = v.data<float>(), tp = In<int32_t>(tables),
@@ -1104,7 +1142,7 @@ struct GemmArgs {
   int splits;
   int64_t M, K;
   bool wide = false;  // the 512-bit micro-kernel (wide_kernels)
-  bool prefetch = false;  // the few-row kernel's software prefetch (few_rows_prefetch)
+  bool prefetch = false;  // the few-row kernel's software prefetch (software_prefetch)
   PanelType type = PanelType::f32;
 };
 
@@ -1154,7 +1192,7 @@ constexpr Micro512<W> MICRO_512[ROWS_512 + 1] = {
 
 // A few rows (a decode step of one to six sequences, a short speculative verify): NP panels at once, NP
 // weight streams and MR * NP independent FMA chains where the pair kernel has two streams. PF > 0: each
-// stream is prefetched PF bytes ahead, once a 64-byte line (few_rows_prefetch says where). Each column
+// stream is prefetched PF bytes ahead, once a 64-byte line (software_prefetch says where). Each column
 // sums over k in the same order as in every other kernel here, so a row's outputs are the same bits
 // whatever its batch. Measured in one process, alternating with the pair kernel through a scratch switch
 // (2026-11-27, the AMD VM; docs/BENCHMARKS.md): a one-row decode step of the demo model (16-bit panels)
@@ -1289,7 +1327,7 @@ class GemmPool {
   void run(GemmArgs g, int64_t panels) {
     std::unique_lock<std::mutex> busy(use_, std::try_to_lock);  // a second stream runs its GEMM alone
     g.wide = wide_kernels().load();
-    g.prefetch = few_rows_prefetch().load();
+    g.prefetch = software_prefetch().load();
     int threads = threads_.load();  // once a job: set_threads may run meanwhile, from Python
     if (threads < 2 || panels < 2 * CHUNK || !busy.owns_lock()) {
       packed_gemm_panels(g, 0, panels);
@@ -1713,7 +1751,7 @@ void decode_attention_out(const DecodeLayerShape& sh, int64_t rows, const float*
                           int64_t S, const int32_t* table, const int32_t* len, int64_t max_blocks, const void* o_w,
                           PanelType o_t, const float* o_bias, float* att, float* y) {
   PagedShape ps{rows, sh.Hk, sh.H / sh.Hk, sh.D, S, max_blocks, sh.block_size, {sh.D, sh.Nk()}, {sh.D, sh.Nk()},
-                sh.q_scale, wide_kernels().load()};
+                sh.q_scale, wide_kernels().load(), software_prefetch().load()};
   paged_decode(ps, q, kp, vp, table, len, att);
   gemm_parts(att, rows, sh.Nq(), o_w, o_t, o_bias, {{y, sh.E}});
 }
@@ -2180,7 +2218,7 @@ size_t huge_pages(const std::vector<mx::array>& arrays) {
   return moved;
 }
 
-bool set_few_rows_prefetch(bool on) { return few_rows_prefetch().exchange(on); }
+bool set_software_prefetch(bool on) { return software_prefetch().exchange(on); }
 
 bool set_wide_kernels(bool on) {
   wide_kernels().store(on && MESHLM_AVX512);
@@ -2205,9 +2243,9 @@ NB_MODULE(_cpu_ops, m) {
         "silu(x @ Wg) * (x @ Wu), W holding Wg's panels then Wu's");
   m.def("set_gemm_threads", &set_gemm_threads, nb::arg("n"), "threads a packed GEMM may use (caller + helper)");
   m.attr("wide_kernels_built") = static_cast<bool>(MESHLM_AVX512);
-  m.def("set_few_rows_prefetch", &set_few_rows_prefetch, nb::arg("on"),
-        "the few-row packed GEMM prefetches its panels in software (default: on Intel cores); returns the "
-        "previous setting");
+  m.def("set_software_prefetch", &set_software_prefetch, nb::arg("on"),
+        "the few-row packed GEMM and the paged decode prefetch in software (default: on Intel cores); "
+        "returns the previous setting");
   m.def("set_wide_kernels", &set_wide_kernels, nb::arg("on"),
         "the packed GEMM and the paged decode scores use their 512-bit versions (where built; the default) "
         "or the 256-bit ones; returns which");

@@ -451,7 +451,7 @@ def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, prefetch,
     from 1 to 7 rows gives the bits of a 13-row GEMM's rows. 21 panels: groups of eight or four, a pair and
     one left over; the split puts output boundaries inside the groups."""
     NATIVE.set_gemm_threads(threads)
-    default = NATIVE.set_few_rows_prefetch(prefetch)
+    default = NATIVE.set_software_prefetch(prefetch)
     try:
         w = mx.random.normal((96, 21 * 16)).astype(panels).astype(mx.float32)
         packed = mx.contiguous(w.reshape(96, 21, 16).transpose(1, 0, 2).astype(panels))
@@ -467,7 +467,7 @@ def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, prefetch,
             assert all(mx.array_equal(a, s[:rows]).item() for a, s in zip(split, split_batch)), rows
     finally:
         NATIVE.set_gemm_threads(2)
-        NATIVE.set_few_rows_prefetch(default)
+        NATIVE.set_software_prefetch(default)
 
 
 @NEEDS_PACKED_GEMM
@@ -598,6 +598,14 @@ def test_long_decode_rows_go_in_chunks_that_merge_into_the_whole_in_any_batch(ke
         mx.eval(batch[threads])
     NATIVE.set_gemm_threads(2)
     assert mx.array_equal(batch[1], batch[2]).item()
+    default = NATIVE.set_software_prefetch(False)  # the rows read next, prefetched or not: the same bits
+    try:
+        for prefetch in (False, True):
+            NATIVE.set_software_prefetch(prefetch)
+            again = NATIVE.paged_decode_attention(q, pool_k, pool_v, tables, mx.array(lengths), bs, 0.18)
+            assert mx.array_equal(again, batch[2]).item(), prefetch
+    finally:
+        NATIVE.set_software_prefetch(default)
     for b, n in enumerate(lengths):
         alone = NATIVE.paged_decode_attention(q[b : b + 1], pool_k, pool_v, tables[b : b + 1], mx.array([n]), bs, 0.18)
         assert mx.array_equal(alone[0], batch[2][b]).item(), n
