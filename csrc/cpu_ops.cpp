@@ -250,9 +250,6 @@ inline __m256 sum8(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// o[j][0:DV*16] += sum_s p[j][s] * values[s][0:DV*16] for the NQ query heads of one KV head at once: each
-// value row is loaded once for all of them (one block of a paged row; p rows pstride apart). The same
-// multiply-adds in the same order per element as one head at a time, so the same result.
 // How far ahead the paged decode's 512-bit kernels prefetch, in rows of the head they read. Each block's
 // rows are a few KiB of a scattered block, whose 4 KiB pages the hardware prefetchers do not cross. On
 // the Xeon VM (2026-11-28, docs/BENCHMARKS.md), 30 demo layers (3 KV heads of 64): one 3,900-key row
@@ -270,6 +267,9 @@ inline void prefetch_row(const float* block, int64_t S, const float* next, int64
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a) + o, _MM_HINT_T0);
 }
 
+// o[j][0:DV*16] += sum_s p[j][s] * values[s][0:DV*16] for the NQ query heads of one KV head at once: each
+// value row is loaded once for all of them (one block of a paged row; p rows pstride apart). The same
+// multiply-adds in the same order per element as one head at a time, so the same result.
 // `next`, `prefetch`: the head's next block, and whether to prefetch its rows ahead (prefetch_row).
 template <int NQ, int DV>
 inline void weighted_values_multi(const float* __restrict p, int64_t pstride, const float* __restrict vh,
