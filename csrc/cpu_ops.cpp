@@ -1190,19 +1190,22 @@ constexpr Micro512<W> MICRO_512[ROWS_512 + 1] = {
     gemm_micro_512x2<8, W>,  gemm_micro_512x2<9, W>,  gemm_micro_512x2<10, W>, gemm_micro_512x2<11, W>,
     gemm_micro_512x2<12, W>};
 
-// A few rows (a decode step of one to six sequences, a short speculative verify): NP panels at once, NP
+// A few rows (a decode step of one to eight sequences, a short speculative verify): NP panels at once, NP
 // weight streams and MR * NP independent FMA chains where the pair kernel has two streams. PF > 0: each
 // stream is prefetched PF bytes ahead, once a 64-byte line (software_prefetch says where). Each column
 // sums over k in the same order as in every other kernel here, so a row's outputs are the same bits
 // whatever its batch. Measured in one process, alternating with the pair kernel through a scratch switch
 // (2026-11-27, the AMD VM; docs/BENCHMARKS.md): a one-row decode step of the demo model (16-bit panels)
 // 11.8 -> 10.9 ms on two threads, 17.6 -> 15.3 on one; the demo model's GEMMs at 2 and 3 rows 9 % and 8 %
-// faster on two threads (12 % and 14 % on one), at 4 and 6 rows 2-7 %.
-constexpr int64_t FEW_ROWS = 6;  // up to this many rows take `gemm_few_rows`; more, the pair kernel's passes
+// faster on two threads (12 % and 14 % on one), at 4 and 6 rows 2-7 %. At 7 and 8 rows (a pipeline
+// stage's micro-batch of 16 streams), three panels at once against the pair kernel, alternating in one
+// process (2026-11-28, the Xeon VM): a 72M llama stage's GEMMs on one core (float32) 11.5 -> 11.0 and
+// 10.9 -> 10.6 ms, the demo model's on two (float16) 11.1 -> 10.7 and 11.9 -> 11.2 ms.
+constexpr int64_t FEW_ROWS = 8;  // up to this many rows take `gemm_few_rows`; more, the pair kernel's passes
 
 // Panels a few-row GEMM takes at once: eight for up to three rows (8 * 3 of the 32 registers accumulate),
-// four beyond.
-constexpr int64_t few_row_panels(int64_t rows) { return rows <= 3 ? 8 : 4; }
+// four up to six, three up to eight.
+constexpr int64_t few_row_panels(int64_t rows) { return rows <= 3 ? 8 : rows <= 6 ? 4 : 3; }
 
 // The few-row kernel's software prefetch distance where it prefetches. On the Xeon VM (2026-11-28,
 // docs/BENCHMARKS.md), forward-only demo decode steps alternating in one process: 1 row 12.1 ms without,
@@ -1253,6 +1256,8 @@ bool few_rows_of(const GemmArgs& g, const PanelOut<W>* o) {
     case 4: gemm_few_rows<4, 4, W, PF>(g.x, g.K, o, g.K); break;
     case 5: gemm_few_rows<5, 4, W, PF>(g.x, g.K, o, g.K); break;
     case 6: gemm_few_rows<6, 4, W, PF>(g.x, g.K, o, g.K); break;
+    case 7: gemm_few_rows<7, 3, W, PF>(g.x, g.K, o, g.K); break;
+    case 8: gemm_few_rows<8, 3, W, PF>(g.x, g.K, o, g.K); break;
     default: return false;
   }
   return true;

@@ -445,23 +445,23 @@ def test_a_split_gemm_pairs_panels_across_its_outputs(rows, kernel_width):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
 def test_a_row_alone_gets_the_same_bits_as_in_a_batch(panels, threads, prefetch, kernel_width):
-    """GEMMs of up to six rows (decode steps of a few sequences) have their own kernels on 512-bit builds,
-    eight or four panels at once, with or without their software prefetch (on by default on Intel cores);
-    each column still sums in the same order, so a row's outputs do not depend on its batch: every size
-    from 1 to 7 rows gives the bits of a 13-row GEMM's rows. 21 panels: groups of eight or four, a pair and
-    one left over; the split puts output boundaries inside the groups."""
+    """GEMMs of up to eight rows (decode steps of a few sequences) have their own kernels on 512-bit builds,
+    eight, four or three panels at once, with or without their software prefetch (on by default on Intel
+    cores); each column still sums in the same order, so a row's outputs do not depend on its batch: every
+    size from 1 to 9 rows gives the bits of a 13-row GEMM's rows. 22 panels: groups of eight, four or
+    three, then pairs or one left over; the split puts output boundaries inside the groups."""
     NATIVE.set_gemm_threads(threads)
     default = NATIVE.set_software_prefetch(prefetch)
     try:
-        w = mx.random.normal((96, 21 * 16)).astype(panels).astype(mx.float32)
-        packed = mx.contiguous(w.reshape(96, 21, 16).transpose(1, 0, 2).astype(panels))
-        b = mx.random.normal((21 * 16,))
+        w = mx.random.normal((96, 22 * 16)).astype(panels).astype(mx.float32)
+        packed = mx.contiguous(w.reshape(96, 22, 16).transpose(1, 0, 2).astype(panels))
+        b = mx.random.normal((22 * 16,))
         x = mx.random.normal((13, 96))
         batch = NATIVE.packed_linear(x, packed, b)
         assert mx.abs(batch - (x @ w + b)).max().item() < 1e-4
-        sizes = [48, 160, 128]  # 3, 10 and 8 panels
+        sizes = [48, 176, 128]  # 3, 11 and 8 panels
         split_batch = NATIVE.packed_linear_split(x, packed, sizes, b)
-        for rows in range(1, 8):
+        for rows in range(1, 10):
             assert mx.array_equal(NATIVE.packed_linear(x[:rows], packed, b), batch[:rows]).item(), rows
             split = NATIVE.packed_linear_split(x[:rows], packed, sizes, b)
             assert all(mx.array_equal(a, s[:rows]).item() for a, s in zip(split, split_batch)), rows
