@@ -1531,7 +1531,10 @@ void panels_gemm(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
   }
 }
 
-void causal_attention_kernel(const CausalShape& sh, const float* q, const float* k, const float* v, float* out) {
+// `counts`: query t sees keys [0, counts[t]) (null: the causal chunk's S - T + t + 1); `lse`: (T, H) each
+// query's natural log-sum-exp, -inf (and a zero output) where it sees no key (null: not wanted).
+void causal_attention_kernel(const CausalShape& sh, const float* q, const float* k, const float* v, float* out,
+                             const int32_t* counts = nullptr, float* lse = nullptr) {
   const int64_t r = sh.H / sh.Hk, D = sh.D, S = sh.S, T = sh.T;
   const int64_t S_pad = (S + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);  // keys: whole panel pairs
   const int64_t D_pad = (D + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);
@@ -1570,16 +1573,25 @@ void causal_attention_kernel(const CausalShape& sh, const float* q, const float*
             for (int64_t d = 0; d < D; ++d) dst[d] = src[d * sh.qs[2]] * sh.q_scale;
           }
         }
-        int64_t seen = S - T + t1;  // keys the block's last query sees
+        auto sees = [&](int64_t t) -> int64_t {
+          return counts ? std::clamp<int64_t>(counts[t], 0, S) : S - T + t + 1;
+        };
+        int64_t seen = 0;  // keys the block's queries see at most
+        for (int64_t t = t0; t < t1; ++t) seen = std::max(seen, sees(t));
         int64_t width = (seen + 2 * PANEL - 1) / (2 * PANEL) * (2 * PANEL);
         sc.resize(static_cast<size_t>(rows * width));
         panels_gemm(x.data(), D, rows, kp.data(), D * PANEL, width / PANEL, sc.data(), width, D, sh.wide);
         float inv[CAUSAL_ROWS];  // each row's 1 / sum: applied to its output, not to its `width` weights
         for (int64_t i = 0; i < rows; ++i) {
           float* row = sc.data() + i * width;
-          int64_t n = S - T + t0 + i / ng + 1;
-          inv[i] = softmax_row(row, n);
+          int64_t t = t0 + i / ng, n = sees(t);
+          float max_sum[2] = {0.0f, 0.0f};
+          inv[i] = n > 0 ? softmax_row(row, n, max_sum) : 0.0f;
           std::fill(row + n, row + width, 0.0f);
+          if (lse != nullptr) {  // scores are in base 2: ln(sum e^x) = (max + log2(sum)) * ln 2
+            lse[t * sh.H + h * r + g0 + i % ng] = n > 0 ? (max_sum[0] + std::log2(max_sum[1])) / LOG2E
+                                                         : -std::numeric_limits<float>::infinity();
+          }
         }
         panels_gemm(sc.data(), width, rows, vp.data(), S_pad * PANEL, D_pad / PANEL, o.data(), D_pad, width, sh.wide);
         for (int64_t i = 0; i < rows; ++i) {
@@ -1611,6 +1623,38 @@ class CausalAttention : public CpuOnly {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), o = out.data<float>()]() {
       causal_attention_kernel(sh, qp, kp, vp, o);
+    });
+  }
+
+ private:
+  float q_scale_;
+};
+
+// A ring step's attention of position-sorted queries to position-sorted keys (context parallelism):
+// query t sees the first counts[t] keys. Outputs: (T, H, D), and (T, H) log-sum-exps for the merge.
+class CausalPartial : public mx::Primitive {
+ public:
+  CausalPartial(mx::Stream s, float q_scale) : mx::Primitive(s), q_scale_(q_scale) {}
+  const char* name() const override { return "MeshlmCausalPartial"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return q_scale_ == static_cast<const CausalPartial&>(other).q_scale_;
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    const auto &q = in[0], &k = in[1], &v = in[2];
+    auto strides = [](const mx::array& a) {
+      return std::array<int64_t, 3>{a.strides()[0], a.strides()[1], a.strides()[2]};
+    };
+    CausalShape sh{q.shape(0), k.shape(0), q.shape(1), k.shape(1), q.shape(2),
+                   strides(q), strides(k), strides(v), q_scale_, wide_kernels().load()};
+    for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), ci = In<int32_t>(in[3]),
+                  o = outs[0].data<float>(), l = outs[1].data<float>()]() {
+      std::vector<int32_t> cs;
+      causal_attention_kernel(sh, qp, kp, vp, o, ci.get(cs), l);
     });
   }
 
@@ -1935,6 +1979,28 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
   return mx::array(q.shape(), mx::float32, std::make_shared<CausalAttention>(s, q_scale), inputs);
 #else
   throw std::runtime_error("causal_attention: built without AVX2 (see the module's packed_gemm)");
+#endif
+}
+
+// q (T, H, D) against k, v (S, Hk, D), any strides, query t seeing the first counts[t] keys (T,). Returns
+// the output (T, H, D) and each query's natural log-sum-exp (T, H): zeros and -inf for a query seeing none.
+std::vector<mx::array> causal_partial(const mx::array& q, const mx::array& k, const mx::array& v,
+                                      const mx::array& counts, float q_scale) {
+  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
+                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 && k.shape(0) > 0 &&
+                counts.ndim() == 1 && counts.shape(0) == q.shape(0) && mx::issubdtype(counts.dtype(), mx::integer);
+  if (!shapes) {
+    throw std::invalid_argument("causal_partial: q (T, H, D), k and v (S, Hk, D), counts (T,) of integers, "
+                                "T and S > 0, H a multiple of Hk");
+  }
+#if MESHLM_AVX2
+  auto s = current_stream();
+  std::vector<mx::array> inputs{require_float32(q), require_float32(k), require_float32(v),
+                                mx::astype(counts, mx::int32, s)};
+  return mx::array::make_arrays({q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
+                                std::make_shared<CausalPartial>(s, q_scale), inputs);
+#else
+  throw std::runtime_error("causal_partial: built without AVX2 (see the module's packed_gemm)");
 #endif
 }
 
@@ -2277,6 +2343,10 @@ NB_MODULE(_cpu_ops, m) {
         "the result is stored token-major (a transposed (1, T, H, D) array)");
   m.def("kv_write", &kv_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
         "the pool with rows (1, Hk, T, D) written at slots (T,), in place when MLX can donate its buffer");
+  m.def("causal_partial", &causal_partial, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("counts"),
+        nb::arg("q_scale") = 1.0f,
+        "attention of q (T, H, D) to k, v (S, Hk, D), query t seeing the first counts[t] keys (q pre-scaled "
+        "by q_scale: scale * log2(e)); returns the output and each query's natural log-sum-exp (T, H)");
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_scale") = 1.0f,
         "q (T, H, D) attending causally to k, v (S, Hk, D) as the last T of the S positions; q times q_scale "
         "is in base 2 (scale * log2(e) for a softmax scale)");

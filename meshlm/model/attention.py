@@ -56,10 +56,11 @@ class AttentionBackend(Protocol):
         ...
 
     def partial(self, q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None,
-                scale: float) -> tuple[mx.array, mx.array]:
+                scale: float, counts: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """Attention over some of the keys, for merging (`merge_partials`): q (n, H, D), keys/values
         (Hk, S, D), S >= 1, mask (n, S) bool or None. Returns (n, H, D) and each query's natural
-        log-sum-exp (n, H)."""
+        log-sum-exp (n, H). `counts` (n,), where given: query i sees exactly the first counts[i] keys,
+        the mask's meaning (a causal mask over position-sorted keys is such a prefix)."""
         ...
 
 
@@ -125,7 +126,7 @@ class PortableBackend:
     def extend_group(self, q, keys, values, mask, scale):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
-    def partial(self, q, keys, values, mask, scale):
+    def partial(self, q, keys, values, mask, scale, counts=None):
         return attend_exact(q, keys, values, scale, mask)
 
 
@@ -135,6 +136,7 @@ class CPUBackend:
     def __init__(self, native=None, cores: int = 1) -> None:
         self.native = native
         self._causal = native.causal_attention if native is not None and native.packed_gemm else None
+        self._partial = native.causal_partial if self._causal is not None else None
         # With the compiled causal attention each row is one node that computes only what it sees: 16
         # prompts of ~260 tokens prefilled 12 % faster on the 72M llama (one core) and ~30 % on the demo
         # model (two threads) row by row than in padded groups of MLX ops, and 16 of 4-43 tokens ~7 %.
@@ -191,9 +193,17 @@ class CPUBackend:
             return PortableBackend.extend_group(self, q, keys, values, mask, scale)
         return cpu_kernels.attention(q, keys, values, scale, self.native, mask)
 
-    def partial(self, q, keys, values, mask, scale):
+    def partial(self, q, keys, values, mask, scale, counts=None):
         if q.dtype != mx.float32 or self.native is None:
             return PortableBackend.partial(self, q, keys, values, mask, scale)
+        if counts is not None and self._partial is not None and q.shape[0] > 1:
+            # The compiled kernel, as a prompt chunk's (`extend`): CP=2's 32K-token prefill took 4.99 s
+            # through the MLX ops below, 2.09-2.13 s with it (one process 3.6-3.9 s). Not for one query
+            # (a decode row): the kernel packs all of its keys per call, and CP=2's ITL after that prompt
+            # went 8.4 -> 10.6 ms with it, 7.5 without (docs/BENCHMARKS.md).
+            out, lse = self._partial(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), counts,
+                                     scale * LOG2E)
+            return out, lse
         return cpu_kernels.partial_attention(q, keys, values, mask, scale, self.native)
 
 

@@ -55,6 +55,7 @@ class QueryBlock:
     stop: int
     visible: int
     mask: mx.array | None
+    counts: mx.array | None = None  # (stop - start,) int32: keys each query sees, a prefix (the mask's rows)
 
 
 @dataclass
@@ -82,7 +83,8 @@ def query_blocks(q_positions: np.ndarray, k_positions: np.ndarray) -> tuple[Quer
         if visible and k_positions[visible - 1] > q_positions[a]:
             keys = mx.array(k_positions.astype(np.int32)) if keys is None else keys
             mask = keys[:visible][None] <= mx.array(q_positions[a:b].astype(np.int32))[:, None]
-        out.append(QueryBlock(a, b, visible, mask))
+        counts = np.searchsorted(k_positions, q_positions[a:b], "right").astype(np.int32)
+        out.append(QueryBlock(a, b, visible, mask, mx.array(counts)))
     return tuple(out)
 
 

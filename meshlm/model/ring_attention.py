@@ -48,7 +48,7 @@ def attend_blocks(q: mx.array, keys: mx.array, values: mx.array, blocks, backend
             lses.append(mx.full((n, H), -mx.inf, dtype=mx.float32))
             continue
         o, lse = backend.partial(q[blk.start:blk.stop], keys[:, :blk.visible], values[:, :blk.visible], blk.mask,
-                                 scale)
+                                 scale, blk.counts)
         outs.append(o)
         lses.append(lse)
         if n * blk.visible * H >= EVAL_SCORES:

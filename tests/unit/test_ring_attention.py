@@ -96,6 +96,31 @@ def test_cpu_and_portable_partials_agree_on_lse():
     assert np.abs(np.array(a[1]) - np.array(b[1])).max() < 1e-5
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (8, 8, 80), (16, 2, 128)])
+def test_the_compiled_partial_with_counts_equals_the_masked_one(heads, kv_heads, head_dim):
+    """A CPU rank's partial attention given each query's count of visible keys (a prefix of the position-
+    sorted keys, what a causal mask over them means) runs the compiled kernel: the same output and log-sum-
+    exp as the masked MLX ops, zeros and -inf for a query that sees no key."""
+    native, _ = cpu_kernels.native_ops()
+    if native is None or not native.packed_gemm:
+        pytest.skip("the compiled _cpu_ops module is not built here")
+    rng = np.random.default_rng(heads + head_dim)
+    n, S = 29, 70
+    q = mx.array(rng.standard_normal((n, heads, head_dim)).astype(np.float32) * 2)
+    k = mx.array(rng.standard_normal((kv_heads, S, head_dim)).astype(np.float32))
+    v = mx.array(rng.standard_normal((kv_heads, S, head_dim)).astype(np.float32))
+    counts = np.sort(rng.integers(0, S + 1, n)).astype(np.int32)
+    counts[:3] = 0  # queries before every key of this part
+    mask = mx.array(np.arange(S)[None] < counts[:, None])
+    got = CPUBackend(native).partial(q, k, v, mask, 0.3, mx.array(counts))
+    want = attend_exact(q, k, v, 0.3, mask)
+    assert np.abs(np.array(got[0]) - np.array(want[0])).max() < 5e-5  # float32 sums in another order
+    lse_got, lse_want = np.array(got[1]), np.array(want[1])
+    assert (lse_got[:3] == -np.inf).all() and (lse_want[:3] == -np.inf).all()
+    assert np.abs(lse_got[3:] - lse_want[3:]).max() < 1e-4
+    assert (np.array(got[0])[:3] == 0).all()
+
+
 def _rows(new: int, cached: int) -> list[RowSpec]:
     return [RowSpec(1, cached, tuple([5] * new), (0,), LOGITS_LAST)]
 
