@@ -473,13 +473,13 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
   for (int64_t blk = 0; blk * bs < len; ++blk) {
     int64_t n = std::min(bs, len - blk * bs);
     for (int64_t g = 0; g < G; ++g) {
-      const float* kb = head_block(k, sh.ks, g, blk);
+      const float* kb = head_block(k, sh.ks, g, blk), *kn = head_block(k, sh.ks, g, blk + 1);
       for (int64_t j = 0; j < r; ++j) {
         const float* qj = qbuf.data() + (g * r + j) * D;
         float* sc = scores.data() + (g * r + j) * len + blk * bs;
 #if MESHLM_AVX512
         if (sh.wide && D % 16 == 0) {
-          head_scores_512(qj, kb, sh.ks[1], n, D, sc, head_block(k, sh.ks, g, blk + 1), sh.prefetch && j == 0);
+          head_scores_512(qj, kb, sh.ks[1], n, D, sc, kn, sh.prefetch && j == 0);
           continue;
         }
 #endif
@@ -1247,20 +1247,16 @@ void gemm_few_rows(const float* __restrict x, int64_t ldx, const PanelOut<W>* o,
   }
 }
 
-template <typename W, int PF>
+// The kernel for g.M rows, few_row_panels(g.M) panels at once; false for more than FEW_ROWS rows.
+template <typename W, int PF, int MR = 1>
 bool few_rows_of(const GemmArgs& g, const PanelOut<W>* o) {
-  switch (g.M) {
-    case 1: gemm_few_rows<1, 8, W, PF>(g.x, g.K, o, g.K); break;
-    case 2: gemm_few_rows<2, 8, W, PF>(g.x, g.K, o, g.K); break;
-    case 3: gemm_few_rows<3, 8, W, PF>(g.x, g.K, o, g.K); break;
-    case 4: gemm_few_rows<4, 4, W, PF>(g.x, g.K, o, g.K); break;
-    case 5: gemm_few_rows<5, 4, W, PF>(g.x, g.K, o, g.K); break;
-    case 6: gemm_few_rows<6, 4, W, PF>(g.x, g.K, o, g.K); break;
-    case 7: gemm_few_rows<7, 3, W, PF>(g.x, g.K, o, g.K); break;
-    case 8: gemm_few_rows<8, 3, W, PF>(g.x, g.K, o, g.K); break;
-    default: return false;
+  if constexpr (MR > FEW_ROWS) {
+    return false;
+  } else {
+    if (g.M != MR) return few_rows_of<W, PF, MR + 1>(g, o);
+    gemm_few_rows<MR, few_row_panels(MR), W, PF>(g.x, g.K, o, g.K);
+    return true;
   }
-  return true;
 }
 
 // Panels [p, p + few_row_panels(M)) of a GEMM of at most FEW_ROWS rows; false when fewer are left.
@@ -1605,6 +1601,15 @@ void causal_attention_kernel(const CausalShape& sh, const float* q, const float*
   }
 }
 
+// The kernel's shape of q (T, H, D) and k, v (S, Hk, D), as a primitive's inputs hold them.
+CausalShape causal_shape(const mx::array& q, const mx::array& k, const mx::array& v, float q_scale) {
+  auto strides = [](const mx::array& a) {
+    return std::array<int64_t, 3>{a.strides()[0], a.strides()[1], a.strides()[2]};
+  };
+  return {q.shape(0), k.shape(0), q.shape(1), k.shape(1), q.shape(2), strides(q), strides(k), strides(v), q_scale,
+          wide_kernels().load()};
+}
+
 class CausalAttention : public CpuOnly {
  public:
   CausalAttention(mx::Stream s, float q_scale) : CpuOnly(s), q_scale_(q_scale) {}
@@ -1614,11 +1619,7 @@ class CausalAttention : public CpuOnly {
   }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto &q = in[0], &k = in[1], &v = in[2];
-    auto strides = [](const mx::array& a) {
-      return std::array<int64_t, 3>{a.strides()[0], a.strides()[1], a.strides()[2]};
-    };
-    CausalShape sh{q.shape(0), k.shape(0), q.shape(1), k.shape(1), q.shape(2),
-                   strides(q), strides(k), strides(v), q_scale_, wide_kernels().load()};
+    CausalShape sh = causal_shape(q, k, v, q_scale_);
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), o = out.data<float>()]() {
@@ -1644,11 +1645,7 @@ class CausalPartial : public mx::Primitive {
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     const auto &q = in[0], &k = in[1], &v = in[2];
-    auto strides = [](const mx::array& a) {
-      return std::array<int64_t, 3>{a.strides()[0], a.strides()[1], a.strides()[2]};
-    };
-    CausalShape sh{q.shape(0), k.shape(0), q.shape(1), k.shape(1), q.shape(2),
-                   strides(q), strides(k), strides(v), q_scale_, wide_kernels().load()};
+    CausalShape sh = causal_shape(q, k, v, q_scale_);
     for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), ci = In<int32_t>(in[3]),
