@@ -92,11 +92,22 @@ def _decode(raw: bytes | str, what: str, max_depth: int, param: str | None = Non
     except RecursionError:
         raise bad_request(f"{what} nests deeper than {max_depth} levels", param=param)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent.
+        # msgspec refuses NaN/Infinity (not JSON) and integers it cannot represent. From 0.23 it also says
+        # "Invalid UTF-8 encoded string" without where: Python's own decoder names the bytes.
+        if isinstance(raw, bytes):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise _not_utf8(what, bad, param) from None
         raise bad_request(f"{what} is not valid JSON: {exc}", param=param)
-    except UnicodeDecodeError as exc:  # msgspec's word for invalid UTF-8 (surrogates too) inside a string
-        raise bad_request(f"{what} is not valid JSON (UTF-8): a string holds {exc.object[exc.start:exc.end]!r} "
-                          f"({exc.reason})", param=param)
+    except UnicodeError as exc:  # msgspec before 0.23: invalid UTF-8 (surrogates too) inside a string
+        raise _not_utf8(what, exc, param) from None
+
+
+def _not_utf8(what: str, exc: UnicodeError, param: str | None) -> APIError:
+    held = exc.object[exc.start:exc.end]  # type: ignore[attr-defined]  (every UnicodeError msgspec raises has them)
+    return bad_request(f"{what} is not valid JSON (UTF-8): a string holds {held!r} ({exc.reason})",  # type: ignore[attr-defined]
+                       param=param)
 
 
 def check_limits(data: object, max_depth: int, path: str = "", depth: int = 1) -> None:

@@ -52,6 +52,7 @@ def test_json_within_limits_passes_untouched():
     ('{"type": "integer", "maximum": ' + "9" * 5000 + "}", "out of range"),
     ('{"enum": [18446744073709551616]}', "out of range"),
     ('{"type": ', "guided_json is not valid JSON"),
+    ('{"enum": ["\ud800"]}', "guided_json is not valid JSON (UTF-8)"),  # a lone surrogate a str can hold
 ])
 def test_a_json_string_in_the_body_is_held_to_the_body_limits(text, words):
     err = refused(parse_json_string, text, "guided_json", 2, BodyLimits())
