@@ -36,10 +36,16 @@ RANK = textwrap.dedent("""
     g = SharedMemoryGroup(Path(path), rank, world, native, 0.0)
     if rank == 0:
         g.create()
-    else:
-        while not os.path.exists(path):
-            time.sleep(0.01)
-        g.join()
+    else:  # the file exists before rank 0 has sized it: join once it has (the leader welcomes ranks after)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                g.join()
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
     out = {}
     for n in sizes:
         x = np.random.default_rng([rank, n]).standard_normal(n).astype(np.float32)
