@@ -64,9 +64,23 @@ RANK = textwrap.dedent("""
 """)
 
 
-def start(path: Path, rank: int, world: int, sizes: list[int], then: str = "exit") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RANK, str(path), str(rank), str(world), json.dumps(sizes), then],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture()
+def start():
+    """start(path, rank, world, sizes, then="exit") runs a rank; any still running at the end is killed (a
+    failed test must not leave ranks waiting in a sum)."""
+    procs: list[subprocess.Popen] = []
+
+    def run(path: Path, rank: int, world: int, sizes: list[int], then: str = "exit") -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(path), str(rank), str(world),
+                                       json.dumps(sizes), then], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+        return procs[-1]
+
+    yield run
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 def expected_digest(n: int, world: int) -> str:
@@ -83,7 +97,7 @@ def shm_path(tmp_path) -> Path:
 
 @NEEDS_NATIVE
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_exact_sum_in_the_same_bits(shm_path, world):
+def test_every_rank_gets_the_exact_sum_in_the_same_bits(shm_path, world, start):
     floats_per_slot = SLOT_BYTES // 4
     sizes = [2, 1024 * 16, floats_per_slot, floats_per_slot * 2 + 2]  # one round, exactly one slot, three rounds
     procs = [start(shm_path, r, world, sizes) for r in range(world)]
@@ -97,7 +111,7 @@ def test_every_rank_gets_the_exact_sum_in_the_same_bits(shm_path, world):
 
 
 @NEEDS_NATIVE
-def test_a_peer_that_exits_fails_the_waiting_sum_instead_of_hanging(shm_path):
+def test_a_peer_that_exits_fails_the_waiting_sum_instead_of_hanging(shm_path, start):
     # Rank 1 exits after the first sums; rank 0 sums again and must hear that its peer is gone.
     survivor = start(shm_path, 0, 2, [8], then="sum-again")
     leaver = start(shm_path, 1, 2, [8], then="exit")
@@ -110,7 +124,7 @@ def test_a_peer_that_exits_fails_the_waiting_sum_instead_of_hanging(shm_path):
 
 
 @NEEDS_NATIVE
-def test_abort_wakes_every_rank_waiting_in_a_sum(shm_path):
+def test_abort_wakes_every_rank_waiting_in_a_sum(shm_path, start):
     waiting = start(shm_path, 1, 2, [], then="sum-again")  # joins, then waits in a sum rank 0 never starts
     g = SharedMemoryGroup(shm_path, 0, 2, NATIVE, 0.0)
     g.create()
