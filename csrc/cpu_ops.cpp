@@ -437,9 +437,11 @@ struct DecodeChunk {
 // once for all its heads: one KV head at a time read a block's keys as 256-byte pieces 2 KB apart and
 // left the rest of each line pair to L3, which the other stage's weight stream evicts on a shared
 // machine. Per head the same multiply-adds in the same order as one head an item, so the same result.
+// `lse`, where given (whole rows only): each query head's natural log-sum-exp, (R, Hk, r); -inf for a row
+// with no keys, whose output is zeros (a partial attention, merged with others by log-sum-exp).
 void paged_decode_item(const PagedShape& sh, const float* q, const float* k, const float* v,
                        const int32_t* tables, const int32_t* lengths, float* out, int64_t b, int64_t h0,
-                       int64_t h1, const DecodeChunk& chunk = {}) {
+                       int64_t h1, const DecodeChunk& chunk = {}, float* lse = nullptr) {
   const int64_t r = sh.r, D = sh.D, bs = sh.block_size, pool_blocks = sh.slots / bs, G = h1 - h0, n_q = G * r;
   thread_local std::vector<float> scores, qbuf, inv;  // per thread: no allocation per item
   int64_t row_len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], sh.max_blocks * bs));
@@ -447,8 +449,10 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
   bool valid = row_len > 0;
   for (int64_t j = 0; j * bs < row_len; ++j) valid = valid && table[j] >= 0 && table[j] < pool_blocks;
   float* oh = out + (b * sh.Hk + h0) * r * D;  // (G, r, D): the item's heads are adjacent in out
+  float* lh = lse && !chunk.out ? lse + (b * sh.Hk + h0) * r : nullptr;  // (G, r), like oh
   if (!valid) {
     if (!chunk.out) std::fill(oh, oh + n_q * D, 0.0f);  // a chunk's part stays zeros, and so does the merge
+    if (lh) std::fill(lh, lh + n_q, -std::numeric_limits<float>::infinity());
     return;
   }
   // A chunk of a long row: its keys [first, first + len) only, its output unnormalised in the chunk's
@@ -500,8 +504,11 @@ void paged_decode_item(const PagedShape& sh, const float* q, const float* k, con
     }
   }
   for (int64_t i = 0; i < n_q; ++i) {  // a chunk keeps each head's max and sum instead of normalising
-    float* max_sum = chunk.out ? chunk.max_sum + (((b * chunk.count + chunk.index) * sh.Hk + h0) * r + i) * 2 : nullptr;
+    float whole[2] = {0.0f, 0.0f};
+    float* max_sum = chunk.out ? chunk.max_sum + (((b * chunk.count + chunk.index) * sh.Hk + h0) * r + i) * 2
+                               : lh ? whole : nullptr;
     inv[i] = softmax_row(scores.data() + i * len, len, max_sum);
+    if (lh) lh[i] = (whole[0] + std::log2(whole[1])) / LOG2E;  // base-2 scores: ln(sum e^x) = that * ln 2
   }
   std::fill(oh, oh + n_q * D, 0.0f);
   for (int64_t blk = 0; blk * bs < len; ++blk) {
@@ -551,8 +558,10 @@ constexpr int64_t DECODE_CHUNK_KEYS = 512;  // keys a chunk of a long decode row
 
 // Every row of a paged decode, as items of whole rows, or of some of a row's KV heads where whole rows
 // would leave a GEMM thread idle (a step of one or two rows).
+// `lse`, where given: each query head's natural log-sum-exp (R, H), -inf for a row with no keys (see
+// paged_decode_item).
 void paged_decode(const PagedShape& sh, const float* q, const float* k, const float* v, const int32_t* tables,
-                  const int32_t* lengths, float* out) {
+                  const int32_t* lengths, float* out, float* lse = nullptr) {
   int threads = gemm_threads();
   int64_t want = threads < 2 ? 1 : 4 * threads;  // items enough to balance the threads' shares
   int64_t per_row = std::clamp<int64_t>((want + sh.R - 1) / sh.R, 1, sh.Hk);
@@ -590,7 +599,7 @@ void paged_decode(const PagedShape& sh, const float* q, const float* k, const fl
         continue;
       }
       int64_t h0 = local * G;
-      paged_decode_item(sh, q, k, v, tables, lengths, out, b, h0, std::min(h0 + G, sh.Hk));
+      paged_decode_item(sh, q, k, v, tables, lengths, out, b, h0, std::min(h0 + G, sh.Hk), {}, lse);
     }
   });
   for (int64_t b = 0; b < sh.R; ++b) {  // chunks merged in order: max, rescaled sums, rescaled outputs
@@ -609,6 +618,8 @@ void paged_decode(const PagedShape& sh, const float* q, const float* k, const fl
       }
       float inv = total > 0.0f ? 1.0f / total : 0.0f;
       for (int64_t d = 0; d < sh.D; ++d) o[d] *= inv;
+      if (lse) lse[b * sh.Hk * sh.r + i] = total > 0.0f ? (m + std::log2(total)) / LOG2E
+                                                        : -std::numeric_limits<float>::infinity();
     }
   }
 }
@@ -710,6 +721,29 @@ class Softmax2Lse : public mx::Primitive {
   }
 };
 
+// The shape of a paged decode of inputs (q, k_pool, v_pool, tables, lengths) as MLX evaluated them.
+PagedShape paged_shape(const std::vector<mx::array>& in, int block_size, float q_scale) {
+  const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3];
+  int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
+  return PagedShape{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
+                    tables.shape(1), block_size, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
+                    q_scale, wide_kernels().load(), software_prefetch().load()};
+}
+
+// Dispatches paged_decode of `in` (q, k_pool, v_pool, tables, lengths) into out, and lse where not null.
+void dispatch_paged_decode(mx::Stream stream, const std::vector<mx::array>& in, const PagedShape& sh, float* out,
+                           float* lse) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  enc.dispatch([sh, qp = In<float>(in[0]), kp = in[1].data<float>(), vp = in[2].data<float>(),
+                tp = In<int32_t>(in[3]), lp = In<int32_t>(in[4]), out, lse]() {
+    std::vector<float> qs;
+    std::vector<int32_t> ts, ls;
+    const float* qv = qp.get(qs);
+    const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
+    paged_decode(sh, qv, kp, vp, tv, lv, out, lse);
+  });
+}
+
 class PagedDecodeAttention : public CpuOnly {
  public:
   PagedDecodeAttention(mx::Stream s, int block_size, float q_scale)
@@ -720,21 +754,33 @@ class PagedDecodeAttention : public CpuOnly {
     return block_size_ == o.block_size_ && q_scale_ == o.q_scale_;
   }
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3], &lengths = in[4];
-    int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
-    PagedShape sh{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
-                  tables.shape(1), block_size_, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
-                  q_scale_, wide_kernels().load(), software_prefetch().load()};
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([sh, qp = In<float>(q), kp = k.data<float>(), vp = v.data<float>(), tp = In<int32_t>(tables),
-                  lp = In<int32_t>(lengths), o = out.data<float>()]() {
-      std::vector<float> qs;
-      std::vector<int32_t> ts, ls;
-      const float* qv = qp.get(qs);
-      const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
-      paged_decode(sh, qv, kp, vp, tv, lv, o);
-    });
+    dispatch_paged_decode(stream(), in, paged_shape(in, block_size_, q_scale_), out.data<float>(), nullptr);
+  }
+
+ private:
+  int block_size_;
+  float q_scale_;
+};
+
+// A paged decode that also returns each query head's log-sum-exp: one query per row against some of a
+// sequence's keys (a context-parallel rank's), for merging with the other ranks' partials.
+class PagedDecodePartial : public mx::Primitive {
+ public:
+  PagedDecodePartial(mx::Stream s, int block_size, float q_scale)
+      : mx::Primitive(s), block_size_(block_size), q_scale_(q_scale) {}
+  const char* name() const override { return "MeshlmPagedDecodePartial"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PagedDecodePartial&>(other);
+    return block_size_ == o.block_size_ && q_scale_ == o.q_scale_;
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    dispatch_paged_decode(stream(), in, paged_shape(in, block_size_, q_scale_), outs[0].data<float>(),
+                          outs[1].data<float>());
   }
 
  private:
@@ -958,9 +1004,9 @@ mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
   return require_float32(a).strides().back() == 1 ? a : mx::contiguous(a, false, s);
 }
 
-mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
-                                 const mx::array& tables, const mx::array& lengths, int block_size,
-                                 float q_scale) {
+// The inputs of a paged decode, checked and as its primitives take them.
+std::vector<mx::array> paged_inputs(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                    const mx::array& tables, const mx::array& lengths, int block_size) {
   bool pools = k_pool.ndim() == 3 && k_pool.shape(1) > 0 && v_pool.shape() == k_pool.shape();
   bool grouped = pools && q.ndim() == 4 && q.shape(1) == k_pool.shape(1) && q.shape(3) == k_pool.shape(2);
   bool flat = pools && q.ndim() == 3 && q.shape(1) % k_pool.shape(1) == 0 && q.shape(2) == k_pool.shape(2);
@@ -974,9 +1020,26 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, co
     throw std::invalid_argument("paged_decode_attention: tables (R, max_blocks) and lengths (R,)");
   }
   auto s = current_stream();
-  std::vector<mx::array> inputs{float32_input(q, s), rows_contiguous(k_pool, s), rows_contiguous(v_pool, s),
-                                mx::astype(tables, mx::int32, s), mx::astype(lengths, mx::int32, s)};
-  return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(s, block_size, q_scale), inputs);
+  return {float32_input(q, s), rows_contiguous(k_pool, s), rows_contiguous(v_pool, s),
+          mx::astype(tables, mx::int32, s), mx::astype(lengths, mx::int32, s)};
+}
+
+mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                 const mx::array& tables, const mx::array& lengths, int block_size,
+                                 float q_scale) {
+  auto inputs = paged_inputs(q, k_pool, v_pool, tables, lengths, block_size);
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<PagedDecodeAttention>(current_stream(), block_size, q_scale), inputs);
+}
+
+std::vector<mx::array> paged_decode_partial(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                            const mx::array& tables, const mx::array& lengths, int block_size,
+                                            float q_scale) {
+  if (q.ndim() != 3) throw std::invalid_argument("paged_decode_partial: q (R, H, D)");
+  auto inputs = paged_inputs(q, k_pool, v_pool, tables, lengths, block_size);
+  return mx::array::make_arrays({q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
+                                std::make_shared<PagedDecodePartial>(current_stream(), block_size, q_scale),
+                                inputs);
 }
 
 
@@ -2351,4 +2414,8 @@ NB_MODULE(_cpu_ops, m) {
         nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"), nb::arg("q_scale") = 1.0f,
         "one query position per row against its blocks of a KV pool; q times q_scale is in base 2 "
         "(scale * log2(e) for a softmax scale)");
+  m.def("paged_decode_partial", &paged_decode_partial, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
+        nb::arg("tables"), nb::arg("lengths"), nb::arg("block_size"), nb::arg("q_scale") = 1.0f,
+        "paged_decode_attention of q (R, H, D) that also returns each query head's natural log-sum-exp (R, H); "
+        "a row of no keys gets zeros and -inf");
 }

@@ -63,6 +63,13 @@ class AttentionBackend(Protocol):
         the mask's meaning (a causal mask over position-sorted keys is such a prefix)."""
         ...
 
+    def decode_partial(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, tables: mx.array,
+                       lengths: mx.array, block_size: int, scale: float) -> tuple[mx.array, mx.array]:
+        """One query per row against the first lengths[i] slots of its blocks (tables (R, max_blocks)),
+        in place in the pools, for merging: q (R, H, D). Returns (R, H, D) and each query's natural
+        log-sum-exp (R, H); a row of no keys gets zeros and -inf."""
+        ...
+
 
 def attend_exact(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                  mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -76,14 +83,39 @@ def attend_exact(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     scores = (qg * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # (Hk, r, n, S)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
+    out, lse = _softmax_partial(scores, values.astype(mx.float32)[:, None])
+    out = out.transpose(2, 0, 1, 3).reshape(n, H, D).astype(q.dtype)
+    return out, lse.transpose(2, 0, 1).reshape(n, H)
+
+
+def _softmax_partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """Softmax of scores (..., n, S), -inf where masked, times values (..., S, D): the output (..., n, D)
+    and the natural log-sum-exp (..., n); zeros and -inf for a query with no key."""
     peak = mx.max(scores, axis=-1, keepdims=True)
     safe = mx.where(mx.isinf(peak), 0.0, peak)
     weights = mx.exp(scores - safe)
     total = weights.sum(axis=-1, keepdims=True)
-    out = (weights @ values.astype(mx.float32)[:, None]) / mx.maximum(total, 1e-30)
+    out = (weights @ values) / mx.maximum(total, 1e-30)
     lse = mx.where(total > 0, mx.log(mx.maximum(total, 1e-30)) + safe, -mx.inf)
-    out = out.transpose(2, 0, 1, 3).reshape(n, H, D).astype(q.dtype)
-    return out, lse[..., 0].transpose(2, 0, 1).reshape(n, H)
+    return out, lse[..., 0]
+
+
+def paged_partial(q: mx.array, pool_k: mx.array, pool_v: mx.array, tables: mx.array, lengths: mx.array,
+                  block_size: int, scale: float) -> tuple[mx.array, mx.array]:
+    """`AttentionBackend.decode_partial` in MLX ops: every row's blocks gathered into one padded copy."""
+    R, H, D = q.shape
+    Hk = pool_k.shape[1]
+    width = tables.shape[1] * block_size
+    slots = (tables[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(-1)
+
+    def rows_of(pool: mx.array) -> mx.array:  # (R, Hk, width, D)
+        return mx.take(pool, slots, axis=0).reshape(R, width, Hk, D).transpose(0, 2, 1, 3).astype(mx.float32)
+
+    qg = q.astype(mx.float32).reshape(R, Hk, H // Hk, D) * scale
+    scores = qg @ rows_of(pool_k).swapaxes(-1, -2)  # (R, Hk, r, width)
+    seen = (mx.arange(width)[None] < lengths[:, None])[:, None, None]
+    out, lse = _softmax_partial(mx.where(seen, scores, -mx.inf), rows_of(pool_v))
+    return out.reshape(R, H, D).astype(q.dtype), lse.reshape(R, H)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
@@ -128,6 +160,9 @@ class PortableBackend:
 
     def partial(self, q, keys, values, mask, scale, counts=None):
         return attend_exact(q, keys, values, scale, mask)
+
+    def decode_partial(self, q, pool_k, pool_v, tables, lengths, block_size, scale):
+        return paged_partial(q, pool_k, pool_v, tables, lengths, block_size, scale)
 
 
 class CPUBackend:
@@ -205,6 +240,14 @@ class CPUBackend:
                                      scale * LOG2E)
             return out, lse
         return cpu_kernels.partial_attention(q, keys, values, mask, scale, self.native)
+
+    def decode_partial(self, q, pool_k, pool_v, tables, lengths, block_size, scale):
+        if q.dtype != mx.float32 or self.native is None:
+            return paged_partial(q, pool_k, pool_v, tables, lengths, block_size, scale)
+        # In place in the pools, as one process's decode: a CP rank's decode rows gathered each row's
+        # keys and values twice (its slots, then head-major) before attending them with MLX ops.
+        out, lse = self.native.paged_decode_partial(q, pool_k, pool_v, tables, lengths, block_size, scale * LOG2E)
+        return out, lse
 
 
 def attention_backend(device_is_cpu: bool, cpu_kernels_on: bool, native=None, cores: int = 1) -> AttentionBackend:

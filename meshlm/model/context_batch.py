@@ -69,6 +69,18 @@ class RingRow:
     kv_index: mx.array | None = None  # pass-KV: the other ranks' keys of the row among the gathered ones
     blocks: tuple[QueryBlock, ...] = ()  # the row's queries against kv_slots (pass-Q, local) or kv_index
     own_blocks: tuple[QueryBlock, ...] = ()  # pass-KV: this rank's queries against its own kv_slots
+    paged: bool = False  # pass-Q, local: one query (a decode row), attended in the step's PagedRows
+
+
+@dataclass
+class PagedRows:
+    """The step's rows of one query (decode rows) under pass-Q or local: each query sees a prefix of this
+    rank's KV of its row, which `AttentionBackend.decode_partial` reads in place in the pools, every such
+    row in one call a layer (as one process's decode), instead of each row's keys gathered twice."""
+
+    q_index: mx.array  # (R,) each row's query among the gathered ones (pass-Q) or this rank's own (local)
+    tables: mx.array  # (R, max_blocks) int32: the rows' blocks in this rank's pools, padded with block 0
+    lengths: mx.array  # (R,) int32: the keys of its row, on this rank, each query sees
 
 
 def query_blocks(q_positions: np.ndarray, k_positions: np.ndarray) -> tuple[QueryBlock, ...]:
@@ -104,6 +116,10 @@ class ContextBatch:
     logit_rows: list[int]  # uid per wanted row of logits, in order
     logit_index: mx.array  # (rows of logits,) index among this rank's tokens (0 when another holds it)
     logit_mine: mx.array  # (rows of logits,) 1.0 where this rank holds the wanted position, else 0.0
+    paged: PagedRows | None = None  # pass-Q, local: the rows of one query
+    # local with paged rows: (count,) where each own token's output sits in [the other rows' outputs, in
+    # row order; the paged rows']
+    out_order: mx.array | None = None
 
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
@@ -124,6 +140,9 @@ class ContextBatch:
         kv_local: list[mx.array] = []  # pass-KV: this rank's slots of each row, in position order
         q_order = np.full(n * width, -1, dtype=np.int64)  # pass-Q; -1: padding
         placed = 0  # pass-Q: partials computed so far, in row order
+        paged: list[tuple[int, tuple[int, ...], int]] = []  # (query index, blocks, keys seen) of paged rows
+        local_order = np.full(0, 0, dtype=np.int64)  # local: see ContextBatch.out_order
+        local_placed = 0
         logit_rows, logit_index, logit_mine = [], [], []
         for i, (r, end) in enumerate(zip(rows, ends)):
             mine = new[me][i]
@@ -134,8 +153,16 @@ class ContextBatch:
             row = RingRow(r.uid, own)
             if algorithm == LOCAL:
                 if len(mine):  # a row held elsewhere costs this rank nothing
-                    row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
-                    row.blocks = query_blocks(mine, splits[me][i].held(0, end))
+                    held = splits[me][i].held(0, end)
+                    if len(mine) == 1:
+                        row.paged = True
+                        local_order = np.append(local_order, -2 - len(paged))
+                        paged.append((own.start, r.blocks, int(np.searchsorted(held, mine[0], "right"))))
+                    else:
+                        local_order = np.append(local_order, local_placed + np.arange(len(mine)))
+                        local_placed += len(mine)
+                        row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
+                        row.blocks = query_blocks(mine, held)
             elif algorithm == PASS_KV:
                 # Its own KV straight from the pools (attended while the gather runs), the other ranks'
                 # from the gathered keys; the two partials merge by log-sum-exp.
@@ -153,11 +180,17 @@ class ContextBatch:
                 at = np.concatenate([new[s][i] for s in range(n)])
                 by_pos = np.argsort(at, kind="stable")
                 q_index = np.concatenate(index)[by_pos]
-                q_order[q_index] = placed + np.arange(len(q_index))
-                placed += len(q_index)
-                row.q_index = _ints(q_index)
-                row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
-                row.blocks = query_blocks(at[by_pos], splits[me][i].held(0, end))
+                held = splits[me][i].held(0, end)
+                if len(q_index) == 1:
+                    row.paged = True
+                    q_order[q_index] = -2 - len(paged)
+                    paged.append((int(q_index[0]), r.blocks, int(np.searchsorted(held, at[0], "right"))))
+                else:
+                    q_order[q_index] = placed + np.arange(len(q_index))
+                    placed += len(q_index)
+                    row.q_index = _ints(q_index)
+                    row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
+                    row.blocks = query_blocks(at[by_pos], held)
             for s in range(n):
                 q_first[s] += len(new[s][i])
                 kv_first[s] += kv_counts[s][i]
@@ -170,7 +203,10 @@ class ContextBatch:
                 logit_index.append(own.start + at if held_here else 0)
                 logit_mine.append(1.0 if held_here else 0.0)
         count = len(tokens)
-        q_order[q_order < 0] = placed  # padding reads the zero partial appended after the rows'
+        # The paged rows' partials follow the other rows'; padding reads the zero partial after them all.
+        q_order[q_order <= -2] = placed + (-2 - q_order[q_order <= -2])
+        q_order[q_order == -1] = placed + len(paged)
+        local_order[local_order <= -2] = local_placed + (-2 - local_order[local_order <= -2])
         sent = mx.concatenate(kv_local) if kv_local else _ints([])
         if algorithm == PASS_KV and sent.shape[0] < kv_width:  # padded with a slot it holds (or slot 0)
             filler = sent[:1] if sent.shape[0] else _ints([0])
@@ -178,7 +214,18 @@ class ContextBatch:
         pad = width - count
         return cls(split, algorithm, width, count, _ints(tokens + [0] * pad), _ints(positions + [0] * pad),
                    _ints(slots), out_rows, _ints(q_order), sent, kv_width, logit_rows,
-                   _ints(logit_index), mx.array(logit_mine, dtype=mx.float32))
+                   _ints(logit_index), mx.array(logit_mine, dtype=mx.float32), _paged_rows(paged, split.block_size),
+                   _ints(local_order) if paged and algorithm == LOCAL else None)
+
+
+def _paged_rows(rows: list[tuple[int, tuple[int, ...], int]], block_size: int) -> PagedRows | None:
+    if not rows:
+        return None
+    width = max(1, max(-(-seen // block_size) for _, _, seen in rows))
+    tables = [list(blocks[: -(-seen // block_size)]) + [0] * (width - -(-seen // block_size))
+              for _, blocks, seen in rows]
+    return PagedRows(_ints([q for q, _, _ in rows]), mx.array(tables, dtype=mx.int32),
+                     _ints([seen for _, _, seen in rows]))
 
 
 def _ints(values) -> mx.array:

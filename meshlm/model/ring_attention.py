@@ -171,9 +171,19 @@ class RingLayerKV(LayerKV):
 
     def _local(self, q, pool_k, pool_v, scale) -> mx.array:
         """Rows kept whole: this rank's own rows against its own pools, nothing gathered."""
+        b = self.batch
         outs = [self._attend_pools(q, row, row.blocks, pool_k, pool_v, scale)[0]
-                for row in self.batch.rows if row.own.stop > row.own.start]
+                for row in b.rows if row.own.stop > row.own.start and not row.paged]
+        if b.paged is not None:
+            outs.append(self._paged(mx.take(q, b.paged.q_index, axis=0), pool_k, pool_v, scale)[0])
+            outs = [mx.take(mx.concatenate(outs) if len(outs) > 1 else outs[0], b.out_order, axis=0)]
         return self._padded(outs, q)
+
+    def _paged(self, q, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
+        """The step's rows of one query (`ContextBatch.paged`), q (R, H, D), in place in the pools."""
+        p = self.batch.paged
+        return self.backend.decode_partial(q, pool_k, pool_v, p.tables, p.lengths, self.batch.split.block_size,
+                                           scale)
 
     def _attend_pools(self, q, row, blocks, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
         """This rank's queries of `row` against the row's KV in this rank's own pools: output and lse."""
@@ -193,8 +203,14 @@ class RingLayerKV(LayerKV):
         H, D = q.shape[1], q.shape[2]
         outs, lses = [], []
         for row in b.rows:
+            if row.paged:
+                continue
             k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
             o, lse = attend_blocks(mx.take(every_q, row.q_index, axis=0), k, v, row.blocks, self.backend, scale)
+            outs.append(o.astype(mx.float32))
+            lses.append(lse)
+        if b.paged is not None:  # after the other rows' partials, where q_order looks for them
+            o, lse = self._paged(mx.take(every_q, b.paged.q_index, axis=0), pool_k, pool_v, scale)
             outs.append(o.astype(mx.float32))
             lses.append(lse)
         outs.append(mx.zeros((1, H, D), dtype=mx.float32))

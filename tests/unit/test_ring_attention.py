@@ -149,4 +149,62 @@ def test_rows_all_kept_whole_run_local_steps_of_each_ranks_own_tokens():
         assert np.array(b.positions).tolist() == own and np.array(b.slots).tolist() == slots
         assert np.array(b.logit_mine).tolist() == ([1.0, 0.0] if rank == 0 else [0.0, 1.0])
         held = [r for r in b.rows if r.own.stop > r.own.start]
-        assert [r.uid for r in held] == [rank + 1] and held[0].kv_slots.shape[0] == own[-1] + 1
+        assert [r.uid for r in held] == [rank + 1]
+        if len(own) > 1:
+            assert held[0].kv_slots.shape[0] == own[-1] + 1 and b.paged is None
+        else:  # one query (a decode row): read in place from its blocks, every key it holds seen
+            assert held[0].paged and np.array(b.paged.lengths).tolist() == [own[-1] + 1]
+            assert np.array(b.paged.tables).tolist() == [[1, 2]] and np.array(b.out_order).tolist() == [0]
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
+def test_decode_partial_reads_each_rows_prefix_of_its_blocks_in_place(backend):
+    """A CP rank's decode rows (one query each) attend in place in the pools to the first `lengths[i]`
+    slots of their blocks: the output and log-sum-exp of the masked MLX ops on the gathered keys, long
+    rows (cut into chunks by the compiled kernel) and a row with no key (zeros, -inf) included."""
+    rng = np.random.default_rng(7)
+    bs, slots, heads, kv_heads, dim = 16, 4096, 9, 3, 64
+    pool_k = mx.array(rng.standard_normal((slots, kv_heads, dim)).astype(np.float32))
+    pool_v = mx.array(rng.standard_normal((slots, kv_heads, dim)).astype(np.float32))
+    lengths = [1, 0, 37, 700, 2000, 16]
+    order = rng.permutation(slots // bs)
+    width = max(-(-n // bs) for n in lengths)
+    tables, used = [], 0
+    for n in lengths:
+        blocks = order[used:used + -(-n // bs)].tolist()
+        used += len(blocks)
+        tables.append(blocks + [0] * (width - len(blocks)))
+    q = mx.array(rng.standard_normal((len(lengths), heads, dim)).astype(np.float32) * 2)
+    out, lse = backend.decode_partial(q, pool_k, pool_v, mx.array(tables, dtype=mx.int32),
+                                      mx.array(lengths, dtype=mx.int32), bs, 0.125)
+    out, lse = np.array(out), np.array(lse)
+    assert (out[1] == 0).all() and (lse[1] == -np.inf).all()
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        at = (np.array(tables[i])[:, None] * bs + np.arange(bs)).reshape(-1)[:n]
+        k = mx.array(np.array(pool_k)[at].transpose(1, 0, 2))
+        v = mx.array(np.array(pool_v)[at].transpose(1, 0, 2))
+        want_out, want_lse = attend_exact(q[i:i + 1], k, v, 0.125)
+        assert np.abs(out[i] - np.array(want_out)[0]).max() < 1e-5, (i, n)
+        assert np.abs(lse[i] - np.array(want_lse)[0]).max() < 1e-4, (i, n)
+
+
+def test_a_pass_q_step_reads_its_decode_rows_in_place_and_orders_their_partials_after_the_others():
+    """Rows of one query go to one paged call; `q_order` then finds their partials after the other rows',
+    and padding the zero partial after them all."""
+    rows = [RowSpec(1, 7, (5,), (4, 9), LOGITS_LAST), RowSpec(2, 0, tuple(range(3, 9)), (1, 2), LOGITS_LAST),
+            RowSpec(3, 12, (6,), (3, 5, 7, 8), LOGITS_LAST)]
+    for rank in (0, 1):
+        b = ContextBatch.build(rows, ContextSplit(2, rank, 4), PASS_Q)
+        assert [r.paged for r in b.rows] == [True, False, True]
+        assert b.rows[0].q_index is None and b.rows[1].q_index is not None
+        order = np.array(b.q_order)
+        others = int(b.rows[1].q_index.shape[0])  # the prompt row's partials come first
+        paged_at = np.array(b.paged.q_index)
+        assert order[paged_at].tolist() == [others, others + 1]
+        assert sorted(order[order < others].tolist()) == list(range(others))
+        assert (order[order > others + 1] == others + 2).all()  # padding
+        # every key of its row this rank holds precedes the query: it sees them all
+        kv = ContextSplit(2, rank, 4)
+        assert np.array(b.paged.lengths).tolist() == [kv.local_count(8), kv.local_count(13)]
