@@ -41,6 +41,7 @@ SPLIT_DECODE_ROWS = 8  # decode batches this large run half their attention on a
 class AttentionBackend(Protocol):
     name: str
     groups_extend_rows: bool  # several short prompts attend in one padded call (Batch.build groups them)
+    partial_counts: bool  # `partial` given counts is one call for any number of queries (no blocks needed)
 
     def decode(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, rows: DecodeRows, block_size: int,
                scale: float) -> mx.array:
@@ -141,6 +142,7 @@ class PortableBackend:
 
     name = "portable (gather + mx.fast.scaled_dot_product_attention)"
     groups_extend_rows = True  # a row's gather and SDPA are several MLX ops: fewer calls for many short rows
+    partial_counts = False  # its partial builds (queries, keys) masks: blocks keep them small
 
     def decode(self, q, pool_k, pool_v, rows, block_size, scale):
         outs = []
@@ -172,6 +174,8 @@ class CPUBackend:
         self.native = native
         self._causal = native.causal_attention if native is not None and native.packed_gemm else None
         self._partial = native.causal_partial if self._causal is not None else None
+        # `partial` with counts runs one call for any number of queries (ring_attention.attend_blocks)
+        self.partial_counts = self._partial is not None
         # With the compiled causal attention each row is one node that computes only what it sees: 16
         # prompts of ~260 tokens prefilled 12 % faster on the 72M llama (one core) and ~30 % on the demo
         # model (two threads) row by row than in padded groups of MLX ops, and 16 of 4-43 tokens ~7 %.

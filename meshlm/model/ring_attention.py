@@ -38,6 +38,15 @@ def attend_blocks(q: mx.array, keys: mx.array, values: mx.array, blocks, backend
     block by block (context_batch.query_blocks). Returns the output (n, H, D) and log-sum-exp (n, H);
     a query with no key gets zeros and -inf, which merge as no contribution."""
     H, D = q.shape[1], q.shape[2]
+    if backend.partial_counts and len(blocks) > 1 and q.dtype == mx.float32:
+        # A kernel that takes each query's count of visible keys needs no blocks: one call reads each key
+        # once for every query, where 128-query blocks re-read them (a 32K-token prefill's chunk on a CP=2
+        # rank: 57 -> 45 ms an attention).
+        visible = max(blk.visible for blk in blocks)
+        if visible > 0:
+            counts = mx.concatenate([blk.counts for blk in blocks])
+            return backend.partial(q, keys[:visible].transpose(1, 0, 2), values[:visible].transpose(1, 0, 2),
+                                   None, scale, counts)
     # Head-major and contiguous once per row, so each block reads a prefix of it with no copy.
     keys, values = mx.contiguous(keys.transpose(1, 0, 2)), mx.contiguous(values.transpose(1, 0, 2))
     outs, lses = [], []

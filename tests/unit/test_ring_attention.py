@@ -43,9 +43,10 @@ def _full(q, q_pos, k, v, k_pos, scale):
 
 @pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_merged_partials_over_a_split_sequence_equal_full_attention(backend, ranks):
+@pytest.mark.parametrize("length, n", [(300, 70), (700, 300)])  # one query block; three (one call, compiled)
+def test_merged_partials_over_a_split_sequence_equal_full_attention(backend, ranks, length, n):
     rng = np.random.default_rng(ranks)
-    length, n = 300, 70  # the last 70 positions are queries, as in a prefill chunk after a cached prefix
+    # the last n positions are queries, as in a prefill chunk after a cached prefix
     k = rng.standard_normal((length, HK, D)).astype(np.float32)
     v = rng.standard_normal((length, HK, D)).astype(np.float32)
     q = rng.standard_normal((n, H, D)).astype(np.float32) * 3
