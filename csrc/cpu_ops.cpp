@@ -669,6 +669,15 @@ class CpuOnly : public mx::UnaryPrimitive {
   }
 };
 
+// The same for primitives of several outputs.
+class CpuOnlyOutputs : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+  }
+};
+
 class SwiGLU : public CpuOnly {
  public:
   using CpuOnly::CpuOnly;
@@ -700,14 +709,11 @@ class Softmax2 : public CpuOnly {
   }
 };
 
-class Softmax2Lse : public mx::Primitive {
+class Softmax2Lse : public CpuOnlyOutputs {
  public:
-  using mx::Primitive::Primitive;
+  using CpuOnlyOutputs::CpuOnlyOutputs;
   const char* name() const override { return "MeshlmSoftmax2Lse"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
-  }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto &out = outs[0], &lse = outs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -744,48 +750,28 @@ void dispatch_paged_decode(mx::Stream stream, const std::vector<mx::array>& in, 
   });
 }
 
-class PagedDecodeAttention : public CpuOnly {
+// One query per row against its blocks of the pools (paged_decode); with `lse`, a second output holds each
+// query head's log-sum-exp: a context-parallel rank's partial over some of a sequence's keys, for merging
+// with the other ranks'.
+class PagedDecodeAttention : public CpuOnlyOutputs {
  public:
-  PagedDecodeAttention(mx::Stream s, int block_size, float q_scale)
-      : CpuOnly(s), block_size_(block_size), q_scale_(q_scale) {}
-  const char* name() const override { return "MeshlmPagedDecodeAttention"; }
+  PagedDecodeAttention(mx::Stream s, int block_size, float q_scale, bool lse)
+      : CpuOnlyOutputs(s), block_size_(block_size), q_scale_(q_scale), lse_(lse) {}
+  const char* name() const override { return lse_ ? "MeshlmPagedDecodePartial" : "MeshlmPagedDecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedDecodeAttention&>(other);
-    return block_size_ == o.block_size_ && q_scale_ == o.q_scale_;
-  }
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    dispatch_paged_decode(stream(), in, paged_shape(in, block_size_, q_scale_), out.data<float>(), nullptr);
-  }
-
- private:
-  int block_size_;
-  float q_scale_;
-};
-
-// A paged decode that also returns each query head's log-sum-exp: one query per row against some of a
-// sequence's keys (a context-parallel rank's), for merging with the other ranks' partials.
-class PagedDecodePartial : public mx::Primitive {
- public:
-  PagedDecodePartial(mx::Stream s, int block_size, float q_scale)
-      : mx::Primitive(s), block_size_(block_size), q_scale_(q_scale) {}
-  const char* name() const override { return "MeshlmPagedDecodePartial"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const PagedDecodePartial&>(other);
-    return block_size_ == o.block_size_ && q_scale_ == o.q_scale_;
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
+    return block_size_ == o.block_size_ && q_scale_ == o.q_scale_ && lse_ == o.lse_;
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
     dispatch_paged_decode(stream(), in, paged_shape(in, block_size_, q_scale_), outs[0].data<float>(),
-                          outs[1].data<float>());
+                          lse_ ? outs[1].data<float>() : nullptr);
   }
 
  private:
   int block_size_;
   float q_scale_;
+  bool lse_;
 };
 
 class RmsNorm : public CpuOnly {
@@ -1028,8 +1014,9 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool, co
                                  const mx::array& tables, const mx::array& lengths, int block_size,
                                  float q_scale) {
   auto inputs = paged_inputs(q, k_pool, v_pool, tables, lengths, block_size);
-  return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PagedDecodeAttention>(current_stream(), block_size, q_scale), inputs);
+  return mx::array::make_arrays({q.shape()}, {mx::float32},
+                                std::make_shared<PagedDecodeAttention>(current_stream(), block_size, q_scale, false),
+                                inputs)[0];
 }
 
 std::vector<mx::array> paged_decode_partial(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
@@ -1038,7 +1025,7 @@ std::vector<mx::array> paged_decode_partial(const mx::array& q, const mx::array&
   if (q.ndim() != 3) throw std::invalid_argument("paged_decode_partial: q (R, H, D)");
   auto inputs = paged_inputs(q, k_pool, v_pool, tables, lengths, block_size);
   return mx::array::make_arrays({q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
-                                std::make_shared<PagedDecodePartial>(current_stream(), block_size, q_scale),
+                                std::make_shared<PagedDecodeAttention>(current_stream(), block_size, q_scale, true),
                                 inputs);
 }
 
@@ -1696,15 +1683,12 @@ class CausalAttention : public CpuOnly {
 
 // A ring step's attention of position-sorted queries to position-sorted keys (context parallelism):
 // query t sees the first counts[t] keys. Outputs: (T, H, D), and (T, H) log-sum-exps for the merge.
-class CausalPartial : public mx::Primitive {
+class CausalPartial : public CpuOnlyOutputs {
  public:
-  CausalPartial(mx::Stream s, float q_scale) : mx::Primitive(s), q_scale_(q_scale) {}
+  CausalPartial(mx::Stream s, float q_scale) : CpuOnlyOutputs(s), q_scale_(q_scale) {}
   const char* name() const override { return "MeshlmCausalPartial"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return q_scale_ == static_cast<const CausalPartial&>(other).q_scale_;
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     const auto &q = in[0], &k = in[1], &v = in[2];
@@ -1745,17 +1729,14 @@ class PackedLinear : public CpuOnly {
 
 // One packed GEMM whose panels fill several outputs: the q, k and v projections of a layer (one node
 // and one pass of the GEMM threads where there were three).
-class PackedLinearSplit : public mx::Primitive {
+class PackedLinearSplit : public CpuOnlyOutputs {
  public:
   PackedLinearSplit(mx::Stream s, std::vector<int> sizes, bool has_bias)
-      : mx::Primitive(s), sizes_(std::move(sizes)), has_bias_(has_bias) {}
+      : CpuOnlyOutputs(s), sizes_(std::move(sizes)), has_bias_(has_bias) {}
   const char* name() const override { return "MeshlmPackedLinearSplit"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PackedLinearSplit&>(other);
     return sizes_ == o.sizes_ && has_bias_ == o.has_bias_;
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     const auto &x = in[0], &w = in[1];
@@ -1910,16 +1891,13 @@ void write_slots(float* pool, int64_t S, int64_t n, const int32_t* slots, const 
 // o panels, then norm2, gate/up panels, down panels (not under `split`), then the optional q/k/v bias,
 // q and k norms, o bias. Outputs: the layer's h (`split`: this rank's partial o, to be summed before
 // DecodeMLP), the K pool and the V pool with this step's rows written, in place when MLX can donate them.
-class DecodeLayerNode : public mx::Primitive {
+class DecodeLayerNode : public CpuOnlyOutputs {
  public:
   static constexpr int K_POOL = 5, V_POOL = 6, SLOTS = 7, TABLES = 8, LENGTHS = 9, O = 10, LN2 = 11, GU = 12,
                        DOWN = 13;
-  DecodeLayerNode(mx::Stream s, DecodeLayerShape sh, bool split) : mx::Primitive(s), sh_(sh), split_(split) {}
+  DecodeLayerNode(mx::Stream s, DecodeLayerShape sh, bool split) : CpuOnlyOutputs(s), sh_(sh), split_(split) {}
   const char* name() const override { return "MeshlmDecodeLayer"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // each writes its own pools
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
-  }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     release_sibling_inputs(in, outs);
     outs[0].set_data(mx::allocator::malloc(outs[0].nbytes()));
@@ -1995,14 +1973,11 @@ class DecodeLayerNode : public mx::Primitive {
 
 // inputs: h, the summed attention output (its bias added), norm2, gate/up panels, down panels.
 // Outputs: h + attention, and this rank's partial MLP output (to be summed).
-class DecodeMLP : public mx::Primitive {
+class DecodeMLP : public CpuOnlyOutputs {
  public:
-  DecodeMLP(mx::Stream s, DecodeLayerShape sh) : mx::Primitive(s), sh_(sh) {}
+  DecodeMLP(mx::Stream s, DecodeLayerShape sh) : CpuOnlyOutputs(s), sh_(sh) {}
   const char* name() const override { return "MeshlmDecodeMLP"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("meshlm cpu_ops run on the CPU only");
-  }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
     const auto &gu = in[3], &down = in[4];
