@@ -141,7 +141,7 @@ class ContextBatch:
         q_order = np.full(n * width, -1, dtype=np.int64)  # pass-Q; -1: padding
         placed = 0  # pass-Q: partials computed so far, in row order
         paged: list[tuple[int, tuple[int, ...], int]] = []  # (query index, blocks, keys seen) of paged rows
-        local_order = np.full(0, 0, dtype=np.int64)  # local: see ContextBatch.out_order
+        local_order: list[np.ndarray] = []  # local: see ContextBatch.out_order (-2 - j: paged row j)
         local_placed = 0
         logit_rows, logit_index, logit_mine = [], [], []
         for i, (r, end) in enumerate(zip(rows, ends)):
@@ -156,10 +156,10 @@ class ContextBatch:
                     held = splits[me][i].held(0, end)
                     if len(mine) == 1:
                         row.paged = True
-                        local_order = np.append(local_order, -2 - len(paged))
+                        local_order.append(np.array([-2 - len(paged)]))
                         paged.append((own.start, r.blocks, int(np.searchsorted(held, mine[0], "right"))))
                     else:
-                        local_order = np.append(local_order, local_placed + np.arange(len(mine)))
+                        local_order.append(local_placed + np.arange(len(mine)))
                         local_placed += len(mine)
                         row.kv_slots = row_slots(r.blocks, kv_counts[me][i], split.block_size)
                         row.blocks = query_blocks(mine, held)
@@ -206,7 +206,8 @@ class ContextBatch:
         # The paged rows' partials follow the other rows'; padding reads the zero partial after them all.
         q_order[q_order <= -2] = placed + (-2 - q_order[q_order <= -2])
         q_order[q_order == -1] = placed + len(paged)
-        local_order[local_order <= -2] = local_placed + (-2 - local_order[local_order <= -2])
+        out_order = np.concatenate(local_order) if local_order else np.zeros(0, dtype=np.int64)
+        out_order[out_order <= -2] = local_placed + (-2 - out_order[out_order <= -2])
         sent = mx.concatenate(kv_local) if kv_local else _ints([])
         if algorithm == PASS_KV and sent.shape[0] < kv_width:  # padded with a slot it holds (or slot 0)
             filler = sent[:1] if sent.shape[0] else _ints([0])
@@ -215,7 +216,7 @@ class ContextBatch:
         return cls(split, algorithm, width, count, _ints(tokens + [0] * pad), _ints(positions + [0] * pad),
                    _ints(slots), out_rows, _ints(q_order), sent, kv_width, logit_rows,
                    _ints(logit_index), mx.array(logit_mine, dtype=mx.float32), _paged_rows(paged, split.block_size),
-                   _ints(local_order) if paged and algorithm == LOCAL else None)
+                   _ints(out_order) if paged and algorithm == LOCAL else None)
 
 
 def _paged_rows(rows: list[tuple[int, tuple[int, ...], int]], block_size: int) -> PagedRows | None:
