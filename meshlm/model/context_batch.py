@@ -34,7 +34,7 @@ from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
 from meshlm.kv.context_split import ContextSplit, row_split
 from meshlm.model.batch import RowSpec, row_slots
 
-PASS_KV, PASS_Q, LOCAL = "pass-kv", "pass-q", "local"
+PASS_KV, PASS_Q, LOCAL, REPLICATED = "pass-kv", "pass-q", "local", "replicated"
 # The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
 # KV transfer) is off: measured 2026-11-24 (benchmarks/context_parallel.py, CP=2 on one core per rank,
 # 1,024-token chunks of a 16K-token prompt), pass-Q was 1.11-1.22x faster at every cached fraction from
@@ -120,9 +120,42 @@ class ContextBatch:
     # local with paged rows: (count,) where each own token's output sits in [the other rows' outputs, in
     # row order; the paged rows']
     out_order: mx.array | None = None
+    write_index: mx.array | None = None  # replicated: (count,) this rank's own tokens among the `width`
+
+    @classmethod
+    def replicated(cls, rows: list[RowSpec], split: ContextSplit) -> "ContextBatch":
+        """A step of one new token a row (decode): every rank runs every row's token through the matrices
+        (the other ranks' padding ran them anyway) and attends all of them to its own KV; one gather of the
+        partials a layer then leaves every rank with every row's output, where pass-Q gathers the queries
+        too, and no sum brings the logits to rank 0. Only a token's holder writes its K and V."""
+        tokens, positions, slots, own, paged = [], [], [], [], []
+        for i, r in enumerate(rows):
+            end = r.start + 1
+            sp = row_split(split.for_rank(split.rank), r.holder)
+            (position,) = np.concatenate([row_split(split.for_rank(s), r.holder).held(r.start, end)
+                                          for s in range(split.ranks)])
+            tokens.append(r.token_ids[0])
+            positions.append(int(position))
+            if sp.held(r.start, end).size:
+                own.append(i)
+                slots.extend(sp.slots(r.blocks, np.array([position])).tolist())
+            paged.append((i, r.blocks, int(np.searchsorted(sp.held(0, end), position, "right"))))
+        logit_rows, logit_index = [], []
+        for i, r in enumerate(rows):
+            if r.logits != LOGITS_NONE:
+                logit_rows.append(r.uid)
+                logit_index.append(i)
+        out_rows = [RingRow(r.uid, slice(i, i + 1) if i in own else slice(i, i), paged=True)
+                    for i, r in enumerate(rows)]
+        return cls(split, REPLICATED, len(rows), len(own), _ints(tokens), _ints(positions), _ints(slots), out_rows,
+                   _ints([]), _ints([]), 0, logit_rows, _ints(logit_index),
+                   mx.ones((len(logit_rows),), dtype=mx.float32), _paged_rows(paged, split.block_size),
+                   write_index=_ints(own))
 
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
+        if algorithm == REPLICATED:
+            return cls.replicated(rows, split)
         n, me = split.ranks, split.rank
         # How each rank holds each row: its share of a split row, all or nothing of a whole one.
         splits = [[row_split(split.for_rank(s), r.holder) for r in rows] for s in range(n)]
@@ -244,6 +277,8 @@ def choose_algorithm(setting: str, rows: list[RowSpec], kv_heads: int, q_heads: 
         return LOCAL  # whatever the setting: nothing needs to travel
     if setting != "auto":
         return setting
+    if rows and all(len(r.token_ids) == 1 for r in rows):
+        return REPLICATED
     new = sum(len(r.token_ids) for r in rows)
     cached = sum(r.start for r in rows)
     if new == 0:

@@ -26,7 +26,7 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.kv.store import KVStore
 from meshlm.model.adapt import ModelParts
 from meshlm.model.attention import AttentionBackend, LayerKV, TokenPositions, merge_partials
-from meshlm.model.context_batch import LOCAL, MIN_NEW_FOR_KV, PASS_KV, ContextBatch
+from meshlm.model.context_batch import LOCAL, MIN_NEW_FOR_KV, PASS_KV, REPLICATED, ContextBatch
 from meshlm.model.forward import narrows, rows_after_attention
 
 EVAL_SCORES = 1 << 22  # attention blocks with this many scores are evaluated as they are built
@@ -141,7 +141,10 @@ class RingLayerKV(LayerKV):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b = self.batch
-        if b.count:  # padding tokens write nothing
+        if b.count and b.write_index is not None:  # replicated: only the tokens this rank holds
+            self.store.write(self.layer, b.slots, mx.take(keys, b.write_index, axis=2),
+                             mx.take(values, b.write_index, axis=2))
+        elif b.count:  # padding tokens write nothing
             self.store.write(self.layer, b.slots, keys[:, :, : b.count], values[:, :, : b.count])
         return keys, values
 
@@ -152,7 +155,9 @@ class RingLayerKV(LayerKV):
         pool_k, pool_v = self.store.keys[self.layer], self.store.values[self.layer]
         algorithm = self.batch.algorithm
         out = self._pass_kv(q, pool_k, pool_v, scale) if algorithm == PASS_KV else \
-            self._local(q, pool_k, pool_v, scale) if algorithm == LOCAL else self._pass_q(q, pool_k, pool_v, scale)
+            self._local(q, pool_k, pool_v, scale) if algorithm == LOCAL else \
+            self._replicated(q, pool_k, pool_v, scale) if algorithm == REPLICATED else \
+            self._pass_q(q, pool_k, pool_v, scale)
         return tie(out, self.chain.last).transpose(1, 0, 2)[None]
 
     def _gather(self, x: mx.array) -> mx.array:
@@ -187,6 +192,16 @@ class RingLayerKV(LayerKV):
             outs.append(self._paged(mx.take(q, b.paged.q_index, axis=0), pool_k, pool_v, scale)[0])
             outs = [mx.take(mx.concatenate(outs) if len(outs) > 1 else outs[0], b.out_order, axis=0)]
         return self._padded(outs, q)
+
+    def _replicated(self, q, pool_k, pool_v, scale) -> mx.array:
+        """Every row's query against this rank's KV of its row; the ranks' partials gathered and merged in
+        rank order, the same bits on every rank."""
+        H, D = q.shape[1], q.shape[2]
+        o, lse = self._paged(q, pool_k, pool_v, scale)
+        every = self._gather(mx.concatenate([o.astype(mx.float32), lse[..., None]], axis=-1))
+        every = every.reshape(self.batch.split.ranks, -1, H, D + 1)
+        merged, _ = merge_partials([(every[i, ..., :D], every[i, ..., D]) for i in range(self.batch.split.ranks)])
+        return merged.astype(q.dtype)
 
     def _paged(self, q, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
         """The step's rows of one query (`ContextBatch.paged`), q (R, H, D), in place in the pools."""
@@ -256,6 +271,11 @@ def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
         return None, chain.last
     if picked is None:
         picked = mx.take(h[0], batch.logit_index, axis=0)
+    if batch.algorithm == REPLICATED:  # every rank holds every row's last hidden state: rank 0 projects
+        if batch.split.rank != 0:
+            return None, chain.last
+        logits = parts.head(picked[None])[0]
+        return logits, logits
     picked = picked * batch.logit_mine[:, None].astype(picked.dtype)
     picked = chain.sum(picked, group)  # every wanted row, from the rank that holds it
     if batch.split.rank != 0:  # the leader samples: only it projects to the vocabulary

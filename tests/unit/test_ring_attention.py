@@ -13,7 +13,8 @@ from meshlm.kv.context_split import ContextSplit
 from meshlm.model import cpu_kernels
 from meshlm.model.attention import CPUBackend, PortableBackend, attend_exact, merge_partials
 from meshlm.model.batch import RowSpec
-from meshlm.model.context_batch import LOCAL, PASS_KV, PASS_Q, ContextBatch, choose_algorithm, query_blocks
+from meshlm.model.context_batch import (LOCAL, PASS_KV, PASS_Q, REPLICATED, ContextBatch, choose_algorithm,
+                                         query_blocks)
 from meshlm.model.ring_attention import attend_blocks
 
 H, HK, D = 4, 2, 16
@@ -134,7 +135,8 @@ def test_heuristic_at_and_around_its_thresholds():
     # enough new tokens to hide the KV transfer: pass-KV whatever the cached share
     assert choose_algorithm("auto", _rows(4096, 100000), 2, 8, 4096) == PASS_KV
     assert choose_algorithm("auto", _rows(4095, 100000), 2, 8, 4096) == PASS_Q
-    assert choose_algorithm("auto", _rows(1, 5000), 2, 8, 4096) == PASS_Q  # decode
+    assert choose_algorithm("auto", _rows(1, 5000), 2, 8, 4096) == REPLICATED  # decode: one token a row
+    assert choose_algorithm("pass-q", _rows(1, 5000), 2, 8, 4096) == PASS_Q
     assert choose_algorithm("pass-q", _rows(5000, 0), 2, 8, 1) == PASS_Q  # forced
     assert choose_algorithm("pass-kv", _rows(1, 5000), 2, 8, 1 << 30) == PASS_KV
 
@@ -209,3 +211,24 @@ def test_a_pass_q_step_reads_its_decode_rows_in_place_and_orders_their_partials_
         # every key of its row this rank holds precedes the query: it sees them all
         kv = ContextSplit(2, rank, 4)
         assert np.array(b.paged.lengths).tolist() == [kv.local_count(8), kv.local_count(13)]
+
+
+def test_a_decode_step_runs_every_rows_token_on_every_rank_and_writes_only_its_own():
+    """Replicated (decode steps under auto): every rank runs the same tokens at the same positions, attends
+    each row's query to the keys of the row it holds, writes K and V only for the tokens it holds, and
+    needs no sum for the logits (every rank has every row)."""
+    rows = [RowSpec(1, 9, (5,), (4, 9), LOGITS_LAST), RowSpec(2, 4, (8,), (1, 2), LOGITS_LAST, holder=1),
+            RowSpec(3, 14, (6,), (3, 5, 7, 8), LOGITS_LAST)]
+    assert choose_algorithm("auto", rows, 2, 8, 1 << 30) == REPLICATED
+    built = [ContextBatch.build(rows, ContextSplit(2, rank, 4), REPLICATED) for rank in (0, 1)]
+    for rank, b in enumerate(built):
+        assert b.width == 3 and np.array(b.tokens).tolist() == [5, 8, 6]
+        assert np.array(b.positions).tolist() == [9, 4, 14]
+        assert np.array(b.logit_index).tolist() == [0, 1, 2] and b.logit_rows == [1, 2, 3]
+        split = ContextSplit(2, rank, 4)
+        held = [int(split.held(9, 10).size), rank == 1, int(split.held(14, 15).size)]
+        assert np.array(b.write_index).tolist() == [i for i, h in enumerate(held) if h] and b.count == sum(held)
+        seen = [split.local_count(10), 5 if rank == 1 else 0, split.local_count(15)]
+        assert np.array(b.paged.lengths).tolist() == seen and np.array(b.paged.q_index).tolist() == [0, 1, 2]
+    # each new token is written by exactly one rank
+    assert sorted(np.concatenate([np.array(b.write_index) for b in built]).tolist()) == [0, 1, 2]
