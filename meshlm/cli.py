@@ -135,7 +135,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--context-parallel", type=int, default=1,
                    help="ranks, each holding the whole model and its share of every sequence's KV")
     g.add_argument("--cp-algorithm", default="auto", choices=["auto", "pass-kv", "pass-q"],
-                   help="ring attention: pass KV or queries between ranks (auto: chosen per step)")
+                   help="ring attention: pass KV or queries between ranks (auto: chosen per step; decode steps "
+                        "run every token on every rank and gather only the partial outputs)")
     g.add_argument("--cp-min-tokens", type=int, default=0,
                    help="sequences shorter than this keep their KV whole on one rank, chosen by load (0: split all)")
     g.add_argument("--cp-overlap", default="auto", choices=AUTO_ON_OFF,
