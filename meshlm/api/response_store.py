@@ -11,8 +11,9 @@ inputs and outputs, then its own input). Instructions are not carried over, as O
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass
+
+import msgspec
 
 MAX_BYTES = 64 << 20
 MAX_RESPONSES = 4096
@@ -42,7 +43,9 @@ class ResponseStore:
 
     def put(self, body: dict, messages: list[dict], items: list[dict] = ()) -> bool:
         """Keep a finished response; False when it alone is larger than the budget (not kept)."""
-        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in (body, messages, items))
+        # Bytes of the parts as JSON: on the event loop, and a long conversation's history is megabytes
+        # (msgspec: 1 ms for 1 MB where json.dumps took 7).
+        size = sum(len(msgspec.json.encode(part)) for part in (body, messages, items))
         if size > self.max_bytes:
             return False
         self.delete(body["id"])
