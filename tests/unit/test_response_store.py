@@ -17,7 +17,7 @@ def test_least_recently_used_leave_first_within_the_budgets():
     store.put(body(3), [])
     assert [i for i in range(4) if store.get(f"resp_{i}")] == [0, 2, 3]
     assert not store.put(body(9, "y" * 20_000), [])  # alone over the budget: not kept
-    store.put(body(4, "z" * 9_800), [])  # pushes the others out by bytes
+    store.put(body(4, "z" * 9_900), [])  # pushes the others out by bytes (9,994 bytes of JSON with them)
     assert store.get("resp_4") is not None and len(store) == 1
     assert store.delete("resp_4") and not store.delete("resp_4") and store.get("resp_4") is None
 
