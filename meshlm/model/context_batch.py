@@ -14,7 +14,10 @@ step line up without a word exchanged about shapes:
   KV while the gather runs, then to the other ranks', and the two partials
   merge by log-sum-exp;
 - logits: the rank holding a wanted position contributes its hidden state,
-  the others zeros, and one sum gives every rank every wanted row.
+  the others zeros, and one sum gives every rank every wanted row;
+- replicated (decode steps): every rank runs every row's one new token, so
+  only the partial outputs are gathered, and every rank has every row
+  (`ContextBatch.replicated`).
 
 A row kept whole on one rank (`--cp-min-tokens`, kv/context_blocks.py) is a
 row whose every position that rank holds (`WholeRow`), so both algorithms
@@ -128,7 +131,7 @@ class ContextBatch:
         (the other ranks' padding ran them anyway) and attends all of them to its own KV; one gather of the
         partials a layer then leaves every rank with every row's output, where pass-Q gathers the queries
         too, and no sum brings the logits to rank 0. Only a token's holder writes its K and V."""
-        tokens, positions, slots, own, paged = [], [], [], [], []
+        tokens, positions, slots, own, paged = [], [], [], set(), []
         for i, r in enumerate(rows):
             end = r.start + 1
             sp = row_split(split.for_rank(split.rank), r.holder)
@@ -137,7 +140,7 @@ class ContextBatch:
             tokens.append(r.token_ids[0])
             positions.append(int(position))
             if sp.held(r.start, end).size:
-                own.append(i)
+                own.add(i)
                 slots.extend(sp.slots(r.blocks, np.array([position])).tolist())
             # The row's last position: it sees every key this rank holds (counted, not listed: at 1M
             # positions the list took 69 ms a row)
@@ -152,7 +155,7 @@ class ContextBatch:
         return cls(split, REPLICATED, len(rows), len(own), _ints(tokens), _ints(positions), _ints(slots), out_rows,
                    _ints([]), _ints([]), 0, logit_rows, _ints(logit_index),
                    mx.ones((len(logit_rows),), dtype=mx.float32), _paged_rows(paged, split.block_size),
-                   write_index=_ints(own))
+                   write_index=_ints(sorted(own)))
 
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
@@ -266,12 +269,12 @@ def _ints(values) -> mx.array:
 
 
 def choose_algorithm(setting: str, rows: list[RowSpec], kv_heads: int, q_heads: int, min_new_for_kv: int) -> str:
-    """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step (Meta's
-    heuristic): pass-KV when the step's new tokens are a large enough share of the KV they attend to
+    """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step: REPLICATED
+    when every row has one new token (decode); else Meta's heuristic: pass-KV when the step's new tokens are a large enough share of the KV they attend to
     (new / (new + cached) >= 2 * kv_heads / q_heads: then the KV that travels is smaller than the
     queries and outputs would be), or when there are enough new tokens for their attention to hide
-    the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md); else pass-Q (decode steps,
-    prefill chunks after a long cached prefix)."""
+    the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md); else pass-Q (prefill chunks
+    after a long cached prefix; decode steps when forced)."""
     if rows and all(r.holder >= 0 for r in rows):
         return LOCAL  # whatever the setting: nothing needs to travel
     if setting != "auto":
