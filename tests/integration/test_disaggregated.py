@@ -36,6 +36,7 @@ class Relay:
         self.upstream, self.secret = upstream, secret
         self.mode = "pass"
         self.jobs = 0
+        self._count = threading.Lock()  # one relay thread a job: `jobs += 1` from several lost counts
         self.info: pw.PeerInfo | None = None  # what the prefill server last said of itself
         self.after_block = lambda sent: None  # called once each block was forwarded
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -65,7 +66,8 @@ class Relay:
                 info = msgspec.structs.replace(info, kv_dtype="float16")
             down.send_message(info, dl())
             up.send_message(down.recv_message(dl()), dl())
-            self.jobs += 1
+            with self._count:
+                self.jobs += 1
             sent = 0
             while True:
                 msg = up.recv_message(dl())
