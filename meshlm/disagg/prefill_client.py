@@ -28,8 +28,9 @@ from meshlm.config import DisaggConfig
 from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.kv.received import ReceivedBlocks
 from meshlm.metrics import Metrics
-from meshlm.disagg.prefill_wire import (Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError, Unreachable,
-                                        Waiting, WireClosed, WireTimeout, connect, read_block)
+from meshlm.disagg.prefill_wire import (MAX_HANDSHAKES_PER_HOST, Block, Conn, Done, Failed, Job, PeerInfo,
+                                        PrefillWireError, Unreachable, Waiting, WireClosed, WireTimeout, connect,
+                                        read_block)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,11 @@ CONNECT_SECONDS = 5.0
 # answers with another model is tried each time: the answer costs a round trip, and it may be fixed.
 UNREACHABLE_BACKOFF_SECONDS = 5.0
 SMALL_MESSAGE_BYTES = 64 << 10
+# Handshakes in flight to one peer at once. The peer drops an address's connections past
+# MAX_HANDSHAKES_PER_HOST still authenticating, and this server answered a burst of 16 prompts (a loaded
+# machine) with one dropped and the peer then backed off as unreachable: three prompts prefilled here.
+# Half the cap leaves room for another decode server on this host and for the peer's count to catch up.
+HANDSHAKES_PER_PEER = MAX_HANDSHAKES_PER_HOST // 2
 # A job may take --prefill-timeout once, plus once per this many tokens it sends (at the default 30 s: at
 # least ~34 tokens/s). Without it a peer sending each block just inside the silence limit stretches a
 # request to blocks x timeout.
@@ -128,6 +134,7 @@ class PrefillClient:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._running: list[Transfer] = []
+        self._handshakes = {p: threading.BoundedSemaphore(HANDSHAKES_PER_PEER) for p in config.peers}
 
     def plan(self, prompt_ids: list[int], cached: Callable[[list[bytes]], int]) -> Handoff | None:
         """A handoff for this prompt, or None to prefill it here: too few uncached tokens, or no peer up.
@@ -230,8 +237,12 @@ class PrefillClient:
         tokens = (len(h.keys) - h.first_block) * self.salt.block_size
         limit = timeout * (1 + tokens / TOKENS_PER_TIMEOUT)
         clock = _Deadlines(timeout, time.monotonic() + limit)
+        wait = min(timeout, CONNECT_SECONDS)
+        slot = self._handshakes[peer]
+        if not slot.acquire(timeout=wait):  # this server's own burst: not the peer's fault
+            raise _Fallback("busy", f"{HANDSHAKES_PER_PEER} handshakes with {peer} took over {wait:.0f} s")
         try:
-            conn = connect(peer, self.secret, min(timeout, CONNECT_SECONDS),
+            conn = connect(peer, self.secret, wait,
                            on_socket=lambda c: setattr(transfer, "conn", c))  # a cancel may shut it from now
         except Unreachable as exc:
             self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
@@ -241,6 +252,8 @@ class PrefillClient:
                 raise _Fallback("cancelled", "the request was aborted") from None
             self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
             raise _Fallback("refused", f"handshake failed: {exc}") from None
+        finally:
+            slot.release()
         transfer.conn = conn
         try:
             if transfer.cancelled:

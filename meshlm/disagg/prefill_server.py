@@ -22,8 +22,8 @@ from meshlm.engine.request import FinishReason, SamplingParams, StepOutput
 from meshlm.engine.scheduler import QueueFull
 from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.metrics import Metrics
-from meshlm.disagg.prefill_wire import (WAITING_SECONDS, Block, Conn, Done, Failed, Job, PeerInfo, PrefillWireError,
-                                        Waiting, accept, block_packet)
+from meshlm.disagg.prefill_wire import (MAX_HANDSHAKES_PER_HOST, WAITING_SECONDS, Block, Conn, Done, Failed, Job,
+                                        PeerInfo, PrefillWireError, Waiting, accept, block_packet)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ MAX_CONNECTIONS = 64  # jobs at once; more are refused (the decode server prefil
 # Connections not yet authenticated, per address and in all: a stranger's hold only these (for up to
 # HANDSHAKE_SECONDS each), never a job's place, and one address cannot take them all.
 MAX_HANDSHAKES = 64
-MAX_HANDSHAKES_PER_HOST = 4
 SMALL_MESSAGE_BYTES = 64 << 10
 
 

@@ -36,6 +36,9 @@ from meshlm.transport.link import recv_exactly, send_all, tune
 MAGIC = b"MLPF"
 VERSION = 2  # 2: Waiting
 MAX_MESSAGE_BYTES = 16 << 20  # a Job of 1M token ids is ~5 MiB of msgpack
+# A prefill server drops connections from an address that already has this many still authenticating
+# (one stranger cannot hold every slot); a decode server keeps its own handshakes to a peer below it.
+MAX_HANDSHAKES_PER_HOST = 4
 _HELLO = struct.Struct("!4sI32s")
 _LEN = struct.Struct("!I")
 NONCE = PROOF = 32

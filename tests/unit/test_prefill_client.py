@@ -98,3 +98,33 @@ def test_a_prompt_leaving_a_shared_transfer_ends_at_once_and_the_transfer_goes_o
     assert w3.transfer is not w2.transfer
     held.release.set()
     assert third.event.wait(5)
+
+
+def test_a_burst_of_handoffs_keeps_its_handshakes_under_the_peers_cap(monkeypatch):
+    """The prefill server drops an address's connections past MAX_HANDSHAKES_PER_HOST still authenticating,
+    and the decode server then backs off from the peer: its own burst of transfers must never get there.
+    Each handshake here holds its slot a while and then finds the peer unreachable."""
+    from meshlm.disagg import prefill_client as pc
+
+    config = DisaggConfig(peers=("127.0.0.1:1",), min_tokens=8)
+    c = PrefillClient(config, None, None, CacheSalt("m", "float32", "tp1", BS), mx.float32,
+                      ReceivedBlocks(1 << 20), Metrics())
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def connect(peer, secret, timeout, on_socket=None):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        threading.Event().wait(0.05)
+        with lock:
+            now[0] -= 1
+        raise pc.Unreachable(f"{peer}: unreachable: test")
+
+    monkeypatch.setattr(pc, "connect", connect)
+    monkeypatch.setattr(c, "_down", lambda peer, seconds: None)  # every transfer reaches the handshake
+    dones = [Done() for _ in range(12)]
+    for i, d in enumerate(dones):
+        c.start(plan(c, [i] + list(range(100, 139))), d)
+    for d in dones:
+        assert d.event.wait(10)
+    assert most[0] == pc.HANDSHAKES_PER_PEER < pc.MAX_HANDSHAKES_PER_HOST
