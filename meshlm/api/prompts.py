@@ -13,6 +13,7 @@ does not stall the event loop that streams everyone else's tokens.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Sequence
 
 from meshlm.api.errors import bad_request
@@ -22,6 +23,7 @@ from meshlm.api.tools import ToolPlan, template_messages
 # Normalizers can merge characters (NFKC) before BPE sees them; this margin keeps the
 # length-only refusal conservative (it only spares tokenizing what cannot possibly fit).
 LENGTH_BOUND_MARGIN = 4
+TEMPLATE_CHECK_SECONDS = 10.0  # --chat-template's check at the start (use_template)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -36,15 +38,30 @@ def _fast_backend(tokenizer):
     return inner if hasattr(inner, "encode_batch") else None
 
 
-def use_template(tokenizer, template: str, kwargs: dict) -> None:
-    """Replace the model's chat template (--chat-template), checked to render a user's message."""
+def use_template(tokenizer, template: str, kwargs: dict, within: float = TEMPLATE_CHECK_SECONDS) -> None:
+    """Replace the model's chat template (--chat-template), checked to render a user's message `within`
+    seconds: a Jinja loop can run for ever (nested ranges), and the start would hang with no word. The
+    render cannot be stopped; its daemon thread ends with the process, which the error ends."""
     tokenizer.chat_template = template  # the transformers tokenizer's, through mlx-lm's wrapper
     if getattr(tokenizer, "_chat_template", None) is not None:  # mlx-lm's own renderer would win over it
         tokenizer._chat_template = None
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                      tokenize=False, **kwargs)
-    except Exception as exc:
+    outcome: list[Exception | None] = []
+
+    def render() -> None:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                          tokenize=False, **kwargs)
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(exc)
+
+    check = threading.Thread(target=render, name="meshlm-template-check", daemon=True)
+    check.start()
+    check.join(within)
+    if not outcome:
+        raise ValueError(f"--chat-template did not render a user's message within {within:g} s (a loop "
+                         "that does not end?)")
+    if (exc := outcome[0]) is not None:
         raise ValueError(f"--chat-template does not render a user's message: {type(exc).__name__}: {exc}") from None
 
 

@@ -556,6 +556,14 @@ def test_a_chat_template_that_cannot_render_a_message_is_refused_at_start_up(tin
     _, tok = load(str(tiny_model))
     with pytest.raises(ValueError, match="--chat-template does not render a user's message: .*no users here"):
         use_template(tok, "{{ raise_exception('no users here') }}", {})
+    # Jinja's sandbox caps a range at 100,000 items, not loops of them: nested ones can run for days. This
+    # one runs ~2 s (60 million empty turns), past the check's 0.5 s, and then ends: its thread does not
+    # outlive the test by much.
+    slow = "{% for i in range(100000) %}{% for j in range(600) %}{% endfor %}{% endfor %}{{ 'x' }}"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="did not render a user's message within 0.5 s"):
+        use_template(tok, slow, {}, within=0.5)
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
