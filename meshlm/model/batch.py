@@ -144,15 +144,20 @@ def row_slots(blocks: tuple[int, ...], length: int, block_size: int) -> mx.array
     return (table[:, None] * block_size + mx.arange(block_size, dtype=mx.int32)[None]).reshape(-1)[:length]
 
 
+def block_tables(tables: list[tuple[int, ...]], lengths: list[int], block_size: int) -> mx.array:
+    """(rows, max_blocks) int32: each row's blocks holding its first lengths[i] slots, padded with block 0
+    (at least one column: a row of no keys reads none)."""
+    used = [-(-n // block_size) for n in lengths]
+    width = max(1, max(used, default=0))
+    return mx.array([list(t[:u]) + [0] * (width - u) for t, u in zip(tables, used)], dtype=mx.int32)
+
+
 def _decode_rows(rows: list[RowSpec], block_size: int) -> DecodeRows | None:
     if not rows:
         return None
     lengths = [r.start + 1 for r in rows]
-    width = max(-(-n // block_size) for n in lengths)
-    tables = [list(r.blocks[: -(-n // block_size)]) + [0] * (width - -(-n // block_size))
-              for r, n in zip(rows, lengths)]
-    return DecodeRows(len(rows), mx.array(tables, dtype=mx.int32), mx.array(lengths, dtype=mx.int32), rows,
-                      block_size)
+    return DecodeRows(len(rows), block_tables([r.blocks for r in rows], lengths, block_size),
+                      mx.array(lengths, dtype=mx.int32), rows, block_size)
 
 
 PAD_FACTOR = 1.5  # padded attention work a group may take, relative to what its rows need

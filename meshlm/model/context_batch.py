@@ -35,7 +35,7 @@ import numpy as np
 
 from meshlm.engine.plan import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
 from meshlm.kv.context_split import ContextSplit, row_split
-from meshlm.model.batch import RowSpec, row_slots
+from meshlm.model.batch import RowSpec, block_tables, row_slots
 
 PASS_KV, PASS_Q, LOCAL, REPLICATED = "pass-kv", "pass-q", "local", "replicated"
 # The seed's second rule (pass-KV when the step has enough new tokens for their attention to hide the
@@ -131,31 +131,24 @@ class ContextBatch:
         (the other ranks' padding ran them anyway) and attends all of them to its own KV; one gather of the
         partials a layer then leaves every rank with every row's output, where pass-Q gathers the queries
         too, and no sum brings the logits to rank 0. Only a token's holder writes its K and V."""
-        tokens, positions, slots, own, paged = [], [], [], set(), []
+        slots, own, paged, out_rows, logit_rows, logit_index = [], [], [], [], [], []
         for i, r in enumerate(rows):
-            end = r.start + 1
             sp = row_split(split.for_rank(split.rank), r.holder)
-            (position,) = np.concatenate([row_split(split.for_rank(s), r.holder).held(r.start, end)
-                                          for s in range(split.ranks)])
-            tokens.append(r.token_ids[0])
-            positions.append(int(position))
-            if sp.held(r.start, end).size:
-                own.add(i)
-                slots.extend(sp.slots(r.blocks, np.array([position])).tolist())
+            mine = sp.held(r.start, r.start + 1)  # the row's one new position, if this rank holds it
+            if mine.size:
+                own.append(i)
+                slots.extend(sp.slots(r.blocks, mine).tolist())
             # The row's last position: it sees every key this rank holds (counted, not listed: at 1M
             # positions the list took 69 ms a row)
-            paged.append((i, r.blocks, sp.local_count(end)))
-        logit_rows, logit_index = [], []
-        for i, r in enumerate(rows):
+            paged.append((i, r.blocks, sp.local_count(r.start + 1)))
+            out_rows.append(RingRow(r.uid, slice(i, i + mine.size), paged=True))
             if r.logits != LOGITS_NONE:
                 logit_rows.append(r.uid)
                 logit_index.append(i)
-        out_rows = [RingRow(r.uid, slice(i, i + 1) if i in own else slice(i, i), paged=True)
-                    for i, r in enumerate(rows)]
-        return cls(split, REPLICATED, len(rows), len(own), _ints(tokens), _ints(positions), _ints(slots), out_rows,
-                   _ints([]), _ints([]), 0, logit_rows, _ints(logit_index),
-                   mx.ones((len(logit_rows),), dtype=mx.float32), _paged_rows(paged, split.block_size),
-                   write_index=_ints(sorted(own)))
+        return cls(split, REPLICATED, len(rows), len(own), _ints([r.token_ids[0] for r in rows]),
+                   _ints([r.start for r in rows]), _ints(slots), out_rows, _ints([]), _ints([]), 0, logit_rows,
+                   _ints(logit_index), mx.ones((len(logit_rows),), dtype=mx.float32),
+                   _paged_rows(paged, split.block_size), write_index=_ints(own))
 
     @classmethod
     def build(cls, rows: list[RowSpec], split: ContextSplit, algorithm: str) -> "ContextBatch":
@@ -257,11 +250,9 @@ class ContextBatch:
 def _paged_rows(rows: list[tuple[int, tuple[int, ...], int]], block_size: int) -> PagedRows | None:
     if not rows:
         return None
-    width = max(1, max(-(-seen // block_size) for _, _, seen in rows))
-    tables = [list(blocks[: -(-seen // block_size)]) + [0] * (width - -(-seen // block_size))
-              for _, blocks, seen in rows]
-    return PagedRows(_ints([q for q, _, _ in rows]), mx.array(tables, dtype=mx.int32),
-                     _ints([seen for _, _, seen in rows]))
+    seen = [s for _, _, s in rows]
+    return PagedRows(_ints([q for q, _, _ in rows]), block_tables([b for _, b, _ in rows], seen, block_size),
+                     _ints(seen))
 
 
 def _ints(values) -> mx.array:
@@ -270,7 +261,8 @@ def _ints(values) -> mx.array:
 
 def choose_algorithm(setting: str, rows: list[RowSpec], kv_heads: int, q_heads: int, min_new_for_kv: int) -> str:
     """Rows all kept whole (each on its holder) run LOCAL. Otherwise `auto` picks per step: REPLICATED
-    when every row has one new token (decode); else Meta's heuristic: pass-KV when the step's new tokens are a large enough share of the KV they attend to
+    when every row has one new token (decode); else Meta's heuristic: pass-KV when the step's new tokens
+    are a large enough share of the KV they attend to
     (new / (new + cached) >= 2 * kv_heads / q_heads: then the KV that travels is smaller than the
     queries and outputs would be), or when there are enough new tokens for their attention to hide
     the KV transfer (`min_new_for_kv`, measured: docs/BENCHMARKS.md); else pass-Q (prefill chunks

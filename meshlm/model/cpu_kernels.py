@@ -154,7 +154,8 @@ def swiglu_for(native=None):
 # MLX lacks some, and is then not used at all (one check here, not one per caller).
 NATIVE_API = ("swiglu", "softmax2", "softmax2_lse", "packed_linear", "packed_linear_split", "packed_swiglu",
               "set_software_prefetch", "set_gemm_threads", "untouched_zeros", "rms_norm", "rope", "kv_write",
-              "paged_decode_attention", "paged_decode_partial", "decode_layer", "huge_pages", "causal_attention", "causal_partial")
+              "paged_decode_attention", "paged_decode_partial", "decode_layer", "huge_pages", "causal_attention",
+              "causal_partial")
 
 
 @functools.cache

@@ -199,9 +199,7 @@ class RingLayerKV(LayerKV):
         H, D = q.shape[1], q.shape[2]
         o, lse = self._paged(q, pool_k, pool_v, scale)
         every = self._gather(mx.concatenate([o.astype(mx.float32), lse[..., None]], axis=-1))
-        every = every.reshape(self.batch.split.ranks, -1, H, D + 1)
-        merged, _ = merge_partials([(every[i, ..., :D], every[i, ..., D]) for i in range(self.batch.split.ranks)])
-        return merged.astype(q.dtype)
+        return _merge_ranks(every.reshape(self.batch.split.ranks, -1, H, D + 1)).astype(q.dtype)
 
     def _paged(self, q, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
         """The step's rows of one query (`ContextBatch.paged`), q (R, H, D), in place in the pools."""
@@ -243,9 +241,13 @@ class RingLayerKV(LayerKV):
         partial = mx.take(partial, b.q_order, axis=0)  # (ranks * width, H, D + 1), in gathered order
         every = self._gather(partial).reshape(b.split.ranks, -1, H, D + 1)
         r, w = b.split.rank, b.width
-        mine = every[:, r * w:(r + 1) * w]  # every rank's partial for this rank's queries
-        merged, _ = merge_partials([(mine[i, ..., :D], mine[i, ..., D]) for i in range(b.split.ranks)])
-        return merged.astype(q.dtype)
+        return _merge_ranks(every[:, r * w:(r + 1) * w]).astype(q.dtype)  # every rank's partial of its queries
+
+
+def _merge_ranks(partials: mx.array) -> mx.array:
+    """(ranks, n, H, D + 1) partial outputs with their log-sum-exps last, merged in rank order: (n, H, D)."""
+    D = partials.shape[-1] - 1
+    return merge_partials([(partials[i, ..., :D], partials[i, ..., D]) for i in range(partials.shape[0])])[0]
 
 
 def forward_ring(parts: ModelParts, batch: ContextBatch, store: KVStore, group,
