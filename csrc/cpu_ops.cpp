@@ -727,29 +727,6 @@ class Softmax2Lse : public CpuOnlyOutputs {
   }
 };
 
-// The shape of a paged decode of inputs (q, k_pool, v_pool, tables, lengths) as MLX evaluated them.
-PagedShape paged_shape(const std::vector<mx::array>& in, int block_size, float q_scale) {
-  const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3];
-  int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
-  return PagedShape{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
-                    tables.shape(1), block_size, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
-                    q_scale, wide_kernels().load(), software_prefetch().load()};
-}
-
-// Dispatches paged_decode of `in` (q, k_pool, v_pool, tables, lengths) into out, and lse where not null.
-void dispatch_paged_decode(mx::Stream stream, const std::vector<mx::array>& in, const PagedShape& sh, float* out,
-                           float* lse) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  enc.dispatch([sh, qp = In<float>(in[0]), kp = in[1].data<float>(), vp = in[2].data<float>(),
-                tp = In<int32_t>(in[3]), lp = In<int32_t>(in[4]), out, lse]() {
-    std::vector<float> qs;
-    std::vector<int32_t> ts, ls;
-    const float* qv = qp.get(qs);
-    const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
-    paged_decode(sh, qv, kp, vp, tv, lv, out, lse);
-  });
-}
-
 // One query per row against its blocks of the pools (paged_decode); with `lse`, a second output holds each
 // query head's log-sum-exp: a context-parallel rank's partial over some of a sequence's keys, for merging
 // with the other ranks'.
@@ -763,9 +740,21 @@ class PagedDecodeAttention : public CpuOnlyOutputs {
     return block_size_ == o.block_size_ && q_scale_ == o.q_scale_ && lse_ == o.lse_;
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    const auto &q = in[0], &k = in[1], &v = in[2], &tables = in[3], &lengths = in[4];
+    int64_t Hk = k.shape(1), D = k.shape(2);  // q is (R, Hk, r, D) or (R, H, D): the same row-major layout
+    PagedShape sh{q.shape(0), Hk, static_cast<int64_t>(q.size()) / (q.shape(0) * Hk * D), D, k.shape(0),
+                  tables.shape(1), block_size_, {k.strides()[1], k.strides()[0]}, {v.strides()[1], v.strides()[0]},
+                  q_scale_, wide_kernels().load(), software_prefetch().load()};
     for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    dispatch_paged_decode(stream(), in, paged_shape(in, block_size_, q_scale_), outs[0].data<float>(),
-                          lse_ ? outs[1].data<float>() : nullptr);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([sh, qp = In<float>(q), kp = k.data<float>(), vp = v.data<float>(), tp = In<int32_t>(tables),
+                  lp = In<int32_t>(lengths), o = outs[0].data<float>(), l = lse_ ? outs[1].data<float>() : nullptr]() {
+      std::vector<float> qs;
+      std::vector<int32_t> ts, ls;
+      const float* qv = qp.get(qs);
+      const int32_t *tv = tp.get(ts), *lv = lp.get(ls);
+      paged_decode(sh, qv, kp, vp, tv, lv, o, l);
+    });
   }
 
  private:
