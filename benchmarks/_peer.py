@@ -721,6 +721,12 @@ class StreamResult:
     def tokens(self) -> int:
         return self.completion_tokens if self.completion_tokens is not None else self.content_chunks
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds a token between the first and the last content chunk. Per token, not per chunk: a
+        token that completes no character (part of a multi-byte one) streams with the next."""
+        return sum(self.itls) / (self.tokens - 1) if self.itls and self.tokens > 1 else None
+
 
 def chat_payload(model: str | None, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     payload: dict[str, Any] = {
@@ -877,7 +883,7 @@ def summarize(results: Sequence[StreamResult], wall: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itls]
-    tpots = [sum(r.itls) / (r.tokens - 1) for r in ok if r.itls and r.tokens > 1]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
     tokens = sum(r.tokens for r in ok)
     out: dict[str, Any] = {
         "requests_ok": len(ok),

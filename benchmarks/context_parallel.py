@@ -291,7 +291,7 @@ def request(cluster: pp.Cluster, ids: list[int], max_tokens: int, timeout: float
         "ttft_s": _peer.rounded(res.ttft), "latency_s": _peer.rounded(res.latency),
         "itl_p50_s": _peer.rounded(_peer.percentile(res.itls, 50), 6),
         "itl_p95_s": _peer.rounded(_peer.percentile(res.itls, 95), 6),
-        "decode_s_per_token": _peer.rounded(sum(res.itls) / len(res.itls), 6) if res.itls else None,
+        "decode_s_per_token": _peer.rounded(res.tpot, 6),
         "cpu_cores_used_per_rank": {str(r): None if c is None else round(c / span, 2) for r, c in cpu.items()} if span > 0 else None,
         "other_processes_cpu_s": round(other, 2),
         # others used over 10% of the machine meanwhile (and more than /proc's tick granularity): noisy numbers

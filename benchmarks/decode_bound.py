@@ -15,7 +15,7 @@ at these contexts the KV cache is a rounding error), so it cannot beat
   on one thread per core at once (numpy releases the GIL), best of a few runs; the bound uses the
   all-cores figure, since the server uses every core;
 - decode: `meshlm serve` on every core, one stream at a time, greedy, `ignore_eos`, --max-tokens
-  tokens after a short prompt; tokens/s = 1 / the mean time between streamed tokens (TPOT).
+  tokens after a short prompt; tokens/s = 1 / the mean time a token between the first and last streamed text (TPOT).
 
 This VM's read bandwidth moves by half within minutes (32-49 GB/s on two threads in one session), so
 a bound read once, before the decode, compares the decode with a moment it did not run in. Each
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                          before=lambda: paired.append(read_bandwidth(every_core, PAIRED_READS))))
         finally:
             server.stop()
-        pairs = [(bw, sum(r.itls) / len(r.itls)) for bw, r in zip(paired, results) if r.ok and r.itls]
+        pairs = [(bw, r.tpot) for bw, r in zip(paired, results) if r.ok and r.tpot is not None]
         if not pairs:
             report["error"] = "no request streamed tokens: " + "; ".join(str(r.error) for r in results)
             print(json.dumps(report, indent=2))
