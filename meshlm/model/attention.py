@@ -103,20 +103,23 @@ def _softmax_partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.a
 
 def paged_partial(q: mx.array, pool_k: mx.array, pool_v: mx.array, tables: mx.array, lengths: mx.array,
                   block_size: int, scale: float) -> tuple[mx.array, mx.array]:
-    """`AttentionBackend.decode_partial` in MLX ops: every row's blocks gathered into one padded copy."""
-    R, H, D = q.shape
-    Hk = pool_k.shape[1]
-    width = tables.shape[1] * block_size
-    slots = (tables[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(-1)
-
-    def rows_of(pool: mx.array) -> mx.array:  # (R, Hk, width, D)
-        return mx.take(pool, slots, axis=0).reshape(R, width, Hk, D).transpose(0, 2, 1, 3).astype(mx.float32)
-
-    qg = q.astype(mx.float32).reshape(R, Hk, H // Hk, D) * scale
-    scores = qg @ rows_of(pool_k).swapaxes(-1, -2)  # (R, Hk, r, width)
-    seen = (mx.arange(width)[None] < lengths[:, None])[:, None, None]
-    out, lse = _softmax_partial(mx.where(seen, scores, -mx.inf), rows_of(pool_v))
-    return out.reshape(R, H, D).astype(q.dtype), lse.reshape(R, H)
+    """`AttentionBackend.decode_partial` in MLX ops, a row at a time over exactly its keys (as `decode`).
+    One padded gather of every row read R x the longest row's keys (GBs for one long row among many
+    short ones) and slots past each row's end, where another sequence's inf or NaN made the row's zero
+    weights NaN."""
+    _, H, D = q.shape
+    outs, lses = [], []
+    for i, n in enumerate(lengths.tolist()):  # the plan's lengths, made on the host: no sync of the step
+        if n <= 0:  # this rank holds none of the row's keys: no contribution
+            outs.append(mx.zeros((1, H, D), dtype=q.dtype))
+            lses.append(mx.full((1, H), -mx.inf, dtype=mx.float32))
+            continue
+        used = -(-n // block_size)
+        slots = (tables[i, :used, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(-1)[:n]
+        out, lse = attend_exact(q[i:i + 1], _gather(pool_k, slots), _gather(pool_v, slots), scale)
+        outs.append(out)
+        lses.append(lse)
+    return mx.concatenate(outs), mx.concatenate(lses)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:

@@ -68,8 +68,10 @@ def reference(model, tmp_path_factory):
 # steps with no ring at all.
 @pytest.mark.parametrize("flags", [("--context-parallel", "2", "--cp-min-tokens", "4500"),
                                    ("--context-parallel", "4", "--cp-algorithm", "pass-kv", "--cp-overlap", "on"),
-                                   ("--context-parallel", "4")],  # decode steps replicated over four ranks
-                         ids=["cp2-auto-whole-below-4500", "cp4-pass-kv", "cp4-auto"])
+                                   ("--context-parallel", "4"),  # decode steps replicated over four ranks
+                                   # MLX ops only, as on a Mac: the portable backend's partials
+                                   ("--context-parallel", "2", "--no-cpu-kernels")],
+                         ids=["cp2-auto-whole-below-4500", "cp4-pass-kv", "cp4-auto", "cp2-portable"])
 def test_greedy_parity_with_one_process(model, reference, tmp_path, flags):
     whole = "--cp-min-tokens" in flags
     srv = ServerProcess(model, *FLAGS, *flags, log_dir=tmp_path)

@@ -193,6 +193,49 @@ def test_decode_partial_reads_each_rows_prefix_of_its_blocks_in_place(backend):
         assert np.abs(lse[i] - np.array(want_lse)[0]).max() < 1e-4, (i, n)
 
 
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
+def test_decode_partial_never_reads_past_a_rows_keys(backend):
+    """Slots past a row's length in its last block, and block 0 (the padding of a row this rank holds no
+    key of), may hold another sequence's values, even inf: a row's output and the merge with another
+    rank's partial stay finite. The portable path once gathered them and weighted them by zero (NaN)."""
+    bs, dim = 4, 16
+    rng = np.random.default_rng(3)
+    pool_k = rng.standard_normal((8, HK, dim)).astype(np.float32)
+    pool_v = pool_k.copy()
+    pool_v[0:4] = np.inf  # block 0: another sequence's
+    pool_v[6:8] = np.inf  # past row 0's two keys in its block 1
+    q = mx.array(rng.standard_normal((2, H, dim)).astype(np.float32))
+    out, lse = backend.decode_partial(q, mx.array(pool_k), mx.array(pool_v), mx.array([[1], [0]], dtype=mx.int32),
+                                      mx.array([2, 0], dtype=mx.int32), bs, 0.3)
+    merged, _ = merge_partials([(out, lse), (mx.ones((2, H, dim)), mx.zeros((2, H)))])
+    assert np.isfinite(np.array(out)).all() and np.isfinite(np.array(merged)).all()
+    assert np.allclose(np.array(merged)[1], 1.0)  # the row with no key here: the other rank's partial alone
+
+
+def test_portable_decode_partial_gathers_each_row_alone():
+    """One long row among short ones: the portable path's memory is the rows' keys, not rows x the longest
+    row's (a padded gather of 32 rows beside one of 16K keys took ~1 GB, against ~26 MB)."""
+    bs, long_len, rows, dim = 16, 16384, 32, 64
+    blocks = long_len // bs + rows
+    rng = np.random.default_rng(5)
+    pool_k = mx.array(rng.standard_normal((blocks * bs, HK, dim)).astype(np.float32))
+    pool_v = mx.array(rng.standard_normal((blocks * bs, HK, dim)).astype(np.float32))
+    width = long_len // bs
+    tables = [list(range(width))] + [[width + i] + [0] * (width - 1) for i in range(rows - 1)]
+    lengths = [long_len] + [1] * (rows - 1)
+    q = mx.array(rng.standard_normal((rows, H, dim)).astype(np.float32))
+    mx.eval(pool_k, pool_v, q)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out, lse = PortableBackend().decode_partial(q, pool_k, pool_v, mx.array(tables, dtype=mx.int32),
+                                                mx.array(lengths, dtype=mx.int32), bs, 0.125)
+    mx.eval(out, lse)
+    assert mx.get_peak_memory() - base < 4 * long_len * HK * dim * 4 * 2  # a few copies of the long row
+    want, _ = attend_exact(q[5:6], pool_k[(width + 4) * bs:(width + 4) * bs + 1].transpose(1, 0, 2),
+                           pool_v[(width + 4) * bs:(width + 4) * bs + 1].transpose(1, 0, 2), 0.125)
+    assert np.abs(np.array(out[5]) - np.array(want)[0]).max() < 1e-6
+
+
 def test_a_pass_q_step_reads_its_decode_rows_in_place_and_orders_their_partials_after_the_others():
     """Rows of one query go to one paged call; `q_order` then finds their partials after the other rows',
     and padding the zero partial after them all."""
