@@ -982,12 +982,14 @@ mx::array rows_contiguous(const mx::array& a, mx::Stream s) {
 // The inputs of a paged decode, checked and as its primitives take them.
 std::vector<mx::array> paged_inputs(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& tables, const mx::array& lengths, int block_size) {
-  bool pools = k_pool.ndim() == 3 && k_pool.shape(1) > 0 && v_pool.shape() == k_pool.shape();
+  // Hk, D and R of at least 1: the kernel divides q's size by them (an empty batch was a SIGFPE).
+  bool pools = k_pool.ndim() == 3 && k_pool.shape(1) > 0 && k_pool.shape(2) > 0 && v_pool.shape() == k_pool.shape();
   bool grouped = pools && q.ndim() == 4 && q.shape(1) == k_pool.shape(1) && q.shape(3) == k_pool.shape(2);
   bool flat = pools && q.ndim() == 3 && q.shape(1) % k_pool.shape(1) == 0 && q.shape(2) == k_pool.shape(2);
   if (!(grouped || flat)) {
     throw std::invalid_argument("paged_decode_attention: q (R, Hk, r, D) or (R, H, D), pools (slots, Hk, D)");
   }
+  if (q.shape(0) < 1) throw std::invalid_argument("paged_decode_attention: no rows (R = 0)");
   if (block_size < 1 || k_pool.shape(0) % block_size != 0) {
     throw std::invalid_argument("paged_decode_attention: the pools must hold whole blocks");
   }

@@ -645,6 +645,12 @@ def test_native_ops_reject_bad_shapes_with_clear_errors():
         NATIVE.paged_decode_attention(mx.zeros((2, 1, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 5)
     with pytest.raises(ValueError, match="pools"):
         NATIVE.paged_decode_attention(mx.zeros((2, 2, 3, 8)), pool, pool, mx.zeros((2, 2)), mx.zeros((2,)), 8)
+    for paged in (NATIVE.paged_decode_attention, NATIVE.paged_decode_partial):  # was a SIGFPE, not an error
+        with pytest.raises(ValueError, match="no rows"):
+            paged(mx.zeros((0, 1, 8)), pool, pool, mx.zeros((0, 2)), mx.zeros((0,)), 8)
+    with pytest.raises(ValueError, match="pools"):
+        empty = mx.zeros((16, 1, 0))
+        NATIVE.paged_decode_partial(mx.zeros((2, 1, 0)), empty, empty, mx.zeros((2, 2)), mx.zeros((2,)), 8)
     with pytest.raises(ValueError, match="0 < T <= S"):
         NATIVE.causal_attention(mx.zeros((17, 2, 8)), pool, pool)  # more queries than positions
     with pytest.raises(ValueError, match="multiple of Hk"):
