@@ -62,7 +62,8 @@ class _Request(BaseModel):
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
-    repetition_penalty: StrictFloat = Field(1.0, gt=0, le=10)  # vLLM's extension
+    # vLLM's extension. At least 1e-6: a logit divided by ~1e-38 is inf in float32, and the row NaN.
+    repetition_penalty: StrictFloat = Field(1.0, ge=1e-6, le=10)
     logit_bias: dict[str, StrictFloat] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled

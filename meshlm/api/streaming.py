@@ -285,9 +285,10 @@ def _json(value) -> str:
 
 
 def _generation_failed(out: StepOutput) -> APIError:
-    """A sequence that ended with an error: the server's (503, retry later), or the request's own grammar
-    that cannot go on (400: llguidance refusing a token its own mask allowed, or a grammar found
-    unsatisfiable only while generating; the same request would fail again)."""
+    """A sequence that ended with an error: the server's (503, retry later), or the request's own (400 with
+    its code: a grammar that cannot go on, as llguidance refusing a token its own mask allowed or a
+    grammar found unsatisfiable only while generating; constraints that leave no token to sample). The
+    same request would fail again."""
     if out.request_fault:
-        return APIError(400, f"generation failed: {out.error}", code="grammar_error")
+        return APIError(400, f"generation failed: {out.error}", code=out.request_fault)
     return APIError(503, f"generation failed: {out.error}", type_="server_error", code="engine_error")

@@ -657,11 +657,18 @@ class Engine:
         ended = []
         for uid in list(taken):
             t = self._tracked.get(uid)
-            error = t.sampling.constraint.error if t is not None and t.sampling.constraint is not None else None
-            if error is not None:
-                del taken[uid]
-                self.scheduler.finish(t.seq, FinishReason.ERROR)
-                ended.append(Finished(t.seq, FinishReason.ERROR, error, t.sampling.constraint.request_fault))
+            if t is None:
+                continue
+            c = t.sampling.constraint
+            if t.sampling.fault is not None:  # nothing left to sample: the request's constraints (a 400)
+                error, fault = t.sampling.fault, "no_token_to_sample"
+            elif c is not None and c.error is not None:
+                error, fault = c.error, "grammar_error" if c.request_fault else ""
+            else:
+                continue
+            del taken[uid]
+            self.scheduler.finish(t.seq, FinishReason.ERROR)
+            ended.append(Finished(t.seq, FinishReason.ERROR, error, fault))
         return ended
 
     @contextlib.contextmanager
@@ -774,7 +781,7 @@ class Engine:
         for f in finished:
             self._finish(f.seq.uid, f.reason, f.error, f.request_fault)
 
-    def _finish(self, uid: int, reason: FinishReason, error: str | None = None, request_fault: bool = False) -> None:
+    def _finish(self, uid: int, reason: FinishReason, error: str | None = None, request_fault: str = "") -> None:
         t = self._tracked.pop(uid, None)
         if self.speculator is not None:
             self.speculator.drop(uid)

@@ -189,7 +189,9 @@ class StepOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
-    request_fault: bool = False  # `error` is the request's own (a grammar that cannot go on), not the server's
+    # `error` is the request's own (a grammar that cannot go on, no token left to sample): its 400's code;
+    # "" where it is the server's
+    request_fault: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -47,6 +47,7 @@ class SeqSampling:
     recent: tuple[int, ...] = ()  # the last output tokens, as many as `bad_words` can need
     generated: int = 0  # tokens taken so far
     _key: mx.array | None = None  # next_key's chain
+    fault: str | None = None  # set when the request's constraints left no token to sample (`take`)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int] = (),
@@ -165,6 +166,24 @@ class Draw:
     logprob_parts: list[mx.array]  # three per row that wants logprobs (`_logprob_graph`)
     states: list[SeqSampling]
     want_lp: list[int]  # rows whose logprobs are reported
+    possible: mx.array  # (rows,) bool, lazy: the token's processed logit is finite (`left_to_sample`)
+
+
+NOTHING_TO_SAMPLE = ("no token is left to sample: this request's allowed_token_ids, bad_words and structured "
+                     "output together exclude every token of the vocabulary")
+
+
+def may_exclude_all(state: "SeqSampling") -> bool:
+    """Whether a row's constraints could leave it no token (what `left_to_sample` then checks)."""
+    p = state.params
+    return bool(state.constraint is not None or p.allowed_token_ids or p.bad_words)
+
+
+def left_to_sample(row: mx.array, token: mx.array) -> mx.array:
+    """Whether a row had a token to sample: the chosen one's processed logit is above -inf. A row that
+    allowed_token_ids, bad_words and a grammar left all -inf (or a penalty turned NaN) still yields an
+    argmax or a categorical draw, a token outside everything the request allowed."""
+    return row[token] > -float("inf")
 
 
 def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
@@ -180,16 +199,20 @@ def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
             tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.token_key()))
     tokens_arr = mx.stack(tokens)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp)
+    possible = mx.stack([left_to_sample(row, t) for row, t in zip(rows, tokens)])
+    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp, possible)
 
 
 def take(d: Draw, record: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """Read a draw's tokens and logprobs (waiting for them) and record the tokens in each row's state
-    (`record`: in the rows it marks only; a row whose token will not be kept records nothing)."""
-    mx.eval(d.tokens, *d.logprob_parts)
+    (`record`: in the rows it marks only; a row whose token will not be kept records nothing). A row
+    with no token left records none and sets its state's `fault`: the engine ends it with a 400."""
+    mx.eval(d.tokens, d.possible, *d.logprob_parts)
     ids = d.tokens.tolist()
-    for i, (tok, s) in enumerate(zip(ids, d.states)):
-        if record is None or record[i]:
+    for i, (tok, s, ok) in enumerate(zip(ids, d.states, d.possible.tolist())):
+        if not ok:
+            s.fault = NOTHING_TO_SAMPLE
+        elif record is None or record[i]:
             s.record([tok])
     logprobs: list[TokenLogprob | None] = [None] * len(d.states)
     for j, i in enumerate(d.want_lp):

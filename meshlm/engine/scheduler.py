@@ -41,7 +41,7 @@ class Finished:
     seq: Sequence
     reason: FinishReason
     error: str | None = None  # what the client is told when reason is ERROR
-    request_fault: bool = False  # the error is the request's own (its grammar), not the server's
+    request_fault: str = ""  # the error's code when it is the request's own (a 400), not the server's
 
 
 @dataclass

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from meshlm.engine.request import TokenLogprob
-from meshlm.engine.sampler import (SeqSampling, filter_logits, host_argmax, process_logits, reads_on_host,
-                                   top_alternatives)
+from meshlm.engine.sampler import (NOTHING_TO_SAMPLE, SeqSampling, filter_logits, host_argmax, left_to_sample,
+                                   may_exclude_all, process_logits, reads_on_host, top_alternatives)
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,20 @@ def verify(proposals: list[Proposal], on_host: bool = False) -> list[Verified]:
     graphs = [_HostGreedy(p.logits) if reads_on_host(p.logits, [p.state], on_host) else _graph(p)
               for p in proposals]
     mx.eval([a for g in graphs for a in g.arrays])
+    decided = [g.decide(p.drafts) for p, g in zip(proposals, graphs)]
+    # Rows whose constraints may leave no token: each emitted token's processed logit must be finite, or
+    # the row takes none and its state's `fault` ends it with a 400 (as `sampler.take`).
+    checks = {i: mx.stack([left_to_sample(g.rows[j], mx.array(t)) for j, t in enumerate(tokens)])
+              for i, ((tokens, _), p, g) in enumerate(zip(decided, proposals, graphs))
+              if not isinstance(g, _HostGreedy) and may_exclude_all(p.state)}
+    mx.eval(list(checks.values()))
     out = []
-    for p, g in zip(proposals, graphs):
-        tokens, accepted = g.decide(p.drafts)
+    for i, (p, g) in enumerate(zip(proposals, graphs)):
+        tokens, accepted = decided[i]
+        if i in checks and not all(checks[i].tolist()):
+            p.state.fault = NOTHING_TO_SAMPLE
+            out.append(Verified(tokens, accepted))
+            continue
         p.state.record(tokens)
         out.append(Verified(tokens, accepted, _logprobs(g.rows, tokens, p.state) if p.state.params.logprobs
                             is not None else None))

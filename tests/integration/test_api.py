@@ -790,3 +790,26 @@ def test_bad_words_are_never_generated(client):
     for bad in ([""], ["x" * 1001], ["w"] * 257, "word"):
         r = client.post("/v1/completions", json={**base, "bad_words": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("bad_words"), (bad, r.text)
+
+
+def test_constraints_that_leave_no_token_are_the_requests_400(client):
+    """allowed_token_ids, bad_words and a grammar can together exclude every token. That is a 400 naming
+    it (an error event once streaming), never a 200 with a token outside them all (an all -inf row still
+    has an argmax: token 0) nor a 503 (the grammar refusing that token)."""
+    (the,) = client.post("/tokenize", json={"prompt": " the", "add_special_tokens": False}).json()["tokens"]
+    both = {"allowed_token_ids": [the], "bad_words": ["the"]}
+    for body in ({"prompt": "hi", "max_tokens": 5, "temperature": 0, **both},
+                 {"prompt": "hi", "max_tokens": 5, "seed": 3, "logprobs": 1, **both},
+                 {"prompt": "hi", "max_tokens": 5, "structured_outputs": {"choice": [" the"]}, "bad_words": ["the"]}):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_token_to_sample", (body, r.text)
+        assert "exclude every token" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = sse_events(s.iter_lines())
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert [e["code"] for e in errors] == ["no_token_to_sample"], events
+    ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "allowed_token_ids": [the, the + 1],
+                                               "bad_words": ["the"], "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3  # one token left: no fault
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-38})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text

@@ -223,3 +223,16 @@ def test_processed_or_sampled_rows_keep_the_mlx_path():
     assert v.tokens[0] != 3
     [v] = verify([Proposal(rows, (3,), greedy_state(logprobs=1))], on_host=True)
     assert v.tokens == [3, 3] and v.logprobs is not None and len(v.logprobs) == 2
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=4), dict(temperature=1.0)],
+                         ids=["greedy", "seeded", "stochastic"])
+def test_a_row_with_no_token_left_takes_none_and_is_the_requests_fault(params):
+    """allowed_token_ids and bad_words that exclude every token of a verified position: the row records
+    nothing (no token outside the request's constraints) and its state names the fault, as plain
+    sampling's `take` does; a row with a token left is verified as usual beside it."""
+    empty = SeqSampling.create(SamplingParams(**params, allowed_token_ids=(3,), bad_words=((3,),)))
+    fine = greedy_state(allowed_token_ids=(3, 4), bad_words=((3,),))
+    bad, good = verify([Proposal(rows_with_argmax([3, 3]), (3,), empty), Proposal(rows_with_argmax([4, 4]), (4,), fine)])
+    assert empty.fault is not None and "exclude every token" in empty.fault and empty.generated == 0
+    assert fine.fault is None and good.tokens == [4, 4] and fine.generated == 2
