@@ -89,6 +89,11 @@ class Grammars:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
 
     def from_regex(self, regex: str) -> str:
+        # A trailing lone backslash escapes nothing, an error in any regex dialect. llguidance writes the
+        # regex into a Lark /.../ literal, where it escaped the closing slash instead: "a\\" became a
+        # valid grammar of another language, and a 200 answered it.
+        if (len(regex) - len(regex.rstrip("\\"))) % 2:
+            raise GrammarError("invalid regex: it ends in a lone backslash (escape it as \\\\ to match one)")
         return self._ll.LLMatcher.grammar_from_regex(regex)
 
     def from_lark(self, lark: str) -> str:

@@ -452,6 +452,7 @@ def test_a_model_written_call_reaches_the_openai_client(server):
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format", ""),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", ""),
+    ({"structured_outputs": {"regex": "a\\"}}, "structured_outputs", "lone backslash"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regex": "((a{1000}){1000}){1000}"}}, "structured_outputs", "too complex"),
     ({"structured_outputs": {"choice": ["x" * 300_000]}}, "structured_outputs", "too large"),
