@@ -262,6 +262,9 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        missing = [k for k in ("name", "schema") if fmt.get(k) is None]
+        if missing:  # both required by the Responses API (chat's json_schema defaults them)
+            raise ValueError(f"text.format of type json_schema needs {' and '.join(missing)}")
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise ValueError("text.format.type must be text, json_object or json_schema")

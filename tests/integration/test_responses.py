@@ -210,6 +210,8 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "functions only"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "needs name and schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["file_search_call.results"]}, "cannot be included"),
