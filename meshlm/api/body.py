@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from meshlm.api.errors import APIError, bad_request
+from meshlm.api.framing import CLOSE
 from meshlm.config import CLIENT_TIMEOUT_SECONDS
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # ~4M tokens as text, ~2M as token ids: past any context we serve
@@ -33,8 +34,10 @@ class BodyLimits:
 
 
 def too_large(limit: int) -> APIError:
+    # The rest of the body is never read: the connection closes rather than wait --client-timeout for
+    # a next request that the unread bytes would corrupt.
     return APIError(413, f"request body exceeds the limit of {limit} bytes (--max-request-bytes)",
-                    code="request_too_large")
+                    code="request_too_large", headers=CLOSE)
 
 
 async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes:
@@ -57,7 +60,7 @@ async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes
                 break
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 raise APIError(408, f"the client sent nothing for {stall_seconds:g} s after {size} bytes of the "
-                               "request body (--client-timeout)", code="request_timeout") from None
+                               "request body (--client-timeout)", code="request_timeout", headers=CLOSE) from None
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)

@@ -17,6 +17,7 @@ from meshlm import __version__
 from meshlm.api.auth import APIKeyMiddleware
 from meshlm.api.body import BodyLimits, parse_json_sync, read_body
 from meshlm.api.errors import APIError, bad_request
+from meshlm.api.framing import FramingMiddleware
 from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                 TokenizeRequest)
 from meshlm.api.response_store import ResponseStore, item_page
@@ -43,6 +44,9 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600)
+    # Outermost (added last): a request framed twice is refused before anything reads it.
+    app.add_middleware(FramingMiddleware,
+                       rejected=lambda status: serving.engine.metrics.rejected.labels(status=str(status)).inc())
     engine = serving.engine
     health = health or (lambda: engine.problem)
     store = ResponseStore()  # /v1/responses kept for previous_response_id and GET

@@ -148,6 +148,11 @@ def test_oversized_body_gets_413_unread(tiny_model, tmp_path):
         r = httpx.post(srv.url + "/v1/completions", content=chunks())
         error_of(r, 413, None, "65536")
         assert time.monotonic() - t0 < 5
+        # The body's rest is never read: the connection closes after the 413 (it waited --client-timeout).
+        head = COMPLETIONS_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+        answer = _answer_until_closed(srv.port, head + b"%x\r\n" % len(big) + big + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:300]
+        assert time.monotonic() - t0 < 8
         still_serving(srv)
     finally:
         srv.stop()
@@ -226,6 +231,32 @@ def test_a_request_http_cannot_parse_is_a_json_400(server, request_bytes):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer[:300]
     assert json.loads(body)["error"]["code"] == "invalid_http"
+    still_serving(server)
+
+
+def _answer_until_closed(port: int, request_bytes: bytes) -> bytes:
+    """The server's answer to raw bytes, read until it closes the connection (10 s at most)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            s.sendall(request_bytes)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_a_body_framed_twice_is_refused_and_its_connection_closed(server):
+    """Transfer-Encoding and Content-Length together (RFC 9112 6.1: a proxy may have framed the body by the
+    other one, request smuggling): a 400, and the connection closed after it, where uvicorn answered by
+    Transfer-Encoding and kept the connection for a next request."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    framing = b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n" % len(chunked)
+    answer = _answer_until_closed(server.port, COMPLETIONS_HEAD + framing + chunked)  # once the server closed
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower(), answer[:300]
+    assert json.loads(rest)["error"]["code"] == "ambiguous_framing"
     still_serving(server)
 
 
