@@ -107,7 +107,10 @@ class ResponseRun:
     def _usage(self, c: Choice, reasoning: str | None) -> dict:
         done = self.completion.serving.usage([c], self.completion.prompts)
         return {"input_tokens": done["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": done["prompt_tokens_details"]["cached_tokens"]},
+                # cache_write_tokens: required by the official SDK's types (openai 3.63); the prompt's
+                # tokens this request added to the prefix cache (whole blocks it computed first)
+                "input_tokens_details": {"cached_tokens": done["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": c.cache_write_tokens},
                 "output_tokens": done["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(c, reasoning)},
                 "total_tokens": done["total_tokens"]}

@@ -37,6 +37,7 @@ class Choice:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
     finish_reason: str | None = None
 
 
@@ -224,6 +225,7 @@ class Serving:
                 open_choices -= 1
                 choice.completion_tokens = out.completion_tokens
                 choice.cached_tokens = out.cached_tokens
+                choice.cache_write_tokens = out.cache_write_tokens
                 choice.finish_reason = out.finish_reason.value
             yield choice, out
 

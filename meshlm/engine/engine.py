@@ -808,6 +808,7 @@ class Engine:
                 prompt_tokens=len(t.seq.prompt_ids),
                 completion_tokens=len(t.seq.output_ids),
                 cached_tokens=t.seq.num_cached_tokens,
+                cache_write_tokens=min(t.seq.num_written_tokens, len(t.seq.prompt_ids) - t.seq.num_cached_tokens),
             )
         )
 

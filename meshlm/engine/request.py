@@ -107,6 +107,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt served from the cache at its first admission (usage's cached_tokens)
     cache_counted: bool = False  # num_cached_tokens is set (a recompute for blocks no rank loaded resets it)
+    num_written_tokens: int = 0  # prompt tokens whose blocks it made findable in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     aborted: bool = False
@@ -195,3 +196,4 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # prompt tokens this request added to the prefix cache (Responses' usage)

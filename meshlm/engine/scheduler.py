@@ -402,8 +402,11 @@ class Scheduler:
         return finished, taken
 
     def _commit(self, seq: Sequence) -> None:
+        before = self.blocks.stats.committed
         saves = self.blocks.commit(seq.uid, seq.token_slice, seq.num_computed_tokens)
         self._saves.extend(BlockSave(block, key) for block, key in saves)
+        if seq.num_computed_tokens <= len(seq.prompt_ids):  # every block this made findable is the prompt's
+            seq.num_written_tokens += (self.blocks.stats.committed - before) * self.blocks.block_size
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (EOS, length, stop string); it leaves the batch next step."""

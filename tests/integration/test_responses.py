@@ -316,3 +316,25 @@ def test_a_function_call_continued_by_previous_response_id(client, model):
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
         tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], max_tokens=8)
     assert got.usage.input_tokens == want.usage.prompt_tokens
+
+
+def test_usage_counts_the_prompt_tokens_written_to_and_read_from_the_prefix_cache(server, model):
+    """usage.input_tokens_details holds cache_write_tokens (the official SDK's types require it): the
+    prompt's whole blocks this request added to the prefix cache; the same input again reads them
+    (cached_tokens) and writes none. The bodies validate against the SDK's Response type, streamed too."""
+    from openai.types.responses import Response
+
+    body = {"model": model, "input": "count the blocks " * 40, "max_output_tokens": 2}
+    first = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    again = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    for r in (first, again):
+        Response.model_validate(r)
+    written, cached = first["usage"]["input_tokens_details"], again["usage"]["input_tokens_details"]
+    # (The chat template's opening may be cached already, from this module's other requests.)
+    assert 0 < written["cache_write_tokens"] <= first["usage"]["input_tokens"] - written["cached_tokens"]
+    assert cached["cached_tokens"] >= written["cache_write_tokens"] and cached["cache_write_tokens"] == 0
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "input": "a new prompt " * 40,
+                                                                      "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.usage.input_tokens_details.cache_write_tokens > 0
