@@ -74,7 +74,8 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         log.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
 
-    @app.get("/health")
+    # HEAD too: load balancers' probes use it (its answer is GET's status, with no body).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def _health():
         problem = health()
         if problem:

@@ -321,6 +321,8 @@ def test_a_method_the_route_does_not_take_is_a_405_saying_which_it_takes(client)
         r = client.request(method, path)
         assert r.status_code == 405 and allowed in r.headers.get("allow", ""), (method, path, r.headers)
         assert r.json()["error"]["type"] == "invalid_request_error"
+    head = client.head("/health")  # load balancers probe with HEAD
+    assert head.status_code == 200 and head.content == b""
 
 
 # -- echo and prompt logprobs (lm-eval's loglikelihood, vLLM's prompt_logprobs) ------------------------
