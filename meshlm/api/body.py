@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -40,9 +41,13 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large", headers=CLOSE)
 
 
+MIN_BODY_RATE = 500  # bytes/s a body must average once it has taken the client timeout
+
+
 async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes:
     """The raw body; 413 as soon as it is known to exceed `limit` bytes, 408 if the client sends none of
-    it for `stall_seconds` (a body half sent would otherwise hold its connection for ever)."""
+    it for `stall_seconds` (a body half sent would otherwise hold its connection for ever), or sends it
+    slower than MIN_BODY_RATE once it has taken that long."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
@@ -52,9 +57,18 @@ async def read_body(request: Request, limit: int, stall_seconds: float) -> bytes
                        code="unsupported_content_encoding")
     chunks, size = [], 0
     stream = request.stream()
+    started = time.monotonic()
     try:
         while True:
             try:
+                # A byte every few seconds re-arms the silence timer for ever: once the body has taken
+                # stall_seconds, it must also have come at MIN_BODY_RATE on average (Apache's
+                # mod_reqtimeout default), or a few dribbling clients hold the connections.
+                waited = time.monotonic() - started
+                if waited > stall_seconds and size < MIN_BODY_RATE * waited:
+                    raise APIError(408, f"the client sent {size} bytes of the request body in {waited:.0f} s, "
+                                   f"below {MIN_BODY_RATE} bytes/s (--client-timeout)", code="request_timeout",
+                                   headers=CLOSE)
                 chunk = await asyncio.wait_for(anext(stream), stall_seconds)
             except StopAsyncIteration:
                 break

@@ -284,6 +284,23 @@ def test_silent_or_dribbling_clients_lose_their_connections_not_the_servers_sock
             took, got = closed_within(half_body, 10)
             assert got.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in got, got[:300]
             assert took < 5
+        with socket.create_connection(("127.0.0.1", srv.port)) as body_dribbler:  # a byte within each silence
+            body_dribbler.sendall(COMPLETIONS_HEAD + b"Content-Length: 100\r\n\r\n")
+            t0, got = time.monotonic(), b""
+            for _ in range(40):
+                try:
+                    body_dribbler.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.3)
+                body_dribbler.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    got += body_dribbler.recv(65536)
+                body_dribbler.setblocking(True)
+                if got:
+                    break
+            assert got.startswith(b"HTTP/1.1 408 ") and b"bytes/s" in got, got[:300]
+            assert time.monotonic() - t0 < 5
         with unread_stream(srv.port) as stalled_reader:
             time.sleep(4)
             _, got = closed_within(stalled_reader, 10)
