@@ -101,6 +101,10 @@ class ContextBlocks:
     def end_step(self) -> None:
         self.inner.end_step()
 
+    def forget_loaded(self, loads: list[tuple[bytes, int]]) -> set[int]:
+        """Loaded blocks some rank could not read: only split sequences look the cache up and load."""
+        return self.inner.forget_loaded(loads)
+
     # -- per sequence ----------------------------------------------------------------------------------
     def _wants_whole(self, length: int | None, reach: int | None) -> bool:
         """Shorter than T, and never longer than one rank's pools hold: a whole sequence that outgrew its
@@ -146,7 +150,9 @@ class ContextBlocks:
         most `reach` tokens (None: unbounded) that one rank's pools hold, is placed whole, with no prefix
         lookup; any other goes to the block manager's."""
         if not self._wants_whole(length, reach):
-            return self.inner.match(uid, token_ids)
+            # length and reach too: the partial-match guard needs them (without, a lender that left too few
+            # blocks was held every step and the sequence never admitted)
+            return self.inner.match(uid, token_ids, length, reach)
         if uid in self:
             raise ValueError(f"uid {uid} already holds blocks")
         holder = self._place()

@@ -91,3 +91,19 @@ def test_a_whole_sequence_that_generates_nothing_needs_no_next_position():
     assert cb.can_admit(32, reach=32)
     cb.match(1, list(range(31)), 32, reach=32)
     assert cb.allocate(1, 32) is not None and cb.holder(1) == 0
+
+
+def test_blocks_a_rank_could_not_load_are_forgotten_through_it():
+    """Scheduler.recompute_unloaded has the block manager forget loaded blocks some rank could not read.
+    ContextBlocks had no forget_loaded: under --cp-min-tokens such a step failed every request in flight
+    with an AttributeError instead of recomputing the sequences that held them."""
+    from meshlm.kv.keys import chain_key
+
+    cb = blocks(num=8, min_tokens=4)
+    tokens = list(range(20))
+    admit(cb, 1, 20)  # split: the prefix cache's
+    cb.commit(1, lambda a, b: tokens[a:b], 20)
+    first = chain_key(cb.inner.salt.root(), tuple(tokens[:2 * B]))
+    assert cb.cached_prefix([first]) == 1
+    assert cb.forget_loaded([(first, cb.table(1)[0])]) == {cb.table(1)[0]}
+    assert cb.cached_prefix([first]) == 0 and cb.stats.load_failures == 1

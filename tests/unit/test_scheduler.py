@@ -289,14 +289,20 @@ def test_admission_waits_for_room_for_the_whole_prompt():
     assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
 
 
-def test_a_prompt_needing_every_block_is_admitted_though_it_shares_part_of_a_cached_one():
+@pytest.mark.parametrize("context", [False, True], ids=["blocks", "context-blocks"])
+def test_a_prompt_needing_every_block_is_admitted_though_it_shares_part_of_a_cached_one(context):
     """Regression (a hang): admission counted a partial hit's lender as free, the match then held it for the
     copy, the allocation failed, and the sequence waited to find the same lender next step, for ever; so did
-    every request queued behind it. Where the lender would leave too few blocks, there is no partial hit."""
+    every request queued behind it. Where the lender would leave too few blocks, there is no partial hit.
+    The same through context parallelism's blocks (--cp-min-tokens), whose match once dropped the length
+    the guard needs."""
+    from meshlm.kv.context_blocks import ContextBlocks
     from meshlm.kv.keys import CacheSalt
 
     config = SchedulerConfig(max_batch_size=8, max_tokens_per_step=1024, max_waiting=64)
     blocks = BlockManager(8, 16, CacheSalt("f" * 24, "float32", "tp1", 16))
+    if context:  # every prompt of 4 tokens or more split over two ranks: the prefix cache looks them up
+        blocks = ContextBlocks(blocks, 2, 8, min_tokens=4)
     sched = Scheduler(config, blocks, 128, frozenset({EOS}))
     a = Sequence(0, list(range(10, 30)), SamplingParams(max_tokens=1))  # caches its first block
     sched.add(a)
