@@ -99,6 +99,18 @@ def _encode(arrays: dict[str, Array], metadata: dict[str, str], align: int) -> t
     return struct.pack("<Q", len(encoded)) + encoded, raw
 
 
+# Header bytes a block file's JSON can take, generously: its metadata (format, key, salt, rank, checksum)
+# and one entry a tensor (name, dtype, shape, offsets).
+_METADATA_BYTES, _ENTRY_BYTES = 1024, 160
+
+
+def block_file_bytes(shape: KVShape) -> int:
+    """At most the size of a block file of a store of `shape` (DirectWriter's, header padded to ALIGN):
+    what an SSD tier must hold to keep one block."""
+    header = 8 + _METADATA_BYTES + 2 * shape.num_layers * _ENTRY_BYTES
+    return -(-header // ALIGN) * ALIGN + shape.block_bytes
+
+
 def write_block(path: Path, arrays: dict[str, Array], metadata: dict[str, str]) -> None:
     """Write `arrays` as a safetensors file (tensors in name order), `metadata` plus their checksum in its
     header, through the page cache; the tensor data starts 8-byte aligned, as safetensors writers do.

@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshlm.kv.blockfile import DirectWriter, read_block, read_header
+from meshlm.kv.blockfile import DirectWriter, block_file_bytes, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block, KVShape
 
@@ -87,9 +87,12 @@ def key_of(name: str) -> bytes | None:
     if not name.endswith(SUFFIX) or len(stem) != 2 * KEY_BYTES:
         return None
     try:
-        return bytes.fromhex(stem)
+        key = bytes.fromhex(stem)
     except ValueError:
         return None
+    # Exactly the name `_path` gives it: an upper-case (or spaced) name was indexed and counted, but every
+    # delete used the lower-case name, so it was never evicted and the directory stayed over capacity.
+    return key if key.hex() == stem else None
 
 
 def pid_alive(pid: int) -> bool:
@@ -141,9 +144,9 @@ class SSDTier:
         self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
         self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
         self._scan_queued = False  # a lookup asked the writer thread for a re-scan (`_rescan_when_due`)
-        if config.capacity_bytes < shape.block_bytes:  # every block written would be evicted at once
+        if config.capacity_bytes < block_file_bytes(shape):  # every block written would be evicted at once
             self._disable(f"--ssd-cache-gb {config.capacity_bytes / 2**30:.3g} holds no KV block of this store "
-                          f"({shape.block_bytes} bytes each)")
+                          f"(up to {block_file_bytes(shape)} bytes each, with its header)")
             return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +174,9 @@ class SSDTier:
                 size = path.stat().st_size
             except FileNotFoundError:  # evicted by another process meanwhile: not a bad file
                 continue
+            except OSError as exc:  # this process cannot read it now (EMFILE, EIO, EACCES): left as it is
+                log.warning("SSD KV tier: leaving %s, not readable now: %s", path.name, exc)
+                continue
             if key is None:
                 self._drop(path)
             else:
@@ -188,7 +194,8 @@ class SSDTier:
     def _validate(self, path: Path) -> bytes | None:
         """The file's key if it is a whole block of this salt and rank, else None.
 
-        Raises FileNotFoundError when another process deleted it meanwhile (not a bad file)."""
+        Raises OSError (FileNotFoundError: another process deleted it meanwhile) when it cannot be read
+        now: the file may be good, so it is not dropped."""
         try:
             header, size = read_header(path, self.shape)
             meta = header.get("__metadata__") or {}
@@ -198,7 +205,7 @@ class SSDTier:
                   and meta.get("key") == key.hex() and meta.get("rank") == str(self.rank)
                   and size == path.stat().st_size)
             return key if ok else None
-        except FileNotFoundError:
+        except OSError:
             raise
         except Exception:  # whatever is wrong with a file, it is dropped, never fatal
             return None
@@ -297,6 +304,10 @@ class SSDTier:
         except Exception as exc:  # any unreadable file is a miss, never a crash
             self._forget(key)
             if isinstance(exc, FileNotFoundError) or not os.path.lexists(path):
+                return None
+            if isinstance(exc, OSError):  # this process's trouble (EMFILE, EIO, EACCES), not the file's:
+                # kept for the processes sharing it (the next re-scan lists it again)
+                log.warning("KV block %s not read: %s", path.name, exc)
                 return None
             log.warning("dropping KV block %s: %s", path.name, exc)
             self._drop(path)

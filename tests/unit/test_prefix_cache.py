@@ -657,6 +657,8 @@ def test_a_tier_too_small_for_one_block_is_off_saying_so(tmp_path, caplog):
     """It wrote every block and evicted it at once: disk writes for nothing, and no word why nothing hit."""
     tier = make_tier(tmp_path, capacity=SHAPE.block_bytes - 1)
     assert not tier.enabled and "holds no KV block of this store" in caplog.text
+    # Nor one that holds a block's tensors but not its file (the header, padded to 4 KiB, comes on top):
+    assert not make_tier(tmp_path, capacity=SHAPE.block_bytes + 100).enabled
     tier.save(block_keys(ids(BS), SALT)[0], fake_block(0))
     tier.flush()
     assert not list(tmp_path.rglob("*" + SUFFIX)) and tier.writes == 0

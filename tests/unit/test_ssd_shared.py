@@ -337,3 +337,37 @@ def test_a_file_deleted_during_startup_validation_is_not_counted(tmp_path, monke
     b = tier(tmp_path)
     assert b.enabled and b.dropped == 0
     assert ks[0] not in b and ks[1] in b
+
+
+def test_only_the_names_the_tier_gives_are_its_blocks():
+    """An upper-case (or spaced) hex name was indexed and counted toward capacity, but every delete used the
+    lower-case name: such a file was never evicted, and the tier evicted its real blocks instead."""
+    k = keys(1, seed=3)[0]
+    assert ssd.key_of(k.hex() + SUFFIX) == k
+    for name in (k.hex().upper() + SUFFIX, " " + k.hex()[1:] + SUFFIX, k.hex()[:-2] + " 0" + SUFFIX):
+        assert ssd.key_of(name) is None, name
+
+
+def test_a_block_this_process_cannot_read_now_stays_for_the_others(tmp_path, monkeypatch, caplog):
+    """Too many open files, an I/O error or a permission refused are this process's trouble, not the
+    file's: the block is a miss here and stays on disk for every process sharing the directory (it was
+    deleted as a bad file). A bad file is still dropped."""
+    t = tier(tmp_path)
+    good, bad = keys(2, seed=4)
+    write(t, [good, bad], seed=4)
+
+    def busy(*_):
+        raise OSError(24, "Too many open files")
+
+    real = ssd.read_block
+    monkeypatch.setattr(ssd, "read_block", busy)
+    assert t.load(good) is None and t._path(good).exists() and t.dropped == 0
+    assert "not read" in caplog.text
+    monkeypatch.setattr(ssd, "read_block", real)
+    assert tier(tmp_path).load(good) is not None  # the next process (or re-scan) finds it whole
+    with open(t._path(bad), "r+b") as f:  # a bad file: dropped as before
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff")
+    assert t.load(bad) is None and not t._path(bad).exists() and t.dropped == 1
+    monkeypatch.setattr(ssd, "read_header", busy)  # at start-up, too: left, neither indexed nor dropped
+    assert good not in tier(tmp_path)._index and t._path(good).exists()
