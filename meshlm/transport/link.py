@@ -71,8 +71,11 @@ def _set_opt(sock: socket.socket, level: int, name: str, value: int) -> None:
         pass
 
 
-def tune(sock: socket.socket, liveness: float) -> None:
-    """Low latency for small frames; let the kernel give up on a vanished host (no FIN) within `liveness`."""
+def tune(sock: socket.socket, liveness: float, unacked_limit: bool = True) -> None:
+    """Low latency for small frames; let the kernel give up on a vanished host (no FIN) within `liveness`.
+    `unacked_limit`: also fail a send left unacknowledged that long (Linux's TCP_USER_TIMEOUT), which
+    since Linux 5.x includes zero-window probes a busy but live receiver answers: off for links whose
+    sends are large and carry their own deadlines."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = max(1, int(liveness / 2))
@@ -80,7 +83,8 @@ def tune(sock: socket.socket, liveness: float) -> None:
     _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPALIVE", idle)  # macOS
     _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1)
     _set_opt(sock, socket.IPPROTO_TCP, "TCP_KEEPCNT", max(1, int(liveness / 2)))
-    _set_opt(sock, socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(liveness * 1000))  # Linux: unacked sends fail
+    if unacked_limit:
+        _set_opt(sock, socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", int(liveness * 1000))  # Linux: unacked sends fail
 
 
 class Link:

@@ -22,6 +22,7 @@ naming the stage, which ends the step (and the cluster) like any rank failure.
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import time
@@ -57,7 +58,11 @@ class StageLink:
     def __init__(self, sock: socket.socket, own: int, peer: int, liveness: float) -> None:
         self.sock = sock
         self.own, self.peer = own, peer
-        tune(sock, liveness)
+        # No unacked-send limit: an activation larger than the socket buffers waits in zero-window probes
+        # while the next stage computes another micro-batch, which may take longer than --worker-timeout
+        # (the limit reset healthy links then). Each send and read has its step deadline; a stage that
+        # dies is the control channel's to notice.
+        tune(sock, liveness, unacked_limit=False)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -83,7 +88,9 @@ class StageLink:
     def send(self, data: bytes, timeout: float) -> None:
         try:
             send_all(self.sock, data, time.monotonic() + timeout)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if exc.errno == errno.ETIMEDOUT:  # the kernel's, not the deadline's: say so, not "after 60 s"
+                raise StageLinkError(f"link to stage {self.peer} failed: {exc}") from None
             raise StageLinkError(f"sending to stage {self.peer} timed out after {timeout:.1f} s") from None
         except OSError as exc:
             raise StageLinkError(f"link to stage {self.peer} failed: {exc}") from None
@@ -92,7 +99,9 @@ class StageLink:
     def _recv_exactly(self, n: int, deadline: float) -> bytes:
         try:
             data = recv_exactly(self.sock, n, deadline)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if exc.errno == errno.ETIMEDOUT:  # the kernel gave up on the connection
+                raise StageLinkError(f"link from stage {self.peer} failed: {exc}") from None
             raise StageLinkError(f"stage {self.peer} sent nothing for the step in time") from None
         except EOFError:
             raise StageLinkError(f"stage {self.peer} closed the link") from None

@@ -83,21 +83,22 @@ def test_only_the_stage_computing_logits_packs_a_tied_table(tied):
     assert isinstance(adapt(last.model, True, native).embed, cpu_kernels.PackedEmbedding)
 
 
-def _pair(accept_secret=SECRET, connect_secret=SECRET, claim=(0, 1), timeout=5.0):
+def _pair(accept_secret=SECRET, connect_secret=SECRET, claim=(0, 1), timeout=5.0, liveness=5.0):
     server = stage_link.listen("127.0.0.1", 0)
     port = server.getsockname()[1]
     out: dict = {}
 
     def accept():
         try:
-            out["accepted"] = stage_link.accept(server, accept_secret, 1, 0, timeout, 5.0)
+            out["accepted"] = stage_link.accept(server, accept_secret, 1, 0, timeout, liveness)
         except StageLinkError as exc:
             out["accept_error"] = exc
 
     t = threading.Thread(target=accept)
     t.start()
     try:
-        out["connected"] = stage_link.connect(f"127.0.0.1:{port}", connect_secret, claim[0], claim[1], timeout, 5.0)
+        out["connected"] = stage_link.connect(f"127.0.0.1:{port}", connect_secret, claim[0], claim[1], timeout,
+                                              liveness)
     except StageLinkError as exc:
         out["connect_error"] = exc
     t.join()
@@ -122,6 +123,30 @@ def test_an_activation_crosses_a_link():
     with pytest.raises(StageLinkError, match="stage 0 closed the link"):
         out["accepted"].recv_activation(0, 0, 3, ActivationSpec(8, mx.float32), 5.0)
     out["accepted"].close()
+
+
+def test_a_large_activation_waits_for_a_busy_stage_longer_than_the_liveness():
+    """The next stage computing another micro-batch for longer than --worker-timeout leaves an activation
+    larger than the socket buffers unread: the kernel's unacked-send limit (TCP_USER_TIMEOUT, which counts
+    zero-window probes) reset the healthy link after ~1 s, and the sender said "timed out after 60 s".
+    The send's own deadline is the step's."""
+    out = _pair(liveness=0.5)
+    a, b = out["connected"], out["accepted"]
+    hidden = mx.ones((1, 1024, 4096))  # 16 MiB
+    mx.eval(hidden)
+    got: dict = {}
+
+    def busy_then_read():
+        threading.Event().wait(2.0)  # four times the liveness
+        got["hidden"] = b.recv_activation(3, 0, 1024, ActivationSpec(4096, mx.float32), 30.0)
+
+    t = threading.Thread(target=busy_then_read)
+    t.start()
+    a.send_activation(3, 0, hidden, 30.0)
+    t.join()
+    assert mx.array_equal(got["hidden"], hidden)
+    a.close()
+    b.close()
 
 
 def test_a_stage_with_the_wrong_secret_or_place_is_refused():
