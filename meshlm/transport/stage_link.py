@@ -40,6 +40,10 @@ LINK_VERSION = 1
 _HELLO = struct.Struct("!4sIii32s")
 NONCE, PROOF = 32, 32
 RETRY_SECONDS = 0.1
+# How long one accepted connection has to complete its side of the handshake (a neighbour's takes a
+# round trip): one that connects and stays silent held the accept until the start deadline, and the real
+# neighbour behind it failed too.
+HANDSHAKE_SECONDS = 5.0
 
 
 class StageLinkError(ControlError):
@@ -145,7 +149,7 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
         except (TimeoutError, socket.timeout):
             continue
         try:
-            _accept_handshake(sock, secret, own, peer, deadline)
+            _accept_handshake(sock, secret, own, peer, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
             return StageLink(sock, own, peer, liveness)
         except (StageLinkError, OSError) as exc:
             problems.append(f"{addr[0]}:{addr[1]}: {exc}")

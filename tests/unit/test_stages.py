@@ -165,3 +165,24 @@ def test_a_silent_neighbour_is_a_timeout_not_a_hang():
         stage_link.accept(server, SECRET, 1, 0, 1.0, 5.0)
     lurker.close()
     server.close()
+
+
+def test_a_silent_connection_does_not_keep_the_real_neighbour_out(monkeypatch):
+    """A connection that says nothing had the whole start deadline for its handshake: the real stage 0,
+    connected right behind it, failed with it and the cluster never formed. Each connection now has
+    HANDSHAKE_SECONDS."""
+    monkeypatch.setattr(stage_link, "HANDSHAKE_SECONDS", 0.5, raising=False)
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    lurker = socket.create_connection(("127.0.0.1", port))
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault(
+        "link", stage_link.connect(f"127.0.0.1:{port}", SECRET, 0, 1, 10.0, 5.0)))
+    t.start()
+    link = stage_link.accept(server, SECRET, 1, 0, 10.0, 5.0)
+    t.join()
+    hidden = mx.ones((1, 2, 8))
+    out["link"].send_activation(0, 0, hidden, 5.0)
+    assert mx.array_equal(link.recv_activation(0, 0, 2, ActivationSpec(8, mx.float32), 5.0), hidden)
+    for s in (lurker, server, link, out["link"]):
+        s.close()
