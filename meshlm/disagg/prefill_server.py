@@ -148,6 +148,10 @@ class PrefillService:
                                       f"count; got {len(job.token_ids)} tokens, first_block {job.first_block}")
         if not 0 <= job.job_id < 2**63:
             return self._refuse(conn, f"job id {job.job_id} is out of range")
+        vocab = self.engine.vocab_size
+        if vocab is not None and not (0 <= min(job.token_ids) and max(job.token_ids) < vocab):
+            # before the keys are hashed: an id of 2**63 or more was an OverflowError there, no reply
+            return self._refuse(conn, f"the job holds a token id outside the vocabulary (0..{vocab - 1})")
         return self._run(conn, job, block_keys(job.token_ids, self.salt))
 
     def _run(self, conn: Conn, job: Job, keys: list[bytes]) -> str:

@@ -196,6 +196,8 @@ def test_cached_prompt_is_not_handed_off(cluster):
     (pw.Job(1, [5] * 31, 0), "whole blocks of 32 tokens"),
     (pw.Job(1, [5] * 64, 2), "first_block 2"),
     (pw.Job(1, [10**9] * 32, 0), "outside the vocabulary"),
+    (pw.Job(1, [2**63] * 32, 0), "outside the vocabulary"),  # was an OverflowError hashing the keys: no reply
+    (pw.Job(1, [-1] + [5] * 31, 0), "outside the vocabulary"),
     (pw.Job(-1, [5] * 32, 0), "job id -1"),
     (pw.Done(0), "expected a job"),
 ])
