@@ -156,6 +156,9 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
         except LeaderLost as exc:
             log.error("%s; exiting", exc)
             return EXIT_LEADER_LOST
+        except ControlError as exc:  # a frame this rank cannot take: the stream is not to be trusted after it
+            log.error("the leader's control channel sent what this rank cannot take: %s; exiting", exc)
+            return EXIT_STEP_FAILED
         if plan is None:
             log.info("leader asked to stop: %s", control.shutdown_reason)
             return EXIT_SHUTDOWN
