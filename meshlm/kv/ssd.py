@@ -64,7 +64,9 @@ STALE_TMP_SECONDS = 3600  # no write takes that long: its writer died (or lives 
 RESCAN_SECONDS = 10.0  # how stale this process's view of other writers' files may get
 RESCAN_FRACTION = 0.05  # a writer re-scans after writing this fraction of capacity since its last scan
 LOW_WATER = 0.95  # eviction frees down to this fraction of capacity
-MAX_STAGED = 4096  # prefetched blocks waiting for their plan to run
+# Prefetched blocks waiting for their plan to run are held in RAM, outside the KV budget: at most this many
+# bytes (4,096 blocks, the old cap, were 6 GB of the demo model's and tens of GB of a 70B model's).
+MAX_STAGED_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,9 @@ class SSDTier:
             return True
         if key not in self:
             return False
-        if len(self._staged) >= MAX_STAGED:  # plans that never ran (a failed step): forget their reads
+        if (len(self._staged) + 1) * self.shape.block_bytes > MAX_STAGED_BYTES:
+            # plans that never ran (a failed step, an admission that waits), or one loading more than this:
+            # forget the reads (a load reads a block again when it is not staged)
             self._staged.clear()
         block = self._read(key)
         if block is not None:

@@ -371,3 +371,20 @@ def test_a_block_this_process_cannot_read_now_stays_for_the_others(tmp_path, mon
     assert t.load(bad) is None and not t._path(bad).exists() and t.dropped == 1
     monkeypatch.setattr(ssd, "read_header", busy)  # at start-up, too: left, neither indexed nor dropped
     assert good not in tier(tmp_path)._index and t._path(good).exists()
+
+
+def test_prefetched_blocks_held_in_ram_are_capped_in_bytes(tmp_path, monkeypatch):
+    """Prefetched blocks wait in RAM, outside the KV budget, for their plan's load: capped at 4,096 blocks
+    they could hold tens of GB of a large model's. The cap is in bytes now; a load whose block was
+    dropped from the stage reads it again, the same block."""
+    t = tier(tmp_path)
+    ks = keys(6, seed=8)
+    write(t, ks, seed=8)
+    monkeypatch.setattr(ssd, "MAX_STAGED_BYTES", 4 * SHAPE.block_bytes)
+    for k in ks:
+        assert t.prefetch(k)
+        assert len(t._staged) * SHAPE.block_bytes <= ssd.MAX_STAGED_BYTES
+    for i, k in enumerate(ks):
+        got = t.load(k)
+        want = fake_block(8 + i)
+        assert all(mx.array_equal(a, b) for a, b in zip(got.keys + got.values, want.keys + want.values))
