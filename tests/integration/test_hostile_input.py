@@ -213,27 +213,6 @@ def test_a_client_that_resets_its_streams_leaves_no_socket_warnings(server):
     assert "socket.send() raised exception" not in new and "Traceback" not in new, new[-2000:]
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"GARBAGE\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
-    COMPLETIONS_HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n{}",
-], ids=["garbage", "header-too-large", "two-lengths"])
-def test_a_request_http_cannot_parse_is_a_json_400(server, request_bytes):
-    """uvicorn answered these in text/plain ("Invalid HTTP request received."), the one error that was not
-    in the shape a client parses."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
-            s.sendall(request_bytes)
-        answer = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := s.recv(65536):
-                answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer[:300]
-    assert json.loads(body)["error"]["code"] == "invalid_http"
-    still_serving(server)
-
-
 def _answer_until_closed(port: int, request_bytes: bytes) -> bytes:
     """The server's answer to raw bytes, read until it closes the connection (10 s at most)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -244,6 +223,20 @@ def _answer_until_closed(port: int, request_bytes: bytes) -> bytes:
             while chunk := s.recv(65536):
                 answer += chunk
     return answer
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+    COMPLETIONS_HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n{}",
+], ids=["garbage", "header-too-large", "two-lengths"])
+def test_a_request_http_cannot_parse_is_a_json_400(server, request_bytes):
+    """uvicorn answered these in text/plain ("Invalid HTTP request received."), the one error that was not
+    in the shape a client parses."""
+    head, _, body = _answer_until_closed(server.port, request_bytes).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), head[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+    still_serving(server)
 
 
 def test_a_body_framed_twice_is_refused_and_its_connection_closed(server):
