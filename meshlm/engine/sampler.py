@@ -166,7 +166,10 @@ class Draw:
     logprob_parts: list[mx.array]  # three per row that wants logprobs (`_logprob_graph`)
     states: list[SeqSampling]
     want_lp: list[int]  # rows whose logprobs are reported
-    possible: mx.array  # (rows,) bool, lazy: the token's processed logit is finite (`left_to_sample`)
+    # Rows whose constraints may leave no token (`may_exclude_all`), and lazily whether each had one
+    # (`left_to_sample`); None when no row is checked
+    checked: list[int]
+    possible: mx.array | None
 
 
 NOTHING_TO_SAMPLE = ("no token is left to sample: this request's allowed_token_ids, bad_words and structured "
@@ -199,20 +202,24 @@ def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
             tokens.append(mx.random.categorical(filter_logits(row, s.params), key=s.token_key()))
     tokens_arr = mx.stack(tokens)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    possible = mx.stack([left_to_sample(row, t) for row, t in zip(rows, tokens)])
-    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp, possible)
+    checked = [i for i, s in enumerate(states) if may_exclude_all(s)]
+    possible = mx.stack([left_to_sample(rows[i], tokens[i]) for i in checked]) if checked else None
+    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp, checked, possible)
 
 
 def take(d: Draw, record: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """Read a draw's tokens and logprobs (waiting for them) and record the tokens in each row's state
     (`record`: in the rows it marks only; a row whose token will not be kept records nothing). A row
     with no token left records none and sets its state's `fault`: the engine ends it with a 400."""
-    mx.eval(d.tokens, d.possible, *d.logprob_parts)
+    mx.eval(d.tokens, *d.logprob_parts, *([d.possible] if d.possible is not None else []))
     ids = d.tokens.tolist()
-    for i, (tok, s, ok) in enumerate(zip(ids, d.states, d.possible.tolist())):
-        if not ok:
+    empty = {i for i, ok in zip(d.checked, d.possible.tolist() if d.possible is not None else []) if not ok}
+    for i, (tok, s) in enumerate(zip(ids, d.states)):
+        if record is not None and not record[i]:
+            continue
+        if i in empty:
             s.fault = NOTHING_TO_SAMPLE
-        elif record is None or record[i]:
+        else:
             s.record([tok])
     logprobs: list[TokenLogprob | None] = [None] * len(d.states)
     for j, i in enumerate(d.want_lp):
