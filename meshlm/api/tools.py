@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -173,7 +174,12 @@ def _usable(parsed: object, names: frozenset[str]) -> dict | None:
     args = parsed.get("arguments", {})
     if not (_is_object(args) if isinstance(args, str) else isinstance(args, dict)):
         return None
-    return _call(parsed["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        return _call(parsed["name"], args)
+    try:  # arguments are a JSON string: NaN and Infinity (or 1e999, parsed to inf) are not JSON
+        return _call(parsed["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -245,11 +251,24 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
     return messages, {}
 
 
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):  # 1e999: JSON's syntax, but no client's JSON parser holds it either
+        raise ValueError(f"{number} overflows a double")
+    return value
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _json_or_text(text: str) -> object:
     """`text` parsed as JSON, or `text` itself where it is not JSON (a model's or a client's string: templates
-    expect past calls' arguments as objects). Nested past the parser's stack is not JSON either."""
+    expect past calls' arguments as objects). Nested past the parser's stack is not JSON either, nor NaN,
+    Infinity or a number past a double, which Python's parser takes and clients' refuse: calls made of
+    them went out with arguments such as '{"a": Infinity}'."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=_finite, parse_constant=_not_json)
     except (ValueError, RecursionError):
         return text
 

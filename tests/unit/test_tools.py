@@ -33,6 +33,9 @@ def names_and_arguments(calls: list[dict]) -> list[tuple[str, str]]:
     '{"name":"f","arguments":1}', '{"name":"f","arguments":"[1]"}', '{"name":"f","arguments":"{"}',  # no object
     '[{"name":"f","arguments":{}},{"name":"zzz","arguments":{}}]',  # one bad call spoils the set
     '{"name":"f","arguments":"' + "[" * 100_000 + '"}',  # deeper than json can parse
+    # not JSON a client can parse: they went out as arguments '{"a": Infinity}', '{"a": NaN}'
+    '{"name":"f","arguments":{"a":1e999}}', '{"name":"f","arguments":{"a":NaN}}',
+    '{"name":"f","arguments":{"a":-Infinity}}', '{"name":"f","arguments":"{\\"a\\": NaN}"}',
 ])
 def test_text_that_is_not_a_usable_call_stays_content(body):
     text = "a" + called(body)
@@ -141,7 +144,8 @@ NAMED = ToolPlan("named", (F, G), named="f")
 REQUIRED = ToolPlan("required", (F, G))
 
 
-@pytest.mark.parametrize("text", ['[{"name": "f", "arguments": {}}', "[{", ""])
+@pytest.mark.parametrize("text", ['[{"name": "f", "arguments": {}}', "[{", "",
+                                  '[{"name": "f", "arguments": {"a": 1e999}}]'])  # a number no client holds
 def test_a_required_call_cut_short_is_no_call_and_no_content(text):
     """By max_tokens, a stop string or a stop token: the raw '[{' was content."""
     assert REQUIRED.calls(text) == (None, [])
