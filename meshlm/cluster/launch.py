@@ -109,8 +109,14 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
             print(shlex.join(cmd))
         return 0
     _check_tools(cmds)
+    # A stop asked for while the ranks start is held until they all have, then passed on as any other:
+    # Ctrl-C amid the Popens ended launch at once and left the ranks already started retrying the roll
+    # call, where a launch run again within the start timeout took one in as its own rank.
+    early: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda got, _frame: early.append(got))
     if backend == "mpi":  # mpirun starts every rank itself
-        return _supervise([subprocess.Popen(cmds[0])], ["mpirun"])
+        return _supervise([subprocess.Popen(cmds[0])], ["mpirun"], early=early)
     # The leader hears of a worker that fails while the cluster starts (one that never connects, say after
     # ssh failed) at once, not at its roll call's deadline: a line on its stdin, over ssh too. Every rank
     # (its ssh, its `ip netns exec`) runs in a session of its own: the terminal's Ctrl-C reaches launch
@@ -120,7 +126,7 @@ def launch(hostfile: str, backend: str, serve_argv: list[str], dry_run: bool = F
     procs = [subprocess.Popen(cmd, start_new_session=True) for cmd in reversed(cmds[1:])][::-1]  # workers first
     procs.insert(0, subprocess.Popen(cmds[0], stdin=subprocess.PIPE, start_new_session=True))
     os.set_blocking(procs[0].stdin.fileno(), False)
-    return _supervise(procs, [h.ssh for h in hosts], report=procs[0].stdin.fileno())
+    return _supervise(procs, [h.ssh for h in hosts], report=procs[0].stdin.fileno(), early=early)
 
 
 def check_secret(hostfile: Hostfile) -> None:
@@ -153,23 +159,32 @@ def _check_tools(cmds: list[list[str]]) -> None:
 
 
 POLL_S = 0.2
+# What stops a cluster through launch: Ctrl-C, kill, and the terminal hanging up (every rank runs in a
+# session of its own, so none of them gets the hang-up: the cluster ran on after the terminal closed).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _supervise(procs: list[subprocess.Popen], names: list[str], report: int | None = None) -> int:
-    """Forward SIGINT/SIGTERM to the leader (it drains and stops the workers); say at once when a worker
-    fails while the leader runs, here and to the leader on `report` (the leader says what it means: a
-    start that ends, or an unhealthy cluster; a worker the leader stopped exits 0, unreported); wait for
-    every rank."""
+def _supervise(procs: list[subprocess.Popen], names: list[str], report: int | None = None,
+               early: list[int] | tuple[int, ...] = ()) -> int:
+    """Pass a stop (STOP_SIGNALS) to the leader, which drains and stops the workers: SIGINT and SIGTERM as
+    they came, a hang-up as SIGTERM, and one that came while the ranks started (`early`) as SIGTERM once
+    they all have (the leader is then still importing Python, where a SIGINT was a 'Fatal Python error').
+    Say at once when a worker fails while the leader runs, here and to the leader on `report` (the leader
+    says what it means: a start that ends, or an unhealthy cluster; a worker the leader stopped exits 0,
+    unreported); wait for every rank."""
     leader = procs[0]
     forwarded: list[int] = []
 
-    def forward(sig, _frame):
+    def forward(sig=signal.SIGTERM, _frame=None):
         if leader.poll() is None:
-            forwarded.append(sig)
-            leader.send_signal(sig)
+            sent = signal.SIGTERM if sig == signal.SIGHUP else sig
+            forwarded.append(sent)
+            leader.send_signal(sent)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
+    if early:
+        forward()
     told: set[int] = set()
     while (code := leader.poll()) is None:
         for rank, proc in enumerate(procs[1:], start=1):
@@ -189,6 +204,8 @@ def _supervise(procs: list[subprocess.Popen], names: list[str], report: int | No
         except subprocess.TimeoutExpired:
             log.warning("rank still running 10 s after the leader exited; killing it")
             proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)  # reaped, not left for launch's own exit
     # uvicorn re-raises the signal after its orderly shutdown, and a start interrupted before serving
     # exits 128 + the signal: either is a clean stop we asked for.
     if forwarded and code in (-forwarded[0], 128 + forwarded[0]):

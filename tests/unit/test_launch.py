@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from unittest import mock
 
 import pytest
 
@@ -246,7 +248,7 @@ def test_a_worker_that_exits_is_reported_while_the_leader_runs(caplog):
     leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(7)"])
     worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(255)"])
     stopped = subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"])  # as a worker the leader stops
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in launch.STOP_SIGNALS}
     try:
         with caplog.at_level(logging.WARNING):
             assert launch._supervise([leader, worker, stopped], ["localhost", "mac2.local", "mac3.local"]) == 7
@@ -280,12 +282,15 @@ def test_pipeline_ranks_told_the_control_address_still_find_every_stage(tmp_path
     ("import os, signal, time; time.sleep(30)", signal.SIGINT, 0),  # a stop launch forwarded: clean
     ("import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(30)",
      signal.SIGINT, 0),  # a start interrupted before serving exits 130
+    # The terminal hanging up: the leader (in a session of its own) never got it, and the cluster ran on
+    ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(30)",
+     signal.SIGHUP, 0),
 ])
 def test_launch_exits_with_a_shells_status_for_a_signalled_leader(leader_code, sig, want):
     from meshlm.cluster import launch
 
     leader = subprocess.Popen([sys.executable, "-c", leader_code])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: signal.getsignal(s) for s in launch.STOP_SIGNALS}
     try:
         if sig is not None:
             threading.Timer(1.0, os.kill, (os.getpid(), sig)).start()  # as a terminal's Ctrl-C to launch
@@ -295,3 +300,38 @@ def test_launch_exits_with_a_shells_status_for_a_signalled_leader(leader_code, s
             signal.signal(s, handler)
         if leader.poll() is None:
             leader.kill()
+
+
+def test_a_stop_while_the_ranks_start_reaches_the_leader_once_they_all_have(tmp_path, monkeypatch):
+    """Ctrl-C amid the ranks' start ended launch at once ('interrupted', 130) and left the ranks already
+    started retrying the roll call; a launch run again within the start timeout took one in as its own.
+    The stop is held until every rank has started, then goes to the leader (SIGTERM), which stops; launch
+    waits for every rank."""
+    from meshlm.cluster import launch
+
+    monkeypatch.setenv(SECRET_ENV, "a" * 64)
+    handlers = {s: signal.getsignal(s) for s in launch.STOP_SIGNALS}
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 3))
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):  # the leader (its stdin launch's pipe) runs until told; a worker ends on its own
+        seconds = 30 if kw.get("stdin") is not None else 2
+        started.append(real([sys.executable, "-c", f"import time; time.sleep({seconds})"], **kw))
+        if len(started) == 2:  # Ctrl-C as the second rank starts
+            os.kill(os.getpid(), signal.SIGINT)
+        return started[-1]
+
+    try:
+        with mock.patch.object(launch.subprocess, "Popen", popen), mock.patch.object(launch, "_check_tools"):
+            t0 = time.monotonic()
+            assert launch.launch(str(hosts), "ring", ["serve", "--model", "m"]) == 0
+        assert [p.poll() for p in started] == [0, 0, -signal.SIGTERM]  # workers first, then the leader
+        assert time.monotonic() - t0 < 8
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for p in started:
+            if p.poll() is None:
+                p.kill()
