@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -95,12 +96,24 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     ring = None
     if not p.pipeline:  # stages use their own links
         check_port("--ring-port", ports.ring_port, p.world_size)  # rank r's is --ring-port + r
+        if p.backend == "ring":  # before any rank waits on the others: it failed only at the group's join
+            six = [f"{h.ssh} ({h.ips[0]})" for h in hosts if _ipv6(h.ips[0])]
+            if six:
+                raise ClusterError(f"the ring backend takes IPv4 addresses (MLX reads ip:port): {', '.join(six)} "
+                                   "in the hostfile's first \"ips\" entry")
         ring = ring_hostfile(list(hosts), ports.ring_port)
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
     stages = p.stage_addrs or _stage_addrs(hosts, p.stage_port)
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
     return Topology(replaced, None, control.rsplit(":", 1)[0], secret, memory, ring_hosts=ring), None
+
+
+def _ipv6(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).version == 6
+    except ValueError:  # a host name (an entry without "ips")
+        return False
 
 
 def _stage_addrs(hosts, stage_port: int) -> tuple[str, ...]:

@@ -125,7 +125,8 @@ class StageLink:
 
 def listen(host: str, port: int) -> socket.socket:
     """The accepting stage's socket, opened before the cluster forms so a neighbour can connect early."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # An IPv6 address ("ips" of a hostfile) too, as the control channel's listener takes it
+    srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, port))
     srv.listen(4)

@@ -335,3 +335,38 @@ def test_a_stop_while_the_ranks_start_reaches_the_leader_once_they_all_have(tmp_
         for p in started:
             if p.poll() is None:
                 p.kill()
+
+
+def test_ipv6_addresses_are_refused_for_the_ring_backend_before_any_rank_waits(tmp_path, monkeypatch):
+    """MLX's ring backend reads ip:port ("Can't parse address ::1:21310"): such a hostfile failed only at the
+    group's join, after the roll call. It is refused when the topology is resolved; other backends, and
+    pipelines (stage links take IPv6), keep it."""
+    from meshlm.cluster.ranks import ClusterPorts, resolve_topology
+    from meshlm.config import ParallelConfig
+
+    monkeypatch.setenv(SECRET_ENV, "a" * 64)
+    hostfile = tmp_path / "h.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["::1"]}, {"ssh": "netns:b"}]))
+    p = ParallelConfig(tensor_parallel=2, hostfile=str(hostfile), rank=1)
+    with pytest.raises(ClusterError, match=r"ring backend takes IPv4 addresses .*: a \(::1\) in the hostfile"):
+        resolve_topology(p, ClusterPorts())
+    topo, _ = resolve_topology(dataclasses.replace(p, tensor_parallel=1, pipeline_parallel=2), ClusterPorts())
+    assert topo.parallel.stage_addrs[0].startswith("::1:")
+
+
+def test_a_stage_link_forms_over_ipv6():
+    """A stage listened on IPv4 only: an IPv6 "ips" entry passed the hostfile's checks and failed at the bind."""
+    from meshlm.transport import stage_link
+    from meshlm.transport.auth import ClusterSecret
+
+    secret = ClusterSecret("a" * 64)
+    server = stage_link.listen("::1", 0)
+    port = server.getsockname()[1]
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("rx", stage_link.accept(server, secret, 1, 0, 5.0, 5.0)))
+    t.start()
+    tx = stage_link.connect(f"::1:{port}", secret, 0, 1, 5.0, 5.0)
+    t.join()
+    assert out["rx"].peer == 0 and tx.peer == 1
+    for s in (tx, out["rx"], server):
+        s.close()
