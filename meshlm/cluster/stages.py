@@ -61,9 +61,11 @@ def _proportional(num_layers: int, weights: tuple[float, ...]) -> tuple[int, ...
         raise ValueError(f"{len(weights)} stages for a model of {num_layers} layers")
     if any(w <= 0 for w in weights):
         raise ValueError("every stage's weight (memory) must be positive")
-    total = sum(weights)
+    top = max(weights)  # shares of the largest: 1e308 GB each once summed to inf, and the split to NaN
+    shares = [w / top for w in weights]
+    total = sum(shares)
     spare = num_layers - len(weights)
-    exact = [spare * w / total for w in weights]
+    exact = [spare * w / total for w in shares]
     counts = [int(x) for x in exact]
     for i in sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)[: spare - sum(counts)]:
         counts[i] += 1

@@ -30,6 +30,8 @@ def test_even_uneven_and_proportional_splits():
     assert StageLayout.create(7, 3).split in ((3, 2, 2), (2, 3, 2), (2, 2, 3))
     assert StageLayout.create(30, 2, weights=(16.0, 48.0)).split == (8, 22)  # a bigger host holds more layers
     assert sum(StageLayout.create(5, 5).split) == 5
+    # memory_gb is any finite number: two of 1e308 summed to inf, and the split was "cannot convert NaN"
+    assert StageLayout.create(4, 2, weights=(1e308, 1e308)).split == (2, 2)
 
 
 @pytest.mark.parametrize("split, words", [((10, 19), "covers 29 layers"), ((30, 0), "at least one layer"),
