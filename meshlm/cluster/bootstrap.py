@@ -115,6 +115,8 @@ def _host(entry: object) -> Host:
     if not isinstance(entry, dict):
         raise ValueError(f'each host is an object {{"ssh": ..., "ips": [...]}}, got {entry!r}')
     ssh = _name(entry.get("ssh"), '"ssh"')
+    if ssh.startswith("netns:"):  # `ip netns exec NAME`: a NAME starting with '-' is read as an option of `ip`
+        _name(ssh[len("netns:"):], 'the namespace of a "netns:" host')
     ips = entry.get("ips")
     if not ips:  # mlx.launch's default: the ssh name is the address too
         return Host(ssh, (ssh,), _memory(entry.get("memory_gb")))

@@ -52,7 +52,7 @@ def rank_argv(serve_argv: list[str], hostfile: Path, backend: str, n: int, rank:
     if not serve_argv or serve_argv[0] != "serve":
         raise ClusterError("usage: meshlm launch --hostfile H [--backend B] -- serve [serve options]")
     for flag in ("--rank", "--hostfile", "--tensor-parallel", "--backend"):
-        if flag in serve_argv:
+        if flag in serve_argv or any(a.startswith(flag + "=") for a in serve_argv):  # "--rank=1" as well
             raise ClusterError(f"{flag} is set by meshlm launch; remove it from the serve options")
     stages = _count(serve_argv, "--pipeline-parallel")
     if stages is not None:  # one stage per hostfile entry; the ranks talk over stage links, not a backend,

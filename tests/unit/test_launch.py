@@ -64,6 +64,8 @@ def test_rank_argv_adds_cluster_flags_and_refuses_conflicts(tmp_path):
     assert argv[-8:] == ["--hostfile", str(hosts), "--backend", "ring", "--tensor-parallel", "2", "--rank", "1"]
     with pytest.raises(ClusterError, match="--rank is set by meshlm launch"):
         rank_argv(["serve", "--rank", "1"], hosts, "ring", 2, 1)
+    with pytest.raises(ClusterError, match="--tensor-parallel is set by meshlm launch"):  # the = form too
+        rank_argv(["serve", "--tensor-parallel=3"], hosts, "ring", 2, 1)
     with pytest.raises(ClusterError, match="usage"):
         rank_argv(["--model", "m"], hosts, "ring", 2, 0)
 
@@ -154,6 +156,8 @@ def test_a_readable_hostfile_with_a_secret_is_warned_about(tmp_path, caplog):
     ([{"ssh": "-oProxyCommand=touch /tmp/x", "ips": ["10.0.0.1"]}], "\"ssh\" must be a host name"),
     ([{"ssh": "a b"}], "\"ssh\" must be a host name"),
     ([{"ssh": ""}], "\"ssh\" must be a host name"),
+    ([{"ssh": "netns:-n"}], "the namespace of a \"netns:\" host must be"),  # an option of `ip netns exec`
+    ([{"ssh": "netns:"}], "the namespace of a \"netns:\" host must be"),
     ([{"ssh": 7}], "\"ssh\" must be a host name"),
     ([{"ssh": "a", "ips": ["10.0.0.1 "]}], "an \"ips\" entry of a must be a host name"),
     ([{"ssh": "a", "ips": ["-x"]}], "an \"ips\" entry of a must be a host name"),
