@@ -16,11 +16,14 @@ import math
 import os
 import random
 import re
+import select
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,24 +245,64 @@ def local_leader_gone(ring_file: Path) -> Callable[[], str | None]:
     return gone
 
 
+LAUNCH_GONE = "meshlm launch exited (killed?): nothing supervises this cluster any more"
+
+
 def launch_reports(fd: int) -> Callable[[], str | None]:
-    """Rank 0's ear for `meshlm launch` (--launch-fd): a worker that launch saw fail, as the line launch wrote,
-    once it has; nothing while launch is silent or gone."""
+    """Rank 0's ear for `meshlm launch` (--launch-fd) while the cluster starts: a worker that launch saw
+    fail, as the line launch wrote, once it has; launch itself gone (its end of the pipe closed: killed,
+    or its ssh cut); nothing while launch is silent."""
     try:
         os.set_blocking(fd, False)
     except OSError as exc:
         raise ClusterError(f"--launch-fd {fd}: {exc.strerror} (meshlm launch sets it; do not pass it yourself)") from None
     heard = bytearray()
+    ended = False
 
     def gone() -> str | None:
+        nonlocal ended
         try:
-            heard.extend(os.read(fd, 4096)[:4096 - len(heard)])
+            data = os.read(fd, 4096)
+            ended = ended or not data
+            heard.extend(data[:4096 - len(heard)])
         except OSError:  # nothing written yet (BlockingIOError), or not a pipe after all
             pass
         line, newline, _ = heard.partition(b"\n")
-        return f"{line.decode(errors='replace')} (reported by meshlm launch)" if newline else None
+        if newline:
+            return f"{line.decode(errors='replace')} (reported by meshlm launch)"
+        return LAUNCH_GONE if ended else None
 
     return gone
+
+
+def stop_serving(why: str) -> None:
+    """Stop this leader as SIGTERM would: it drains, then stops the workers."""
+    log.error("%s: stopping", why)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def watch_launch(fd: int, stop: Callable[[str], None] = stop_serving, poll_seconds: float = 1.0) -> threading.Thread:
+    """Once the cluster serves: `stop(why)` when `meshlm launch` is gone. Killed (SIGKILL, or its ssh cut),
+    it left the whole cluster serving with no one to stop it; a worker's failure launch reports meanwhile
+    is the control channel's to act on, so lines are only read past."""
+    def run() -> None:
+        while True:
+            ready, _, _ = select.select([fd], [], [], poll_seconds)
+            if not ready:
+                continue
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                stop(LAUNCH_GONE)
+                return
+
+    thread = threading.Thread(target=run, name="meshlm-launch-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_watch(children: Sequence[subprocess.Popen], launch_fd: int | None) -> Callable[[], str | None] | None:

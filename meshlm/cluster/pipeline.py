@@ -14,7 +14,7 @@ import logging
 import subprocess
 
 from meshlm.api.listener import listen_failure
-from meshlm.cluster.bootstrap import ClusterError, start_watch
+from meshlm.cluster.bootstrap import ClusterError, start_watch, watch_launch
 from meshlm.cluster.ranks import Leader, Topology, control_leader, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
@@ -110,5 +110,7 @@ def lead_pipeline(config: ServeConfig, topo: Topology, layout: StageLayout,
     executor = PipelineExecutor(rank, control, p.step_timeout, io, depth=layout.stages, stages=stages)
     leader = Leader(loaded, rank, executor, children=children,
                     kv_blocks=smallest_kv_blocks(rank, ready))
+    if p.launch_fd is not None:
+        watch_launch(p.launch_fd)
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
     return leader

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 from meshlm.api.listener import listen_failure
 from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend, check_shardable, cluster_secret,
                                       init_group, load_hostfile, local_cluster_dir, local_leader_gone, ring_hostfile,
-                                      spawn_local_workers, start_watch)
+                                      spawn_local_workers, start_watch, watch_launch)
 from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
@@ -387,6 +387,8 @@ def _lead(config: ServeConfig, topo: Topology, children: list[subprocess.Popen])
         sums.remove_file_once_joined(timeout=2.0)
     leader = Leader(loaded, rank, TensorExecutor(rank, control, p.step_timeout, sums), children=children,
                     kv_blocks=smallest_kv_blocks(rank, ready))
+    if p.launch_fd is not None:
+        watch_launch(p.launch_fd)
     # The probe notices a dead worker even while the engine thread is blocked in a collective.
     leader.watchdog = Watchdog(p.step_timeout, leader._on_failure, probe=control.check_workers)
     return leader

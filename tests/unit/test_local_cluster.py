@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
 
-from meshlm.cluster.bootstrap import (LEADER_FILE, ClusterError, LocalCluster, exited, launch_reports,
-                                      local_leader_gone, start_watch)
+from meshlm.cluster.bootstrap import (LAUNCH_GONE, LEADER_FILE, ClusterError, LocalCluster, exited, launch_reports,
+                                      local_leader_gone, start_watch, watch_launch)
 
 
 def sleeper() -> subprocess.Popen:
@@ -70,6 +71,29 @@ def test_rank_0_hears_launch_report_a_worker_only_once_a_whole_line_has_come():
         assert heard() == "rank 2 (mac3.local) exited with status 255 while the leader runs (reported by meshlm launch)"
         os.close(mouth)  # launch gone: what was heard stays
         assert heard() is not None
+    finally:
+        os.close(ear)
+
+
+def test_rank_0_hears_launch_go_while_the_cluster_starts_and_while_it_serves():
+    """launch killed (SIGKILL, its ssh cut) closes its end of rank 0's pipe. While the cluster started that
+    was read as silence; once it served, nothing read the pipe: the whole cluster served on with no one to
+    stop it. Both now say launch is gone; serving, the leader is stopped as by SIGTERM."""
+    ear, mouth = os.pipe()
+    heard = launch_reports(ear)
+    os.close(mouth)
+    assert heard() == LAUNCH_GONE
+    os.close(ear)
+    ear, mouth = os.pipe()
+    told: list[str] = []
+    try:
+        watcher = watch_launch(ear, told.append, poll_seconds=0.05)
+        os.write(mouth, b"rank 1 (b) exited with status 1 while the leader runs\n")  # the control channel's
+        time.sleep(0.2)
+        assert told == [] and watcher.is_alive()
+        os.close(mouth)
+        watcher.join(5)
+        assert told == [LAUNCH_GONE] and not watcher.is_alive()
     finally:
         os.close(ear)
 
