@@ -477,9 +477,17 @@ class SSDTier:
             self._index, self._bytes = index, sum(index.values())
             self._last_scan, self._written = time.monotonic(), 0
         for mtime, key, _ in found:
-            if mtime < expiry_ns:
+            if mtime < expiry_ns and self._still_expired(key, expiry_ns):
                 self._path(key).unlink(missing_ok=True)
                 self.evictions += 1
+
+    def _still_expired(self, key: bytes, expiry_ns: float) -> bool:
+        """Whether `key`'s file is still past its TTL now: another process that loaded it since the scan
+        refreshed its mtime (the LRU and TTL clock), and deleting it by the scan's view lost a live block."""
+        try:
+            return self._path(key).stat().st_mtime_ns < expiry_ns
+        except OSError:
+            return False
 
     def _scan(self) -> list[tuple[int, bytes, int]]:
         """(mtime_ns, key, size) of every block file in the directory, whoever wrote it."""

@@ -277,6 +277,18 @@ def test_rescan_deletes_expired_files_of_any_tier(tmp_path, monkeypatch):
     assert old[0] not in a and old[0] not in on_disk(a) and a.evictions == 1
 
 
+def test_a_file_loaded_since_the_scan_is_not_deleted_as_expired(tmp_path, monkeypatch):
+    """A re-scan deleted the files its scan saw past the TTL; one another process loaded meanwhile (its
+    mtime, the TTL clock, refreshed) was deleted by that stale view. Its mtime is read again first."""
+    t = tier(tmp_path, ttl_days=1)
+    k = keys(1, seed=52)
+    write(t, k, seed=52)
+    stale = [(int((time.time() - 2 * 86400) * 1e9), k[0], t._path(k[0]).stat().st_size)]
+    monkeypatch.setattr(t, "_scan", lambda: stale)  # the scan saw it old; the file itself is fresh
+    t._rescan()
+    assert t._path(k[0]).exists() and t.evictions == 0
+
+
 def test_a_rescan_indexes_regular_files_only(tmp_path):
     """Regression: a FIFO under a block's name joined the index at a re-scan, and reading it hung the engine."""
     t = tier(tmp_path)
