@@ -105,6 +105,9 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
     control = p.control_addr or f"{hosts[0].ips[0]}:{ports.control_port}"
     stages = p.stage_addrs or _stage_addrs(hosts, p.stage_port)
     memory = tuple(h.memory_gb for h in hosts) if all(h.memory_gb for h in hosts) else None
+    if memory is None and any(h.memory_gb for h in hosts):  # said, or it looked applied
+        log.warning("the hostfile declares memory_gb for some hosts only: stages split evenly (declare it for "
+                    "every host, or pass --pp-split)")
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
     return Topology(replaced, None, control.rsplit(":", 1)[0], secret, memory, ring_hosts=ring), None
 

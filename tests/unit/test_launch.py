@@ -374,3 +374,16 @@ def test_a_stage_link_forms_over_ipv6():
     assert out["rx"].peer == 0 and tx.peer == 1
     for s in (tx, out["rx"], server):
         s.close()
+
+
+def test_memory_declared_for_some_hosts_only_is_said_to_be_unused(tmp_path, monkeypatch, caplog):
+    """The split in proportion to memory needs every host's: some only fell back to an even split silently."""
+    from meshlm.cluster.ranks import ClusterPorts, resolve_topology
+    from meshlm.config import ParallelConfig
+
+    monkeypatch.setenv(SECRET_ENV, "a" * 64)
+    hostfile = tmp_path / "h.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"], "memory_gb": 64}, {"ssh": "b", "ips": ["10.0.0.2"]}]))
+    with caplog.at_level(logging.WARNING):
+        topo, _ = resolve_topology(ParallelConfig(pipeline_parallel=2, hostfile=str(hostfile), rank=1), ClusterPorts())
+    assert topo.memory_gb is None and "memory_gb for some hosts only" in caplog.text
