@@ -38,21 +38,23 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     pages from these may call the API (CORS preflights answered, responses marked); `api_key`: what API
     routes want as their bearer token (api/auth.py)."""
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    engine = serving.engine
+
+    def count_rejected(status: int) -> None:
+        engine.metrics.rejected.labels(status=str(status)).inc()
+
     if api_key is not None:  # added first: the CORS layer, outside it, answers preflights
-        app.add_middleware(APIKeyMiddleware, key=api_key,
-                           rejected=lambda status: serving.engine.metrics.rejected.labels(status=str(status)).inc())
+        app.add_middleware(APIKeyMiddleware, key=api_key, rejected=count_rejected)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600)
     # Outermost (added last): a request framed twice is refused before anything reads it.
-    app.add_middleware(FramingMiddleware,
-                       rejected=lambda status: serving.engine.metrics.rejected.labels(status=str(status)).inc())
-    engine = serving.engine
+    app.add_middleware(FramingMiddleware, rejected=count_rejected)
     health = health or (lambda: engine.problem)
     store = ResponseStore()  # /v1/responses kept for previous_response_id and GET
 
     def rejected(error: APIError):
-        engine.metrics.rejected.labels(status=str(error.status)).inc()
+        count_rejected(error.status)
         return error.response()
 
     @app.exception_handler(APIError)
