@@ -133,7 +133,7 @@ class ContextBatch:
         too, and no sum brings the logits to rank 0. Only a token's holder writes its K and V."""
         slots, own, paged, out_rows, logit_rows, logit_index = [], [], [], [], [], []
         for i, r in enumerate(rows):
-            sp = row_split(split.for_rank(split.rank), r.holder)
+            sp = row_split(split, r.holder)
             mine = sp.held(r.start, r.start + 1)  # the row's one new position, if this rank holds it
             if mine.size:
                 own.append(i)
