@@ -32,7 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from meshlm.model import cpu_kernels
-from meshlm.model.batch import Batch, DecodeRows, ExtendGroup, ExtendRow
+from meshlm.model.batch import Batch, DecodeRows, ExtendGroup, ExtendRow, row_slots
 
 LOG2E = 1.4426950408889634
 SPLIT_DECODE_ROWS = 8  # decode batches this large run half their attention on a second CPU stream
@@ -114,8 +114,7 @@ def paged_partial(q: mx.array, pool_k: mx.array, pool_v: mx.array, tables: mx.ar
             outs.append(mx.zeros((1, H, D), dtype=q.dtype))
             lses.append(mx.full((1, H), -mx.inf, dtype=mx.float32))
             continue
-        used = -(-n // block_size)
-        slots = (tables[i, :used, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(-1)[:n]
+        slots = row_slots(tables[i], n, block_size)
         out, lse = attend_exact(q[i:i + 1], _gather(pool_k, slots), _gather(pool_v, slots), scale)
         outs.append(out)
         lses.append(lse)

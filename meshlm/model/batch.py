@@ -138,8 +138,9 @@ def _slot(blocks: tuple[int, ...], position: int, block_size: int) -> int:
     return blocks[position // block_size] * block_size + position % block_size
 
 
-def row_slots(blocks: tuple[int, ...], length: int, block_size: int) -> mx.array:
-    """Pool slots of a row's first `length` positions, computed on the device (long rows are cheap)."""
+def row_slots(blocks: "tuple[int, ...] | mx.array", length: int, block_size: int) -> mx.array:
+    """Pool slots of a row's first `length` positions, computed on the device (long rows are cheap);
+    `blocks` its table, or a row of a padded one (`block_tables`)."""
     table = mx.array(blocks[: -(-length // block_size)], dtype=mx.int32)
     return (table[:, None] * block_size + mx.arange(block_size, dtype=mx.int32)[None]).reshape(-1)[:length]
 
