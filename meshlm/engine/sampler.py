@@ -204,7 +204,12 @@ def draw(logits: mx.array, states: list[SeqSampling]) -> Draw:
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     checked = [i for i, s in enumerate(states) if may_exclude_all(s)]
     possible = mx.stack([left_to_sample(rows[i], tokens[i]) for i in checked]) if checked else None
-    return Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp, checked, possible)
+    d = Draw(tokens_arr, _logprob_graph(rows, tokens_arr, states, want_lp), states, want_lp, checked, possible)
+    # Launched on its own: MLX signals an evaluation's arrays together at its end, so were the draw first
+    # evaluated inside the next step's forward (which takes its tokens), reading them would wait for that
+    # whole forward, and under tensor parallelism for ever (the workers wait for these ids to join it).
+    mx.async_eval(d.tokens, *d.logprob_parts, *([d.possible] if d.possible is not None else []))
+    return d
 
 
 def take(d: Draw, record: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
