@@ -41,6 +41,8 @@ class PipelineExecutor(TensorExecutor):
         self.depth = depth  # plans the engine keeps in flight (one micro-batch per stage)
         self.stages = stages or {}  # rank -> what it runs ("stage 0, layers 0..14"), for failure messages
 
+    plans_ahead = False  # micro-batches overlap the stages instead (the engine's `_plan_ids_ahead`)
+
     def submit(self, plan: StepPlan) -> None:
         with self.times.timing("control"), self._naming_stages():
             self.control.broadcast(plan)
@@ -74,9 +76,8 @@ class PipelineExecutor(TensorExecutor):
         # part of the step that needs only the plan are done first, off the path from the activation to
         # the logits (with one stream, every stage waits on that path for the others).
         with self.times.timing("control"), self._naming_stages():
-            if self._unacked is not None:
-                self.control.collect_acks(self._unacked, timeout=self.step_timeout)
-            self._unacked = plan.step_id
+            self._collect_acks()
+            self._unacked.append(plan.step_id)
         prepared = self.rank.prepare(plan)
         with self.times.timing("link"):
             hidden = self.io.receive(plan)

@@ -2,13 +2,19 @@
 
 Acks for step t are collected when step t+1 starts (by then every rank has
 finished t's collectives), so the control plane adds one small send per step
-to the critical path, not a round trip.
+to the critical path, not a round trip. A step planned ahead (the engine's
+asynchronous scheduling) is broadcast while step t still runs, its input ids
+to follow once sampled (`send_ids`); t's acks are collected then, before t's
+tokens are streamed.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+
+import mlx.core as mx
 
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
@@ -27,22 +33,54 @@ class TensorExecutor:
         self.control = control
         self.step_timeout = step_timeout
         self.sums = sums  # a SharedMemoryGroup the layers sum over, or None (the MLX group's)
-        self._unacked: int | None = None
+        self._unacked: collections.deque[int] = collections.deque()  # plans broadcast, acks not collected
         self.failure: str | None = None
         self._stopped = False  # reset told the workers to stop
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
+        """Run `plan` on every rank. `tokens`: a decode plan planned ahead (`plans_ahead`), whose input ids
+        the previous step is still sampling on this rank's device: the workers get them by `send_ids`."""
+        if tokens is not None and not plan.ids_follow:
+            raise ValueError(f"step {plan.step_id}: planned ahead, so its ids must follow")
         self.announce(plan)
-        return self.rank.step(plan)
+        return self.rank.step(plan, tokens=tokens)
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Takes a plan whose input ids are still being sampled (the engine's asynchronous scheduling); not
+        under context parallelism, whose steps split their tokens over the ranks."""
+        return self.rank.runner.ring is None
 
     def announce(self, plan: StepPlan) -> None:
-        """Check the previous step's acks, then send every worker this plan."""
+        """Check the acks of the steps before, then send every worker this plan. A plan whose ids follow is
+        sent while the step before it still runs: that step's acks are collected by `send_ids`."""
         with self.times.timing("control"):
-            if self._unacked is not None:
-                self.control.collect_acks(self._unacked, timeout=self.step_timeout)
+            self._collect_acks(keep=1 if plan.ids_follow else 0)
             self.control.broadcast(plan)
-            self._unacked = plan.step_id
+            self._unacked.append(plan.step_id)
         self._remove_joined_file()
+
+    def send_ids(self, step_id: int, ids: list[int]) -> None:
+        """The sampled input ids of plan `step_id` (broadcast with `ids_follow`), then the acks of the step
+        that sampled them: each worker acked it before waiting for these ids, and its tokens are streamed
+        only once every rank has confirmed it."""
+        with self.times.timing("control"):
+            self.control.send_ids(step_id, ids)
+            self._collect_acks(keep=1)
+
+    def settle(self) -> None:
+        """Check the acks of every plan broadcast (the workers finished them with this rank)."""
+        with self.times.timing("control"):
+            self._collect_acks()
+
+    def _collect_acks(self, keep: int = 0) -> None:
+        """Wait for and check the acks of every plan broadcast but the newest `keep`."""
+        if len(self._unacked) <= keep:
+            return
+        upto = self._unacked[-1 - keep]
+        self.control.collect_acks(upto, timeout=self.step_timeout)
+        while self._unacked and self._unacked[0] <= upto:
+            self._unacked.popleft()
 
     def missing_loads(self, plan: StepPlan, result: StepResult) -> frozenset[bytes]:
         """Each rank reads the plan's loads from its own SSD tier, which evicts, expires and fails on its
@@ -50,7 +88,8 @@ class TensorExecutor:
         are sampled (only plans with loads wait so; every rank's forward runs meanwhile)."""
         with self.times.timing("control"):
             acks = self.control.collect_acks(plan.step_id, timeout=self.step_timeout)
-        self._unacked = None
+        while self._unacked and self._unacked[0] <= plan.step_id:
+            self._unacked.popleft()
         loaded = {x.key for x in plan.loads}
         missing = set(result.missing)
         for rank, ack in acks.items():
@@ -68,9 +107,7 @@ class TensorExecutor:
 
     def idle(self) -> None:
         """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""
-        if self._unacked is not None:
-            self.control.collect_acks(self._unacked, timeout=self.step_timeout)
-            self._unacked = None
+        self._collect_acks()
         self.control.maybe_heartbeat()
         self._remove_joined_file()
 

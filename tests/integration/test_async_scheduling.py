@@ -2,18 +2,23 @@
 step's tokens while they are still on the device) in a real server, against the same server planning
 every step after reading the tokens (`off`): greedy text and logprobs, seeded sampling with penalties,
 stop strings, EOS, n > 1, streaming and usage through the official client, arrivals while others
-decode, an abort mid-stream. The metric proves the steps really were planned ahead."""
+decode, an abort mid-stream. The metric proves the steps really were planned ahead. Under tensor
+parallelism the workers get each plan made ahead before its ids, which follow once sampled: the same
+parity with one process, and a worker lost meanwhile ends the requests within seconds."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess, assert_parity, complete_all
+from conftest import ServerProcess, assert_parity, children, complete_all, stream_error, stream_then
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +121,36 @@ def test_an_abort_mid_stream_leaves_the_server_serving(sync, ahead):
     want = asyncio.run(complete_all(sync.url, _prompts(4), 16))
     assert_parity(asyncio.run(complete_all(ahead.url, _prompts(4), 16)), want)
     assert httpx.get(ahead.url + "/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def tp_ahead(tiny_model, tmp_path_factory):
+    srv = ServerProcess(tiny_model, "--max-model-len", "512", "--async-scheduling", "on", "--tensor-parallel", "2",
+                        "--worker-timeout", "3", log_dir=tmp_path_factory.mktemp("tp-ahead"))
+    yield srv
+    srv.stop()
+
+
+def test_tensor_parallel_plans_ahead_with_the_ids_following(sync, tp_ahead):
+    """Before its fix the draw was first evaluated inside the next step's forward: reading the ids waited
+    for that forward, which waited in its first sum for the worker, which waited for the ids."""
+    before = tp_ahead.metric(AHEAD)
+    body = {"temperature": 0, "logprobs": 2}
+    assert_parity(asyncio.run(_staggered(tp_ahead.url, _prompts(), body)),
+                  asyncio.run(_staggered(sync.url, _prompts(), body)), tol=1e-4)
+    assert tp_ahead.metric(AHEAD) - before > 15
+    seeded = {"temperature": 0.9, "top_p": 0.9, "presence_penalty": 0.5, "seed": 99}
+
+    def texts(srv):
+        return [r["choices"][0]["text"] for r in asyncio.run(_staggered(srv.url, _prompts(8), seeded))]
+
+    assert texts(tp_ahead) == texts(sync)
+
+
+def test_a_worker_killed_while_steps_are_planned_ahead_ends_the_requests(tp_ahead):
+    worker = children(tp_ahead.proc.pid)[0]
+    t0 = time.monotonic()
+    lines = stream_then(tp_ahead.url, lambda: os.kill(worker, signal.SIGKILL), after=20)
+    assert time.monotonic() - t0 < 10
+    assert lines[-1] == "data: [DONE]" and "worker rank 1 lost" in stream_error(lines), lines[-3:]
+    assert "Traceback" not in tp_ahead.log.read_text(), tp_ahead.log.read_text()[-3000:]

@@ -31,14 +31,14 @@ class Control:
 
 def executor(acks: dict[int, Ack]) -> TensorExecutor:
     ex = TensorExecutor(Rank(), Control(acks), step_timeout=5.0)
-    ex._unacked = PLAN.step_id  # announced
+    ex._unacked.append(PLAN.step_id)  # announced
     return ex
 
 
 def test_every_ranks_missing_blocks_are_gathered_and_the_plan_counts_as_acked():
     ex = executor({1: Ack(7, 0, missing=(B,)), 2: Ack(7, 0)})
     assert ex.missing_loads(PLAN, StepResult([], None, missing=(A,))) == {A, B}
-    assert ex.control.asked == [7] and ex._unacked is None  # the next step does not wait for them again
+    assert ex.control.asked == [7] and not ex._unacked  # the next step does not wait for them again
     assert executor({1: Ack(7, 0)}).missing_loads(PLAN, StepResult([], None)) == frozenset()
 
 
