@@ -192,6 +192,10 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
             except LeaderLost:
                 pass
             return EXIT_STEP_FAILED
-        with times.timing("control"):
-            control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals(),
-                        missing=result.missing)
+        try:
+            with times.timing("control"):
+                control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals(),
+                            missing=result.missing)
+        except LeaderLost as exc:  # e.g. this rank was stopped past the leader's patience, then continued
+            log.error("%s; exiting", exc)
+            return EXIT_LEADER_LOST

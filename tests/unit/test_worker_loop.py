@@ -4,6 +4,7 @@ an unexplained exit) where a lost leader and a stop request had their codes."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -35,3 +36,29 @@ def test_each_way_the_plans_end_has_its_exit_code(exc, code, caplog):
     assert worker._serve_plans(_Control(exc), rank, watchdog=None) == code
     if isinstance(exc, ProtocolError):
         assert "cannot take: a PLAN frame that does not decode" in caplog.text
+
+
+class _StepControl:
+    """One plan with nothing to compute, whose ACK finds the leader gone."""
+
+    shutdown_reason = ""
+
+    def __init__(self) -> None:
+        self.plans = [SimpleNamespace(step_id=3, ids_follow=False)]
+
+    def next_plan(self):
+        return self.plans.pop() if self.plans else None
+
+    def ack(self, step_id, fingerprint, **kwargs):
+        raise LeaderLost("rank 1: send failed: [Errno 32] Broken pipe")
+
+
+def test_a_leader_gone_by_the_steps_ack_is_a_lost_leader_not_a_traceback(caplog):
+    """A rank stopped (SIGSTOP) past the leader's patience and continued finishes its step, then finds
+    the leader's connection closed as it acknowledges it."""
+    result = SimpleNamespace(logits=None, missing=())
+    rank = SimpleNamespace(times=StepTimes(), prepare=lambda plan: plan, launch=lambda prepared, hidden, tokens: result,
+                           runner=SimpleNamespace(lengths={}))
+    watchdog = SimpleNamespace(step=lambda label: contextlib.nullcontext())
+    assert worker._serve_plans(_StepControl(), rank, watchdog) == worker.EXIT_LEADER_LOST
+    assert "Broken pipe; exiting" in caplog.text
