@@ -581,10 +581,14 @@ class ControlLeader:
         wake = deadline if self.silence_timeout is None else min(deadline, time.monotonic() + SILENCE_POLL_S)
         ready = wait_readable(links, wake)
         if not ready and remaining(deadline) == 0:
-            others = sorted(waiting)[1:]
-            extra = f" (also missing: ranks {others})" if others else ""
-            first = min(waiting)
-            raise self._lose(first, WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}"))
+            # One last poll first: a leader stopped (SIGSTOP) past the deadline and continued wakes from an
+            # interrupted wait with nothing reported, whatever arrived meanwhile.
+            ready = wait_readable(links, 0)
+            if not ready:
+                others = sorted(waiting)[1:]
+                extra = f" (also missing: ranks {others})" if others else ""
+                first = min(waiting)
+                raise self._lose(first, WorkerLost(first, f"no ACK for step {step_id} before the deadline{extra}"))
         for link in ready:
             self._read(self._rank_of(link), link)
         if self.silence_timeout is not None and time.monotonic() - self._silence_checked >= SILENCE_POLL_S:

@@ -160,6 +160,11 @@ class Link:
             if self.closed:
                 raise LinkClosed("link closed on this side")
             if not ready and remaining(deadline) == 0:
+                # One last read first: a process stopped (SIGSTOP) past its deadline and continued wakes
+                # from an interrupted wait with nothing reported, whatever arrived meanwhile.
+                self.read_available()
+                if (frame := self.next_frame()) is not None:
+                    return frame
                 raise LinkTimeout()
             self.read_available()
         return frame

@@ -1269,3 +1269,47 @@ def test_worker_refuses_a_plan_in_place_of_the_start():
         worker.connect()
         with pytest.raises(ProtocolError, match="expected START or REJECT, got PLAN"):
             worker.start(FP)
+
+
+# -- a process stopped past its deadline (SIGSTOP, then SIGCONT) ------------------------------------------
+
+
+class _BlindSelector:
+    """What a wait interrupted by a stop reports once continued past its deadline: nothing, whatever arrived."""
+
+    def select(self, timeout=None):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_a_link_reads_once_more_before_calling_a_buffered_frame_a_timeout():
+    from meshlm.transport.link import Link
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        b = socket.create_connection(srv.getsockname())
+        a, _ = srv.accept()
+    with a, b:
+        link = Link(b, frozenset(Kind), 1 << 20)
+        link._sel = _BlindSelector()
+        a.sendall(encode_frame(Kind.HEARTBEAT, 0))
+        # Before: LinkTimeout, and a worker continued after its leader's SHUTDOWN told the leader it had
+        # heard nothing for --worker-timeout, instead of the leader's own reason.
+        assert link.recv(time.monotonic() - 1).kind is Kind.HEARTBEAT
+
+
+def test_the_leader_reads_once_more_before_calling_an_arrived_ack_missing(monkeypatch):
+    real = control.wait_readable
+    blind = lambda links, deadline: [] if deadline != 0 else real(links, 0)  # noqa: E731
+    acked = threading.Event()
+
+    def ack(w, p):
+        w.ack(p.step_id, 0)
+        acked.set()
+
+    with cluster(2, on_plan=ack) as (leader, _):
+        leader.broadcast(plan(0))
+        assert acked.wait(TIMEOUT)  # sent over loopback: in the leader's socket
+        monkeypatch.setattr(control, "wait_readable", blind)
+        assert set(leader.collect_acks(0, timeout=0.01)) == {1}
