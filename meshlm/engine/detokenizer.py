@@ -3,7 +3,10 @@
 Byte-level BPE tokens can end mid-character; decoding a short window of
 recent tokens and holding back text that ends in U+FFFD (the replacement
 character) until the next token completes it keeps every emitted piece valid.
-The window (prefix_offset..read_offset) follows vLLM's incremental detokenizer.
+The window (prefix_offset..read_offset) follows vLLM's incremental detokenizer,
+and so does its start: the prompt's last few tokens. A SentencePiece decoder
+(Llama 2, Mistral) strips the space of a string's first token, so the first
+output token decoded alone lost its space ("isParis").
 """
 
 from __future__ import annotations
@@ -15,13 +18,20 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's initial offset)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, prompt_ids: list[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        # A prompt of ids may end inside a character: its text would not be a prefix of what follows.
+        while context and self._decode(context).endswith("\ufffd"):
+            context.pop()
+        self.ids: list[int] = context
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -83,3 +83,47 @@ def test_special_tokens_are_skipped(tok):
     pieces = stream(tok, ids)
     assert "".join(pieces) == "héllo wörld"
     assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece():
+    """A Metaspace tokenizer as Llama 2 and Mistral ship (`▁` marks a space; the decoder strips a string's
+    first space), trained here offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                     decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(["The capital of France is Paris . Hello world , the quick brown fox ."] * 20,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", *bytes_], initial_alphabet=["▁"]))
+    return tok
+
+
+def test_the_first_output_token_keeps_its_space_after_the_prompt(sentencepiece):
+    tok = sentencepiece
+    prompt, whole = encode(tok, "The capital of France is"), encode(tok, "The capital of France is Paris Paris")
+    out = whole[len(prompt):]
+    assert whole[: len(prompt)] == prompt and tok.decode(out[:1]) == "Paris"  # decoded alone, the space is gone
+    d = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert "".join([d.add(i) for i in out] + [d.flush()]) == " Paris Paris"
+
+
+def test_a_prompt_ending_inside_a_character_leaves_it_out_of_the_context(tok):
+    ids = encode(tok, "ab 日本")
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    d = IncrementalDetokenizer(tok, prompt_ids=ids[:cut])
+    assert not tok.decode(d.ids).endswith("\ufffd")
+    # The character's rest shows as replacement characters, as with no context at all; decoded after the
+    # prompt's partial bytes, it was held back and then dropped (only "本" came out).
+    assert "".join([d.add(i) for i in ids[cut:]] + [d.flush()]) == "".join(stream(tok, ids[cut:]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_with_a_prompt_streaming_still_equals_decoding_the_output(tok, seed):
+    rng = random.Random(seed)
+    prompt = encode(tok, "".join(rng.choice(ALPHABET) for _ in range(8)))
+    out = encode(tok, "".join(rng.choice(ALPHABET) for _ in range(30)))
+    d = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert "".join([d.add(i) for i in out] + [d.flush()]) == tok.decode(out)
