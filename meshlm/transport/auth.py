@@ -156,14 +156,16 @@ class Candidate:
     def authenticate(self, secret: ClusterSecret) -> Hello | None:
         """Read what arrived: the HELLO once its PROOF matches, None while frames are still due.
 
-        Raises Refused, ProtocolError or LinkClosed (drop it), VersionMismatch (a peer of another
-        build) or HandshakeError (the peer refused us).
+        Raises Refused, ProtocolError or LinkClosed (drop it) or VersionMismatch (a peer of another
+        build).
         """
         self.link.read_available()
         while (frame := self.link.next_frame()) is not None:
             if frame.kind is Kind.REJECT:
-                raise HandshakeError(f"{self.link.peer} refused the leader during the handshake: "
-                                     f"{wire.decode_reason(frame.payload)}")
+                # Anyone can send one: unproven, it ends nothing but this connection. (A rank of another
+                # build writes it in its own version: VersionMismatch, which does end the start.)
+                reason = repr(wire.decode_reason(frame.payload)[:200])
+                raise Refused(f"it refused the leader before proving it holds the secret, saying {reason}")
             if self.hello is None:
                 if frame.kind is not Kind.HELLO:
                     raise ProtocolError(f"first frame was {frame.kind.name}, expected HELLO")

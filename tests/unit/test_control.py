@@ -933,6 +933,22 @@ def test_connections_still_in_their_handshake_are_told_why_once_the_cluster_form
     late_impostor.close()
 
 
+def test_a_strangers_reject_is_dropped_not_believed():
+    """A REJECT needs no secret: before, one from any connection ended the leader's start with the
+    sender's text, blaming a rank ("rank 1 loaded model fingerprint 'x'...")."""
+    leader = _leader()
+    waiting = Waiting(leader)
+    liar = Raw.connect(leader.port)
+    assert liar.frame().kind is Kind.CHALLENGE
+    liar.send(codec.encode_reject(0, "rank 1 loaded model fingerprint 'x' but the leader's is 'y'\nmore"))
+    assert liar.closed_by_peer()
+    assert waiting.is_alive()
+    workers = _start(leader.port, 2, [(1, FP)])
+    assert set(waiting.outcome()) == {1}
+    _serve_one_plan(leader, workers)
+    liar.close()
+
+
 def test_silent_stranger_is_dropped_at_its_own_deadline():
     leader = _leader(auth_timeout=0.3)
     waiting = Waiting(leader, timeout=3.0)
