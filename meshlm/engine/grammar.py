@@ -45,6 +45,12 @@ LIMITS = dict(initial_lexer_fuel=500_000, step_lexer_fuel=100_000, step_max_item
               max_lexer_states=100_000, max_grammar_size=200_000)
 
 
+# llguidance resolves a schema's references and a grammar's rules recursively on the native stack: a
+# chain of 2,500 `$ref`s (an 88 KB schema) or 1,000 objects nested through them overflowed a thread's
+# 8 MiB and killed the server (SIGSEGV). Up to MAX_GRAMMAR_CHARS 64 MiB was enough here; grammars compile
+# on a thread of their own with this much (address space, touched only as deep as a grammar goes).
+COMPILE_STACK_BYTES = 256 * 2**20
+
 # JSON as json.dumps writes it: no free whitespace, which a model (a random one above all) could spend
 # its whole budget on. A schema's own "x-guidance" options still override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -77,6 +83,7 @@ class Grammars:
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._cache_chars = 0  # grammar text held in the cache (CACHE_CHARS)
         self._lock = threading.Lock()
+        self._stack_lock = threading.Lock()  # held while threading.stack_size is the compile thread's
 
     # -- grammar sources -> llguidance grammars (no compile yet) -----------
     def from_json_schema(self, schema: dict | str) -> str:
@@ -113,7 +120,8 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(grammar)
         if hit is None:
-            hit = self._compile(grammar)  # outside the lock: compiling can take a while (it drops the GIL)
+            # Outside the lock: compiling can take a while (it drops the GIL).
+            hit = self._on_compile_stack(lambda: self._compile(grammar))
             if isinstance(hit, _Slow):  # timed, so not quite repeatable: refused now, not remembered
                 raise GrammarError(str(hit))
             with self._lock:
@@ -125,6 +133,35 @@ class Grammars:
         if isinstance(hit, GrammarError):
             raise hit
         return hit
+
+    def _on_compile_stack(self, compile_):
+        """`compile_()` on a thread with COMPILE_STACK_BYTES of stack: its result, or its exception."""
+        out: list = []
+
+        def run() -> None:
+            try:
+                out.append((compile_(), None))
+            except BaseException as exc:  # handed to the caller's thread
+                out.append((None, exc))
+
+        with self._stack_lock:  # the size is the process's, for any thread started meanwhile
+            old = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                thread = threading.Thread(target=run, name="meshlm-grammar-compile", daemon=True)
+                thread.start()
+            except RuntimeError:  # no room for such a stack (a strict overcommit policy): as before
+                log.warning("cannot start a thread with a %d MiB stack to compile a grammar; compiling on this "
+                            "one", COMPILE_STACK_BYTES >> 20)
+                thread = None
+            finally:
+                threading.stack_size(old)
+        if thread is None:
+            return compile_()
+        thread.join()
+        value, exc = out[0]
+        if exc is not None:
+            raise exc
+        return value
 
     def _compile(self, grammar: str):
         """An LLMatcher, or the GrammarError saying why not (returned, so that refusals are cached too)."""

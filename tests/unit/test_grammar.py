@@ -29,9 +29,13 @@ SCHEMA = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(demo.make_tiny(tmp_path_factory.mktemp("tiny"), "llama", layers=1, hidden=32,
-                                         heads=2, kv_heads=1))
+def tiny_dir(tmp_path_factory):
+    return demo.make_tiny(tmp_path_factory.mktemp("tiny"), "llama", layers=1, hidden=32, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return load_tokenizer(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +268,43 @@ def test_drafts_across_the_end_of_the_reasoning(grammars, tokenizer):
     assert c.phase == "think" and c.allowed()[0][q].item()  # nothing consumed
     c.advance([q, end, x])
     assert c.phase == "answer" and c.allowed()[0][a].item() and not c.allowed()[0][x].item()
+
+
+DEEP = r'''
+import pathlib, sys, threading
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from meshlm.engine.grammar import GrammarError, Grammars
+g = Grammars(load_tokenizer(pathlib.Path(sys.argv[1])), 520, frozenset({2}))
+n = 2500
+refs = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)} | {f"d{n}": {"type": "object"}},
+        "$ref": "#/$defs/d0"}
+nested = {"$defs": {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+                    for i in range(1200)} | {"d1200": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+rules = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(8000)) + 'r8000: "x"\n'
+
+def run():  # on a thread of the default size, as the API's worker threads are
+    for grammar in (g.from_json_schema(refs), g.from_json_schema(nested), g.from_lark(rules)):
+        try:
+            g.check(grammar)
+            print("ok")
+        except GrammarError as exc:
+            print("refused", exc)
+
+t = threading.Thread(target=run)
+t.start()
+t.join()
+'''
+
+
+def test_deep_schemas_and_grammars_compile_without_overflowing_the_stack(tiny_dir, tmp_path):
+    """llguidance resolves references recursively: these (88, 80 and 100 KB, under the size limit) killed
+    the server with SIGSEGV when compiled on an API worker thread's 8 MiB stack."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "deep.py"
+    script.write_text(DEEP)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_dir)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:3] == ["ok"] * 3, proc.stdout
