@@ -93,7 +93,8 @@ class ResponseRun:
             "model": self.completion.serving.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None,
+            # A failed response is not kept: GET would not find it
+            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None and not failed,
             "temperature": req.temperature, "top_p": req.top_p,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
@@ -139,8 +140,7 @@ class ResponseRun:
                 if "error" in chunk:
                     for event in out.close("incomplete"):
                         yield event
-                    error = {"code": chunk["error"].get("code") or "server_error",
-                             "message": chunk["error"].get("message", "")}
+                    error = _failure(chunk["error"])
                     yield events.emit("response.failed", response=self._response(out.items, c, failed=error))
                     return
                 for choice in chunk.get("choices", ()):
@@ -153,6 +153,17 @@ class ResponseRun:
         finally:
             await chunks.aclose()  # aborts the sequence if the client left
             self.close()
+
+
+def _failure(chat_error: dict) -> dict:
+    """A chat stream's error as a failed response's: its code is one of the API's few (the SDK's types
+    refuse others, so a client could not read the event): the request's own fault (a grammar that cannot
+    go on, constraints that leave no token) is an invalid prompt, anything else the server's. The chat
+    code leads the message."""
+    code = "invalid_prompt" if chat_error.get("type") == "invalid_request_error" else "server_error"
+    detail = chat_error.get("code")
+    message = chat_error.get("message", "")
+    return {"code": code, "message": f"{detail}: {message}" if detail else message}
 
 
 class _Events:

@@ -338,3 +338,22 @@ def test_usage_counts_the_prompt_tokens_written_to_and_read_from_the_prefix_cach
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     final = Response.model_validate(events[-1]["response"])
     assert final.usage.input_tokens_details.cache_write_tokens > 0
+
+
+def test_a_response_that_fails_while_streaming_is_an_event_the_client_reads(server, model):
+    """A structured output whose constraints leave no token fails mid-stream: before, `response.failed`
+    carried chat's own code (`no_token_to_sample`), which the SDK's types refuse, and said `store: true`
+    of a response never kept."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": model, "input": "hi", "stream": True, "max_output_tokens": 5,
+            "text": {"format": {"type": "json_object"}}, "bad_words": ["{"]}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    failed = TypeAdapter(ResponseStreamEvent).validate_python(events[-1])
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "invalid_prompt"
+    assert failed.response.error.message.startswith("no_token_to_sample: ")
+    assert failed.response.store is False
+    assert httpx.get(f"{server.url}/v1/responses/{failed.response.id}").status_code == 404
