@@ -26,12 +26,24 @@ def check_port(flag: str, port: int, count: int = 1) -> None:
         raise ValueError(f"{flag} must be in 1..{65536 - count}{span}, got {port}")
 
 
-def check_address(flag: str, addr: str) -> None:
-    """A HOST:PORT other ranks connect to (an IPv6 host is everything before the last ':')."""
+def split_addr(addr: str) -> tuple[str, int]:
+    """HOST:PORT as (host, port): an IPv6 host is everything before the last ':', bracketed ([::1]:9000, as
+    in a URL) or not (::1:9000). ValueError when it is not HOST:PORT."""
     host, _, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     if not host or not port.isdigit():
-        raise ValueError(f"{flag} takes HOST:PORT, got {addr!r}")
-    check_port(f"{flag}'s port", int(port))
+        raise ValueError(f"takes HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def check_address(flag: str, addr: str) -> None:
+    """A HOST:PORT other ranks connect to (`split_addr`)."""
+    try:
+        _, port = split_addr(addr)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {exc}") from None
+    check_port(f"{flag}'s port", port)
 
 
 @dataclass(frozen=True)
@@ -353,9 +365,7 @@ class DisaggConfig:
         if self.role == "prefill" and self.peers:
             raise ValueError("a --role prefill server takes prefill jobs; it does not hand them on (--prefill-peer)")
         for peer in self.peers:
-            host, _, port = peer.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--prefill-peer takes HOST:PORT, got {peer!r}")
+            check_address("--prefill-peer", peer)
         if self.min_tokens < 1:
             raise ValueError("--disagg-min-tokens must be >= 1")
         _check_positive("--prefill-timeout", self.timeout)

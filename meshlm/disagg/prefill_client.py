@@ -251,7 +251,9 @@ class PrefillClient:
             if transfer.cancelled:  # our own cancel shut the socket mid-handshake: the peer is not to blame
                 raise _Fallback("cancelled", "the request was aborted") from None
             self._down(peer, UNREACHABLE_BACKOFF_SECONDS)
-            raise _Fallback("refused", f"handshake failed: {exc}") from None
+            # A peer that accepted and then said nothing (stopped, hung) stalled: not a refusal
+            reason = "timeout" if isinstance(exc, WireTimeout) else "refused"
+            raise _Fallback(reason, f"handshake failed: {exc}") from None
         finally:
             slot.release()
         transfer.conn = conn

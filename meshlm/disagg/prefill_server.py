@@ -48,7 +48,8 @@ class PrefillService:
         self._handshaking: dict[str, int] = {}  # address -> connections of it not yet authenticated
         self._lock = threading.Lock()
         self._closed = False
-        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # An IPv6 --host too, as the control channel and the stage links take one
+        self._server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._server.bind((host, port))

@@ -27,6 +27,7 @@ from typing import Union
 import mlx.core as mx
 import msgspec
 
+from meshlm.config import split_addr
 from meshlm.kv.received import HostBlock
 from meshlm.kv.store import BlockData
 from meshlm.transport import stage_wire
@@ -165,10 +166,10 @@ class Conn:
 def connect(addr: str, secret: ClusterSecret, timeout: float, on_socket=None) -> Conn:
     """Connect to a prefill server at host:port and prove the cluster secret both ways. `on_socket(conn)`:
     called once connected, before the handshake (whoever may cancel takes the connection then)."""
-    host, _, port = addr.rpartition(":")
+    host, port = split_addr(addr)
     deadline = time.monotonic() + timeout
     try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock = socket.create_connection((host, port), timeout=timeout)
     except (OSError, ValueError) as exc:
         raise Unreachable(f"{addr}: unreachable: {exc}") from None
     conn = Conn(sock, addr)

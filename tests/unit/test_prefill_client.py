@@ -128,3 +128,20 @@ def test_a_burst_of_handoffs_keeps_its_handshakes_under_the_peers_cap(monkeypatc
     for d in dones:
         assert d.event.wait(10)
     assert most[0] == pc.HANDSHAKES_PER_PEER < pc.MAX_HANDSHAKES_PER_HOST
+
+
+def test_a_peer_that_accepts_and_says_nothing_is_a_timeout_not_a_refusal():
+    """A stopped or hung prefill server (it accepts, then never answers the handshake) was counted as
+    `refused` in meshlm_disagg_fallbacks_total, which the docs keep for a wrong secret or build."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        config = DisaggConfig(peers=(f"127.0.0.1:{silent.getsockname()[1]}",), min_tokens=8, timeout=0.3)
+        c = PrefillClient(config, None, None, CacheSalt("m", "float32", "tp1", BS), mx.float32,
+                          ReceivedBlocks(1 << 20), Metrics())
+        done = Done()
+        c.start(plan(c, list(range(100, 140))), done)
+        assert done.event.wait(10)
+    reasons = {s.labels["reason"]: s.value for m in c.metrics.disagg_fallbacks.collect() for s in m.samples
+               if s.name.endswith("_total")}
+    assert reasons == {"timeout": 1.0}, reasons

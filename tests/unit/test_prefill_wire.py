@@ -376,3 +376,33 @@ def test_strangers_hold_handshake_places_not_job_slots(monkeypatch):
         for s in silent:
             s.close()
         service.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("form", ["[::1]:{}", "::1:{}"])
+def test_a_prefill_server_on_ipv6_is_reached_by_either_form_of_its_address(form):
+    """Before: the server bound IPv4 only (exit 2 on --host ::1), and a --prefill-peer of [::1]:P passed
+    the check but could never connect (the brackets went to the resolver)."""
+    from meshlm.disagg.prefill_server import PrefillService
+    from meshlm.metrics import Metrics
+
+    salt = CacheSalt("f" * 24, "float32", "tp1", INFO.block_size)
+    service = PrefillService(_SlowEngine(delay=0), INFO, salt, ClusterSecret("0" * 64), "::1", 0, 30.0, Metrics())
+    service.start()
+    try:
+        conn = pw.connect(form.format(service.port), ClusterSecret("0" * 64), 5)
+        conn.send_message(INFO, soon())
+        assert isinstance(conn.recv_message(soon(), 1 << 16), pw.PeerInfo)
+        conn.close()
+    finally:
+        service.close()
+
