@@ -146,6 +146,21 @@ def tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tok
 
 
+def tiny_sentencepiece_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    """A Metaspace BPE as Llama 2 and Mistral ship (`▁` marks a space, bytes fall back to <0xNN> pieces; the
+    decoder drops a string's first space), trained on the embedded corpus: what byte-level code must not
+    assume. ChatML specials get ids 0-2."""
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                     decoders.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT, IM_START, IM_END,
+                                                                         *(f"<0x{b:02X}>" for b in range(256))],
+                                  initial_alphabet=["\u2581"], show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return tok
+
+
 MAX_TINY_VOCAB = 1 << 20  # beyond any published model's (262,144 is the largest common one)
 MAX_TINY_PARAMS = 2**31  # 8 GiB of float32
 

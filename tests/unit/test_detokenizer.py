@@ -7,7 +7,7 @@ import random
 import pytest
 
 from meshlm.engine.detokenizer import IncrementalDetokenizer
-from meshlm.model.demo import tiny_tokenizer
+from meshlm.model.demo import tiny_sentencepiece_tokenizer, tiny_tokenizer
 
 MIXED = "café 日本語 🎉 naïve"
 ALPHABET = ["the", " quick", " fox", "é", "ï", "ß", "日", "本", "語", "🎉", "🙂", "👍🏽", " ", "\n", "42", ",", "Ω"]
@@ -87,27 +87,16 @@ def test_special_tokens_are_skipped(tok):
 
 @pytest.fixture(scope="module")
 def sentencepiece():
-    """A Metaspace tokenizer as Llama 2 and Mistral ship (`▁` marks a space; the decoder strips a string's
-    first space), trained here offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
-    tok.decoder = decoders.Sequence([decoders.ByteFallback(),
-                                     decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)])
-    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
-    tok.train_from_iterator(["The capital of France is Paris . Hello world , the quick brown fox ."] * 20,
-                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", *bytes_], initial_alphabet=["▁"]))
-    return tok
+    return tiny_sentencepiece_tokenizer()  # Llama 2's kind: the decoder strips a string's first space
 
 
 def test_the_first_output_token_keeps_its_space_after_the_prompt(sentencepiece):
     tok = sentencepiece
-    prompt, whole = encode(tok, "The capital of France is"), encode(tok, "The capital of France is Paris Paris")
+    prompt, whole = encode(tok, "Paris is the capital of"), encode(tok, "Paris is the capital of France France")
     out = whole[len(prompt):]
-    assert whole[: len(prompt)] == prompt and tok.decode(out[:1]) == "Paris"  # decoded alone, the space is gone
+    assert whole[: len(prompt)] == prompt and "".join(stream(tok, out)) == "France France"  # without the prompt
     d = IncrementalDetokenizer(tok, prompt_ids=prompt)
-    assert "".join([d.add(i) for i in out] + [d.flush()]) == " Paris Paris"
+    assert "".join([d.add(i) for i in out] + [d.flush()]) == " France France"
 
 
 def test_a_prompt_ending_inside_a_character_leaves_it_out_of_the_context(tok):
