@@ -49,8 +49,8 @@ class TokenBytes:
 
     def _lookup(self, token_id: int) -> tuple[bytes, bool]:
         text = self.name(token_id)
-        if not self.tokenizer.decode([token_id], skip_special_tokens=True):
-            return text.encode("utf-8"), False
+        if text and not self.tokenizer.decode([token_id], skip_special_tokens=True):
+            return text.encode("utf-8"), False  # (a sentencepiece "\u2581" decodes to nothing either way)
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         byte = _BYTE_PIECE.fullmatch(piece)
         units = [self._units.get(ch) for ch in piece]
@@ -59,6 +59,11 @@ class TokenBytes:
         for raw in ([int(byte[1], 16)] if byte else None, None if None in units else units):
             if raw is not None and bytes(raw).decode("utf-8", "replace") == text:
                 return bytes(raw), True
+        # A sentencepiece word ("\u2581Paris"): its decoder drops a string's first space, so decoded alone
+        # it is "Paris"; in a text it is " Paris", which the detokenizer shows (it decodes after context).
+        spaced = piece.replace("\u2581", " ")
+        if spaced != piece and (spaced == text or spaced[1:] == text and spaced[0] == " "):
+            return spaced.encode("utf-8"), True
         return text.encode("utf-8"), True
 
 

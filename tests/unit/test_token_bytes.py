@@ -7,7 +7,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from meshlm.api.token_bytes import TextCursor, TokenBytes
-from meshlm.model.demo import IM_END, tiny_tokenizer
+from meshlm.model.demo import IM_END, tiny_sentencepiece_tokenizer, tiny_tokenizer
 
 MIXED = "café 日本語 🎉 naïve"
 
@@ -51,3 +51,17 @@ def test_a_special_token_is_its_name_and_not_in_the_text(tok):
     tb = TokenBytes(tok)
     end = tok.convert_tokens_to_ids(IM_END)
     assert tb(end) == (IM_END.encode(), False) and tb.name(end) == IM_END
+
+
+def test_sentencepiece_words_keep_their_space():
+    """Llama 2's kind of tokenizer: "▁France" decodes alone to "France"; its bytes were read from that, so
+    the tokens of " France France" joined to "FranceFrance" and their offsets drifted from the text."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=tiny_sentencepiece_tokenizer())
+    ids = tok.encode("Paris is the capital of France France")
+    tb, cursor = TokenBytes(tok), TextCursor()
+    raws = [tb(i)[0] for i in ids]
+    text = " Paris is the capital of France France"  # its first space is the decoder's to drop
+    assert b"".join(raws) == text.encode()
+    for raw in raws:
+        piece, offset = cursor.advance(raw)
+        assert text[offset:offset + len(piece)] == piece
