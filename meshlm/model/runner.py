@@ -338,4 +338,10 @@ class Runner:
             if from_disk:  # else a received block, which the load took out already
                 self.ssd.forget(key)  # or every later plan loading it would find it bad again
             return None
+        if not from_disk and self.ssd is not None:
+            # A received block is written through as one computed here is (blocks.commit): else the chain
+            # of a handed-off prompt was on no disk, and after a restart, or once evicted, neither it nor
+            # the blocks computed after it here (their chain starts with it) were found again.
+            mx.eval(data.keys, data.values)  # on this thread: the writer's must not evaluate MLX ops
+            self.ssd.save(key, data)
         return data

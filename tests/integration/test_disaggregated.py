@@ -114,6 +114,7 @@ def cluster(tiny_model, tmp_path_factory):
     prefill = ServerProcess(tiny_model, *common, "--role", "prefill", "--prefill-port", str(port),
                             log_dir=logs, env=env)
     relay = Relay(f"127.0.0.1:{port}", ClusterSecret(secret))
+    relay.env = env  # for servers a test starts itself
     decode = ServerProcess(tiny_model, *common, "--prefill-peer", relay.addr, "--disagg-min-tokens", str(MIN_TOKENS),
                            "--prefill-timeout", str(TIMEOUT), log_dir=logs, env=env)
     single = ServerProcess(tiny_model, *common, log_dir=logs)
@@ -327,3 +328,28 @@ def test_prefill_server_killed_mid_transfer(cluster):
     # With the peer gone, long prompts are served locally at once.
     assert complete(decode.url, [words(800, 777)])
 
+
+
+def test_received_blocks_are_written_through_to_the_ssd_tier(cluster, tiny_model, tmp_path):
+    """Before, only blocks computed here reached the SSD tier: after a restart a handed-off prompt found
+    nothing cached (a plain server finds its whole blocks)."""
+    _, _, _, relay = cluster
+    env = relay.env
+    common = ("--max-model-len", "4096", "--max-tokens-per-step", "256")  # one --kv-cache-dir: tmp_path's
+    prompt = words(300, 123)
+    decode = ServerProcess(tiny_model, *common, "--prefill-peer", relay.addr, "--disagg-min-tokens",
+                           str(MIN_TOKENS), log_dir=tmp_path, env=env)
+    try:
+        jobs = relay.jobs
+        first = complete(decode.url, [prompt], 2)[0]
+        assert relay.jobs == jobs + 1  # handed off: its received blocks count as cached
+    finally:
+        decode.stop()  # flushes the SSD writer
+    again = ServerProcess(tiny_model, *common, log_dir=tmp_path)
+    try:
+        second = complete(again.url, [prompt], 2)[0]
+    finally:
+        again.stop()
+    received = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert received >= 1024 and second["usage"]["prompt_tokens_details"]["cached_tokens"] == received
+    assert texts([second]) == texts([first])
