@@ -66,8 +66,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--async-scheduling", choices=AUTO_ON_OFF, default="auto",
                    help="plan each decode step while the previous one runs, on its tokens still on the device "
-                        "(one process); auto: only when the forward runs on a GPU, as on a CPU the host's "
-                        "work takes cores from the forward (docs/BENCHMARKS.md). A pipeline plans ahead "
+                        "(one process, tensor parallelism); auto: only when the forward runs on a GPU, as on a "
+                        "CPU the host's work takes cores from the forward (docs/BENCHMARKS.md). A pipeline plans ahead "
                         "whenever one micro-batch alone is in flight, its ids following the plan, unless off")
     p.add_argument("--max-tokens-default", type=int, default=512, help="max_tokens when a request names none")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 * 2**20,
