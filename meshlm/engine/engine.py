@@ -231,7 +231,7 @@ class Engine:
                                                      mx.default_device() == mx.gpu)
         self._ahead = wanted and getattr(executor, "plans_ahead", False) and self.speculator is None and self._depth == 1
         # Tensor parallelism: a plan made ahead reaches the workers before its ids are known; they follow.
-        self._workers_take_ids = self._ahead and hasattr(executor, "send_ids")
+        self._workers_take_ids = self._ahead and hasattr(executor, "settle")
         # A pipeline whose only micro-batch in flight is the one the leader's stage computes (one stream, or
         # a few) would leave every other stage idle while the leader samples, schedules and broadcasts: the
         # next step of the same sequences is planned and broadcast before the ids are sampled, and they
@@ -482,15 +482,9 @@ class Engine:
             result = self._execute(ahead, launched.tokens_for(ahead))
             self.metrics.steps_ahead.inc()
         pending = self._collect_within_deadline(launched.plan, launched.result, launched)
-        if ahead is not None and self._workers_take_ids:
-            # The ids this rank's forward takes on the device, every row's (one that ended meanwhile too:
-            # its row runs on every rank and is dropped): the workers wait for them to start the step.
-            drawn = dict(zip(launched.uids, launched.draw.tokens.tolist()))
-            with self._deadline(f"step {ahead.step_id}"):
-                self.executor.send_ids(ahead.step_id, [drawn[c.uid] for c in ahead.chunks])
-        elif self._workers_take_ids:
+        if self._workers_take_ids:  # every rank confirms the step before its tokens are streamed
             with self._deadline(f"step {launched.plan.step_id}"):
-                self.executor.settle()  # every rank confirms the step before its tokens are streamed
+                self.executor.settle(keep=0 if ahead is None else 1)
         self._emit(pending)
         if ahead is None:
             return None

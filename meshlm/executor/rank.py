@@ -70,8 +70,9 @@ class RankState:
     def kv_bytes(self) -> int:
         return self.store.nbytes
 
-    def step(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
-        return self.runner.execute(plan, hidden, tokens)
+    def step(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None,
+             on_ids=None) -> StepResult:
+        return self.runner.execute(plan, hidden, tokens, on_ids)
 
     def prepare(self, plan: StepPlan) -> Prepared:
         """What of `plan` needs no activation (a pipeline stage's work while it waits for one)."""

@@ -4,8 +4,8 @@ Acks for step t are collected when step t+1 starts (by then every rank has
 finished t's collectives), so the control plane adds one small send per step
 to the critical path, not a round trip. A step planned ahead (the engine's
 asynchronous scheduling) is broadcast while step t still runs, its input ids
-to follow once sampled (`send_ids`); t's acks are collected then, before t's
-tokens are streamed.
+to follow once sampled, before this rank launches the step that takes them;
+t's acks are collected before t's tokens are streamed (`settle`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ class TensorExecutor:
 
     def execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
         """Run `plan` on every rank. `tokens`: a decode plan planned ahead (`plans_ahead`), whose input ids
-        the previous step is still sampling on this rank's device: the workers get them by `send_ids`."""
+        the previous step is still sampling on this rank's device: the workers get them (`_send_ids`) before
+        this rank launches the forward that takes them."""
         if tokens is not None and not plan.ids_follow:
             raise ValueError(f"step {plan.step_id}: planned ahead, so its ids must follow")
         self.announce(plan)
-        return self.rank.step(plan, tokens=tokens)
+        if tokens is None:
+            return self.rank.step(plan)
+        return self.rank.step(plan, tokens=tokens, on_ids=lambda ids: self._send_ids(plan.step_id, ids))
 
     @property
     def plans_ahead(self) -> bool:
@@ -53,25 +56,24 @@ class TensorExecutor:
 
     def announce(self, plan: StepPlan) -> None:
         """Check the acks of the steps before, then send every worker this plan. A plan whose ids follow is
-        sent while the step before it still runs: that step's acks are collected by `send_ids`."""
+        sent while the step before it still runs: that step's acks are collected by `settle`."""
         with self.times.timing("control"):
             self._collect_acks(keep=1 if plan.ids_follow else 0)
             self.control.broadcast(plan)
             self._unacked.append(plan.step_id)
         self._remove_joined_file()
 
-    def send_ids(self, step_id: int, ids: list[int]) -> None:
-        """The sampled input ids of plan `step_id` (broadcast with `ids_follow`), then the acks of the step
-        that sampled them: each worker acked it before waiting for these ids, and its tokens are streamed
-        only once every rank has confirmed it."""
+    def _send_ids(self, step_id: int, ids: list[int]) -> None:
+        """The sampled input ids of plan `step_id` (broadcast with `ids_follow`), sent once this rank has
+        them, before it launches the forward that takes them."""
         with self.times.timing("control"):
             self.control.send_ids(step_id, ids)
-            self._collect_acks(keep=1)
 
-    def settle(self) -> None:
-        """Check the acks of every plan broadcast (the workers finished them with this rank)."""
+    def settle(self, keep: int = 0) -> None:
+        """Check the acks of every plan broadcast but the newest `keep` (one planned ahead and still
+        running): the engine streams a step's tokens only once every rank has confirmed the step."""
         with self.times.timing("control"):
-            self._collect_acks()
+            self._collect_acks(keep)
 
     def _collect_acks(self, keep: int = 0) -> None:
         """Wait for and check the acks of every plan broadcast but the newest `keep`."""

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
@@ -112,11 +112,13 @@ class Runner:
         return self.store.nbytes
 
     # -- a step -------------------------------------------------------------
-    def execute(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, hidden: mx.array | None = None, tokens: mx.array | None = None,
+                on_ids: Callable[[list[int]], None] | None = None) -> StepResult:
         """Apply `plan` and launch its forward. `tokens`: the input ids of a plan of decode rows planned ahead
         (`Scheduler.continue_ahead`), one per chunk in order, still being sampled by the previous step; the
-        chunks' own ids are placeholders then."""
-        return self.launch(self.prepare(plan, ahead=tokens is not None), hidden, tokens)
+        chunks' own ids are placeholders then. `on_ids`: told them once sampled, before the forward that
+        takes them is launched (other ranks need them to join it)."""
+        return self.launch(self.prepare(plan, ahead=tokens is not None), hidden, tokens, on_ids)
 
     def prepare(self, plan: StepPlan, ahead: bool = False) -> Prepared:
         """The part of a step that needs only its plan: checks, saves, table changes, loads and copies, each
@@ -140,7 +142,8 @@ class Runner:
         missing = tuple(x.key for x, data in read if data is None)
         return Prepared(plan, rows, time.perf_counter() - t0 - waited, waited, missing)
 
-    def launch(self, prepared: Prepared, hidden: mx.array | None = None, tokens: mx.array | None = None) -> StepResult:
+    def launch(self, prepared: Prepared, hidden: mx.array | None = None, tokens: mx.array | None = None,
+               on_ids: Callable[[list[int]], None] | None = None) -> StepResult:
         """Build and launch the forward of a prepared step (`execute` is both at once)."""
         plan, rows, waited = prepared.plan, prepared.rows, prepared.waited
         # Host seconds of this step so far, as if prepare had run just now: the link wait between is not its own.
@@ -167,6 +170,10 @@ class Runner:
         result.missing = prepared.missing
         if tokens is not None:
             waited += self._finish_previous()
+            if on_ids is not None:
+                # Before the launch, which on the CPU returns only near the forward's end (below): the
+                # forward's first sum would wait for ranks that wait for these ids.
+                on_ids(tokens.tolist())
         self._pending = self.store.keys + self.store.values
         self._pending += [x for x in (result.logits, result.hidden, collective) if x is not None]
         launched = time.perf_counter()

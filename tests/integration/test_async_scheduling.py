@@ -124,27 +124,46 @@ def test_an_abort_mid_stream_leaves_the_server_serving(sync, ahead):
 
 
 @pytest.fixture(scope="module")
-def tp_ahead(tiny_model, tmp_path_factory):
-    srv = ServerProcess(tiny_model, "--max-model-len", "512", "--async-scheduling", "on", "--tensor-parallel", "2",
+def deep_model(tmp_path_factory):
+    """Eight layers: a forward of more ops than MLX's CPU stream queues ahead, so its launch returns only
+    near its end (runner.py) and waits in the forward's sums meanwhile."""
+    from meshlm.model.demo import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("deep") / "deep", "llama", layers=8, hidden=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def deep_sync(deep_model, tmp_path_factory):
+    srv = ServerProcess(deep_model, "--max-model-len", "512", "--async-scheduling", "off",
+                        log_dir=tmp_path_factory.mktemp("deep-sync"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_ahead(deep_model, tmp_path_factory):
+    srv = ServerProcess(deep_model, "--max-model-len", "512", "--async-scheduling", "on", "--tensor-parallel", "2",
                         "--worker-timeout", "3", log_dir=tmp_path_factory.mktemp("tp-ahead"))
     yield srv
     srv.stop()
 
 
-def test_tensor_parallel_plans_ahead_with_the_ids_following(sync, tp_ahead):
-    """Before its fix the draw was first evaluated inside the next step's forward: reading the ids waited
-    for that forward, which waited in its first sum for the worker, which waited for the ids."""
+def test_tensor_parallel_plans_ahead_with_the_ids_following(deep_sync, tp_ahead):
+    """Two ways this hung until the step deadline while building it: the draw first evaluated inside the
+    next step's forward (reading the ids waited for that forward, which waited in its first sum for the
+    worker, which waited for the ids), and the ids sent only after the launch of the forward that takes
+    them (on the CPU the launch returns near the forward's end, so the same circle)."""
     before = tp_ahead.metric(AHEAD)
     body = {"temperature": 0, "logprobs": 2}
     assert_parity(asyncio.run(_staggered(tp_ahead.url, _prompts(), body)),
-                  asyncio.run(_staggered(sync.url, _prompts(), body)), tol=1e-4)
+                  asyncio.run(_staggered(deep_sync.url, _prompts(), body)), tol=1e-4)
     assert tp_ahead.metric(AHEAD) - before > 15
     seeded = {"temperature": 0.9, "top_p": 0.9, "presence_penalty": 0.5, "seed": 99}
 
     def texts(srv):
         return [r["choices"][0]["text"] for r in asyncio.run(_staggered(srv.url, _prompts(8), seeded))]
 
-    assert texts(tp_ahead) == texts(sync)
+    assert texts(tp_ahead) == texts(deep_sync)
 
 
 def test_a_worker_killed_while_steps_are_planned_ahead_ends_the_requests(tp_ahead):
