@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -64,6 +65,11 @@ def apply_adapter(model: nn.Module, path: Path, load_adapters) -> None:
         raise ValueError(f"--adapter-path {path} does not fit this model: {exc}") from None
     if config.get("fine_tune_type", "lora") != "full":  # a full fine-tune may hold only the layers it trained
         _require_every_adapter_tensor(model, path)
+    # An integer lora_a or lora_b fused into float weights of 1e9 and more: every answer garbage, no error
+    for name, value in tree_flatten(model.parameters()):
+        if name.rsplit(".", 1)[-1] in ADAPTER_LEAVES and not mx.issubdtype(value.dtype, mx.floating):
+            raise ValueError(f"--adapter-path {path}: {name} is {str(value.dtype).removeprefix('mlx.core.')}, not "
+                             "a floating-point type")
     fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
     if fused:
         model.update_modules(tree_unflatten(fused))

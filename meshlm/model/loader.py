@@ -333,6 +333,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     adapter = None
     if cfg.adapter_path is not None:  # fused before any shard or stage is cut: they are cut from its weights
         apply_adapter(model, Path(cfg.adapter_path), import_mlx_lm("mlx_lm.tuner.utils").load_adapters)
+        check_weight_types(model, Path(cfg.adapter_path))  # a full fine-tune's own weights
         adapter = "".join(hash_file(Path(cfg.adapter_path) / name)[:8] for name in ADAPTER_FILES)
     if tensor_group is not None:
         if not hasattr(model, "shard"):

@@ -60,6 +60,8 @@ def test_the_adapter_is_part_of_the_fingerprint(tiny):
     # served with that layer's random start (another answer at every start) or silently unadapted
     (lambda d: _without(d, "model.layers.1.self_attn.q_proj.lora_a"), "lacks model.layers.1.self_attn.q_proj.lora_a"),
     (lambda d: _without(d, "model.layers.0.self_attn.v_proj.lora_b"), "lacks model.layers.0.self_attn.v_proj.lora_b"),
+    # fused into weights of 1e9 and more: served, every answer garbage
+    (lambda d: _as_int(d, "model.layers.0.self_attn.q_proj.lora_a"), "lora_a is int32, not a floating-point type"),
 ])
 def test_a_bad_adapter_is_refused_naming_the_flag(tiny, tmp_path, damage, words):
     bad = shutil.copytree(tiny[1], tmp_path / "bad")
@@ -79,4 +81,11 @@ def _without(d, name):
     weights = mx.load(str(path))
     assert name in weights, sorted(weights)
     del weights[name]
+    mx.save_safetensors(str(path), weights)
+
+
+def _as_int(d, name):
+    path = d / "adapters.safetensors"
+    weights = mx.load(str(path))
+    weights[name] = (weights[name] * 1000).astype(mx.int32)
     mx.save_safetensors(str(path), weights)
