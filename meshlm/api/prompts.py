@@ -13,6 +13,7 @@ does not stall the event loop that streams everyone else's tokens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Sequence
 
@@ -20,10 +21,12 @@ from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.tools import ToolPlan, template_messages
 
+log = logging.getLogger(__name__)
+
 # Normalizers can merge characters (NFKC) before BPE sees them; this margin keeps the
 # length-only refusal conservative (it only spares tokenizing what cannot possibly fit).
 LENGTH_BOUND_MARGIN = 4
-TEMPLATE_CHECK_SECONDS = 10.0  # --chat-template's check at the start (use_template)
+TEMPLATE_CHECK_SECONDS = 10.0  # the chat template's check at the start (use_template, check_own_template)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -45,24 +48,54 @@ def use_template(tokenizer, template: str, kwargs: dict, within: float = TEMPLAT
     tokenizer.chat_template = template  # the transformers tokenizer's, through mlx-lm's wrapper
     if getattr(tokenizer, "_chat_template", None) is not None:  # mlx-lm's own renderer would win over it
         tokenizer._chat_template = None
-    outcome: list[Exception | None] = []
+    outcome = _render_a_message(tokenizer, kwargs, within)
+    if outcome is None:
+        raise ValueError(f"--chat-template did not render a user's message within {within:g} s (a loop "
+                         "that does not end?)")
+    if isinstance(outcome, Exception):
+        raise ValueError(f"--chat-template does not render a user's message: {type(outcome).__name__}: "
+                         f"{outcome}") from None
+
+
+def check_own_template(tokenizer, kwargs: dict, vocab_size: int, within: float = TEMPLATE_CHECK_SECONDS) -> None:
+    """The model's own chat template, checked as --chat-template is. One that does not end within `within`
+    is refused: each chat request would hold a worker thread rendering for ever, and once they were all
+    held every request hung while /health said ok. One that raises, or whose prompt holds ids the model's
+    embedding lacks, is served (completions work) with a warning: every chat request will be a 400."""
+    if not getattr(tokenizer, "chat_template", None):
+        return  # a base model: chat requests are 400s that say so
+    outcome = _render_a_message(tokenizer, kwargs, within)
+    if outcome is None:
+        raise ValueError(f"the model's chat template did not render a user's message within {within:g} s (a "
+                         "loop that does not end?): give one that does with --chat-template")
+    if isinstance(outcome, Exception):
+        log.warning("the model's chat template does not render a user's message (%s: %s): every chat request "
+                    "will fail; --chat-template gives another", type(outcome).__name__, outcome)
+        return
+    ids = tokenizer.encode(outcome, add_special_tokens=False)
+    if ids and max(ids) >= vocab_size:
+        log.warning("the model's chat template makes token id %d, outside its embedding (vocab_size %d): every "
+                    "chat request will fail; its tokenizer holds more tokens than its embedding", max(ids),
+                    vocab_size)
+
+
+def _render_a_message(tokenizer, kwargs: dict, within: float) -> str | Exception | None:
+    """The prompt of one user's message, the exception the template raised, or None when it did not end
+    within `within` seconds. The render cannot be stopped; its daemon thread ends with the process, or
+    when the template does."""
+    outcome: list[str | Exception] = []
 
     def render() -> None:
         try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                          tokenize=False, **kwargs)
-            outcome.append(None)
+            outcome.append(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                         add_generation_prompt=True, tokenize=False, **kwargs))
         except Exception as exc:
             outcome.append(exc)
 
     check = threading.Thread(target=render, name="meshlm-template-check", daemon=True)
     check.start()
     check.join(within)
-    if not outcome:
-        raise ValueError(f"--chat-template did not render a user's message within {within:g} s (a loop "
-                         "that does not end?)")
-    if (exc := outcome[0]) is not None:
-        raise ValueError(f"--chat-template does not render a user's message: {type(exc).__name__}: {exc}") from None
+    return outcome[0] if outcome else None
 
 
 class PromptBuilder:
@@ -73,6 +106,8 @@ class PromptBuilder:
         self.template_kwargs = dict(template_kwargs or {})
         if chat_template is not None:
             use_template(tokenizer, chat_template, self.template_kwargs)
+        else:
+            check_own_template(tokenizer, self.template_kwargs, vocab_size)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

@@ -568,6 +568,26 @@ def test_a_chat_template_that_cannot_render_a_message_is_refused_at_start_up(tin
     assert time.monotonic() - t0 < 1.5
 
 
+def test_the_models_own_chat_template_is_checked_at_start_up(tiny_model, caplog):
+    """Only --chat-template was checked: a model whose own template never ended held a worker thread per chat
+    request, until every request hung while /health said ok."""
+    from mlx_lm import load
+
+    from meshlm.api.prompts import check_own_template
+
+    _, tok = load(str(tiny_model))
+    check_own_template(tok, {}, 512)  # the tiny model's ChatML renders
+    tok.chat_template = "{% for i in range(100000) %}{% for j in range(600) %}{% endfor %}{% endfor %}{{ 'x' }}"
+    with pytest.raises(ValueError, match="the model's chat template did not render .* within 0.5 s.*--chat-template"):
+        check_own_template(tok, {}, 512, within=0.5)
+    tok.chat_template = "{{ raise_exception('no users here') }}"
+    check_own_template(tok, {}, 512)  # served (completions work), with a word
+    assert "does not render a user's message (TemplateError: no users here)" in caplog.text
+    tok.chat_template = "<|im_start|>{{ messages[0]['content'] }}"
+    check_own_template(tok, {}, 2)  # its ids past an embedding of 2
+    assert "outside its embedding (vocab_size 2)" in caplog.text
+
+
 def test_tokenize_and_detokenize_as_vllm(client, tiny_model):
     """vLLM's /tokenize (a text, or the prompt a chat would get) and /detokenize, with this server's
     tokenizer and template; ids are checked against the vocabulary."""
