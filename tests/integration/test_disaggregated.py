@@ -114,7 +114,6 @@ def cluster(tiny_model, tmp_path_factory):
     prefill = ServerProcess(tiny_model, *common, "--role", "prefill", "--prefill-port", str(port),
                             log_dir=logs, env=env)
     relay = Relay(f"127.0.0.1:{port}", ClusterSecret(secret))
-    relay.env = env  # for servers a test starts itself
     decode = ServerProcess(tiny_model, *common, "--prefill-peer", relay.addr, "--disagg-min-tokens", str(MIN_TOKENS),
                            "--prefill-timeout", str(TIMEOUT), log_dir=logs, env=env)
     single = ServerProcess(tiny_model, *common, log_dir=logs)
@@ -330,21 +329,25 @@ def test_prefill_server_killed_mid_transfer(cluster):
 
 
 
-def test_received_blocks_are_written_through_to_the_ssd_tier(cluster, tiny_model, tmp_path):
+def test_received_blocks_are_written_through_to_the_ssd_tier(tiny_model, tmp_path):
     """Before, only blocks computed here reached the SSD tier: after a restart a handed-off prompt found
-    nothing cached (a plain server finds its whole blocks)."""
-    _, _, _, relay = cluster
-    env = relay.env
-    common = ("--max-model-len", "4096", "--max-tokens-per-step", "256")  # one --kv-cache-dir: tmp_path's
+    nothing cached (a plain server finds its whole blocks). Its own prefill server: the module's is killed
+    by a test before."""
+    env = {"MESHLM_CLUSTER_SECRET": secrets.token_hex(32)}
+    common = ("--max-model-len", "4096", "--max-tokens-per-step", "256")
+    port = free_port()
+    (tmp_path / "prefill").mkdir()
+    prefill = ServerProcess(tiny_model, *common, "--no-ssd-cache", "--role", "prefill", "--prefill-port", str(port),
+                            log_dir=tmp_path / "prefill", env=env)
     prompt = words(300, 123)
-    decode = ServerProcess(tiny_model, *common, "--prefill-peer", relay.addr, "--disagg-min-tokens",
+    decode = ServerProcess(tiny_model, *common, "--prefill-peer", f"127.0.0.1:{port}", "--disagg-min-tokens",
                            str(MIN_TOKENS), log_dir=tmp_path, env=env)
     try:
-        jobs = relay.jobs
         first = complete(decode.url, [prompt], 2)[0]
-        assert relay.jobs == jobs + 1  # handed off: its received blocks count as cached
+        assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') == 1  # handed off
     finally:
         decode.stop()  # flushes the SSD writer
+        prefill.stop()
     again = ServerProcess(tiny_model, *common, log_dir=tmp_path)
     try:
         second = complete(again.url, [prompt], 2)[0]
