@@ -30,20 +30,20 @@ def _prompts(n: int = 16) -> list[list[int]]:
     return [[rng.randrange(3, 400) for _ in range(rng.randint(2, 70))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def sync(tiny_model, tmp_path_factory):
-    srv = ServerProcess(tiny_model, "--max-model-len", "512", "--async-scheduling", "off",
-                        log_dir=tmp_path_factory.mktemp("sync"))
+def _server(model, factory, name: str, *args: str):
+    srv = ServerProcess(model, "--max-model-len", "512", *args, log_dir=factory.mktemp(name))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def sync(tiny_model, tmp_path_factory):
+    yield from _server(tiny_model, tmp_path_factory, "sync", "--async-scheduling", "off")
 
 
 @pytest.fixture(scope="module")
 def ahead(tiny_model, tmp_path_factory):
-    srv = ServerProcess(tiny_model, "--max-model-len", "512", "--async-scheduling", "on", "--block-size", "16",
-                        log_dir=tmp_path_factory.mktemp("ahead"))
-    yield srv
-    srv.stop()
+    yield from _server(tiny_model, tmp_path_factory, "ahead", "--async-scheduling", "on", "--block-size", "16")
 
 
 async def _staggered(url: str, prompts, body: dict) -> list[dict]:
@@ -134,18 +134,13 @@ def deep_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deep_sync(deep_model, tmp_path_factory):
-    srv = ServerProcess(deep_model, "--max-model-len", "512", "--async-scheduling", "off",
-                        log_dir=tmp_path_factory.mktemp("deep-sync"))
-    yield srv
-    srv.stop()
+    yield from _server(deep_model, tmp_path_factory, "deep-sync", "--async-scheduling", "off")
 
 
 @pytest.fixture(scope="module")
 def tp_ahead(deep_model, tmp_path_factory):
-    srv = ServerProcess(deep_model, "--max-model-len", "512", "--async-scheduling", "on", "--tensor-parallel", "2",
-                        "--worker-timeout", "3", log_dir=tmp_path_factory.mktemp("tp-ahead"))
-    yield srv
-    srv.stop()
+    yield from _server(deep_model, tmp_path_factory, "tp-ahead", "--async-scheduling", "on", "--tensor-parallel", "2",
+                       "--worker-timeout", "3")
 
 
 def test_tensor_parallel_plans_ahead_with_the_ids_following(deep_sync, tp_ahead):
