@@ -18,7 +18,7 @@ from meshlm.cluster.bootstrap import ClusterError, start_watch, watch_launch
 from meshlm.cluster.ranks import Leader, Topology, control_leader, smallest_kv_blocks
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
-from meshlm.config import ServeConfig
+from meshlm.config import ServeConfig, split_addr
 from meshlm.executor.rank import RankSpec, build_rank
 from meshlm.executor.stage_io import StageIO
 from meshlm.platform import kv_budget_bytes
@@ -46,7 +46,7 @@ def _load_stage(config: ServeConfig, topo: Topology, layout: StageLayout):
 
 
 def _listen(topo: Topology, rank: int):
-    host, port = topo.parallel.stage_addrs[rank].rsplit(":", 1)
+    host, port = split_addr(topo.parallel.stage_addrs[rank])
     try:
         return stage_link.listen(host, int(port))
     except OSError as exc:

@@ -35,7 +35,7 @@ from meshlm.cluster.bootstrap import (ClusterError, LocalCluster, check_backend,
 from meshlm.cluster.join_watch import JoinWatch
 from meshlm.cluster.stages import StageLayout
 from meshlm.cluster.watchdog import Watchdog
-from meshlm.config import CONTROL_PORT, RING_PORT, ParallelConfig, ServeConfig, check_port
+from meshlm.config import CONTROL_PORT, RING_PORT, ParallelConfig, ServeConfig, check_port, split_addr
 from meshlm.executor.rank import RankSpec, RankState, build_rank
 from meshlm.executor.tensor import TensorExecutor
 from meshlm.platform import import_mlx_lm, interrupt_deferred, kv_budget_bytes
@@ -79,7 +79,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
             p = dataclasses.replace(p, stage_addrs=_stage_addrs(hostfile.hosts, p.stage_port))
         # A ring file given on the command line is a local cluster's: rank 0 started this process.
         watch = local_leader_gone(ring) if ring is not None else None
-        return Topology(p, ring, p.control_addr.rsplit(":", 1)[0], cluster_secret(os.environ, hostfile),
+        return Topology(p, ring, split_addr(p.control_addr)[0], cluster_secret(os.environ, hostfile),
                         leader_gone=watch), None
     if p.hostfile is None:
         if p.rank != 0:
@@ -109,7 +109,7 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         log.warning("the hostfile declares memory_gb for some hosts only: stages split evenly (declare it for "
                     "every host, or pass --pp-split)")
     replaced = dataclasses.replace(p, control_addr=control, stage_addrs=stages)
-    return Topology(replaced, None, control.rsplit(":", 1)[0], secret, memory, ring_hosts=ring), None
+    return Topology(replaced, None, split_addr(control)[0], secret, memory, ring_hosts=ring), None
 
 
 def _ipv6(address: str) -> bool:
@@ -353,7 +353,7 @@ def control_leader(topo: Topology):
     from meshlm.transport.control import ControlLeader
 
     p = topo.parallel
-    port = int(p.control_addr.rsplit(":", 1)[1])
+    port = split_addr(p.control_addr)[1]
     try:
         return ControlLeader(topo.control_bind, port, p.world_size, timeout=p.step_timeout,
                              heartbeat_interval=p.heartbeat_interval, secret=topo.secret,

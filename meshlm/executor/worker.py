@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from meshlm.cluster.bootstrap import ClusterError
 from meshlm.cluster.watchdog import Watchdog
-from meshlm.config import ParallelConfig
+from meshlm.config import ParallelConfig, split_addr
 from meshlm.engine.plan import batch_fingerprint
 from meshlm.executor.rank import RankState
 from meshlm.executor.stage_io import StageIO
@@ -67,7 +67,7 @@ def answer_roll_call(cfg: ParallelConfig, secret: ClusterSecret, start_timeout: 
     """Join the leader's control channel before loading anything, so a rank that dies while loading is
     noticed at once. `start_timeout`: how long to try, and later to wait for the start once loaded;
     `gone`: why the leader will never listen (a local rank 0 that died)."""
-    host, port = cfg.control_addr.rsplit(":", 1)
+    host, port = split_addr(cfg.control_addr)
     control = ControlWorker(host, int(port), cfg.rank, timeout=cfg.worker_timeout, world_size=cfg.world_size,
                             secret=secret, connect_timeout=max(start_timeout, cfg.worker_timeout))
     try:

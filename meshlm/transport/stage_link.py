@@ -33,6 +33,7 @@ import mlx.core as mx
 from meshlm.transport import stage_wire
 from meshlm.transport.auth import ClusterSecret, new_nonce, proof_matches, stage_proof
 from meshlm.transport.codec import ControlError
+from meshlm.config import split_addr
 from meshlm.transport.link import recv_exactly, remaining, send_all, tune
 
 MAGIC = b"MLST"
@@ -159,7 +160,7 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
 
 def connect(addr: str, secret: ClusterSecret, own: int, peer: int, timeout: float, liveness: float) -> StageLink:
     """Connect to stage `peer` (= own + 1) at host:port, retrying until it listens or the deadline."""
-    host, port = addr.rsplit(":", 1)
+    host, port = split_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
         try:

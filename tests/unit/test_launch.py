@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import socket
 import threading
 import time
 from unittest import mock
@@ -358,8 +359,10 @@ def test_ipv6_addresses_are_refused_for_the_ring_backend_before_any_rank_waits(t
     assert topo.parallel.stage_addrs[0].startswith("::1:")
 
 
-def test_a_stage_link_forms_over_ipv6():
-    """A stage listened on IPv4 only: an IPv6 "ips" entry passed the hostfile's checks and failed at the bind."""
+@pytest.mark.parametrize("form", ["::1:{}", "[::1]:{}"])
+def test_a_stage_link_forms_over_ipv6(form):
+    """A stage listened on IPv4 only: an IPv6 "ips" entry passed the hostfile's checks and failed at the bind.
+    The bracketed form ([::1]:P, as in a URL) passed --stage-addrs' check and went to the resolver whole."""
     from meshlm.transport import stage_link
     from meshlm.transport.auth import ClusterSecret
 
@@ -369,11 +372,26 @@ def test_a_stage_link_forms_over_ipv6():
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("rx", stage_link.accept(server, secret, 1, 0, 5.0, 5.0)))
     t.start()
-    tx = stage_link.connect(f"::1:{port}", secret, 0, 1, 5.0, 5.0)
+    tx = stage_link.connect(form.format(port), secret, 0, 1, 5.0, 5.0)
     t.join()
     assert out["rx"].peer == 0 and tx.peer == 1
     for s in (tx, out["rx"], server):
         s.close()
+
+
+def test_a_bracketed_control_address_binds_its_host(monkeypatch):
+    """--control-addr [::1]:P passed the check, then the leader bound "[::1]" and a worker dialled it."""
+    from meshlm.cluster.ranks import ClusterPorts, control_leader, resolve_topology
+    from meshlm.config import ParallelConfig
+
+    monkeypatch.setenv(SECRET_ENV, "a" * 64)
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    p = ParallelConfig(tensor_parallel=2, control_addr=f"[::1]:{port}", backend="mpi", rank=0)
+    topo, _ = resolve_topology(p, ClusterPorts())
+    assert topo.control_bind == "::1"
+    control_leader(topo).close()
 
 
 def test_memory_declared_for_some_hosts_only_is_said_to_be_unused(tmp_path, monkeypatch, caplog):
