@@ -161,6 +161,8 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     shared = [words(150, 1), words(300, 2)]
     complete(decode.url, shared, 2)  # the decode server caches these prefixes (handed off themselves)
     jobs_before, bytes_before = relay.jobs, metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}')
+    busy_before = fallbacks(decode, "busy")
+    done_before = prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}')
     prompts = []
     for i in range(16):
         if i % 4 == 0:
@@ -174,9 +176,13 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     for g, w in zip(got, want):
         a, b = g["choices"][0]["logprobs"]["token_logprobs"], w["choices"][0]["logprobs"]["token_logprobs"]
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-    assert relay.jobs - jobs_before == 12  # every prompt but the 4 short ones
+    # Every prompt but the 4 short ones is handed off, or (on a loaded machine) prefilled here because
+    # this server's own burst of handshakes with the peer outlasted --prefill-timeout: counted as busy
+    handed, busy = relay.jobs - jobs_before, fallbacks(decode, "busy") - busy_before
+    reasons = {r: fallbacks(decode, r) for r in ("busy", "unreachable", "refused", "timeout", "closed", "error")}
+    assert handed + busy == 12 and handed >= 8, (handed, reasons)
     assert metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') > bytes_before
-    assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') >= 14
+    assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') - done_before == handed
     assert fallbacks(decode, "bad_packet") + fallbacks(decode, "closed") + fallbacks(decode, "timeout") == 0
     # A cached prefix is not sent again: the shared prompt's blocks came once.
     usage = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]
