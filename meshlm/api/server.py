@@ -82,7 +82,10 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         problem = health()
         if problem:
             return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
-        return {"status": "ok", "model": serving.model_name}
+        body = {"status": "ok", "model": serving.model_name}
+        if engine.handoff is not None:  # a peer that is down costs latency, not health: prompts prefill here
+            body["prefill_peers"] = engine.handoff.peer_status()
+        return body
 
     @app.get("/metrics")
     async def _metrics():

@@ -60,6 +60,17 @@ class Handoff:
     keys: list[bytes]
 
 
+@dataclass
+class _PeerRecord:
+    """What /health says of one prefill peer: jobs it finished, and the last fallback it caused."""
+
+    done: int = 0
+    fallbacks: int = 0
+    last_reason: str | None = None
+    last_message: str | None = None
+    last_at: float | None = None  # time.monotonic()
+
+
 @dataclass(frozen=True)
 class _Deadlines:
     """One transfer's clock: each read or write may wait `silence` seconds, and all of them end at `end`."""
@@ -135,6 +146,30 @@ class PrefillClient:
         self._lock = threading.Lock()
         self._running: list[Transfer] = []
         self._handshakes = {p: threading.BoundedSemaphore(HANDSHAKES_PER_PEER) for p in config.peers}
+        self._records = {p: _PeerRecord() for p in config.peers}
+
+    def peer_status(self) -> list[dict]:
+        """Each peer as /health shows it: an operator sees why long prompts are prefilled here."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for peer, r in self._records.items():
+                last = None if r.last_at is None else {
+                    "reason": r.last_reason, "message": r.last_message, "seconds_ago": round(now - r.last_at, 1)}
+                out.append({"address": peer, "up": self._down_until.get(peer, 0.0) <= now, "jobs_done": r.done,
+                            "fallbacks": r.fallbacks, "last_fallback": last})
+        return out
+
+    def _record(self, peer: str, fallback: _Fallback | None) -> None:
+        with self._lock:
+            r = self._records.get(peer)
+            if r is None:  # no peer was picked (none up): each peer's own failure is recorded already
+                return
+            if fallback is None:
+                r.done += 1
+            else:
+                r.fallbacks += 1
+                r.last_reason, r.last_message, r.last_at = fallback.reason, str(fallback), time.monotonic()
 
     def plan(self, prompt_ids: list[int], cached: Callable[[list[bytes]], int]) -> Handoff | None:
         """A handoff for this prompt, or None to prefill it here: too few uncached tokens, or no peer up.
@@ -211,16 +246,19 @@ class PrefillClient:
             peer = self._pick()
             self._transfer(peer, transfer)
             self.metrics.disagg_transfer_time.observe(time.monotonic() - t0)
+            self._record(peer, None)
         except _Fallback as exc:
             if transfer.cancelled:  # only what this transfer put: the blocks before first_block (and any
                 # prefix shared with another prompt) may be another request's received blocks, not yet loaded
                 self.received.discard(h.keys[h.first_block:h.first_block + transfer.blocks])
             else:
                 self.metrics.disagg_fallbacks.labels(reason=exc.reason).inc()
+                self._record(peer, exc)
                 log.warning("prefill handoff: %s; prefilling locally (%d of %d blocks received)", exc,
                             transfer.blocks, len(h.keys) - h.first_block)
         except Exception as exc:  # a bug here must cost latency, never the request
             self.metrics.disagg_fallbacks.labels(reason="error").inc()
+            self._record(peer, _Fallback("error", f"{type(exc).__name__}: {exc}"))
             log.exception("prefill handoff to %s failed: %s; prefilling locally", peer or "-", exc)
         finally:
             self.received.end(h.job_id)

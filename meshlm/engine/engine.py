@@ -110,6 +110,10 @@ class Handoff(Protocol):
         """Runs the handoff on another thread; returns something with `cancel()`."""
         ...
 
+    def peer_status(self) -> list[dict]:
+        """Each prefill peer's state, for /health."""
+        ...
+
 
 @dataclass(frozen=True)
 class Export:

@@ -149,6 +149,14 @@ def fallbacks(server: ServerProcess, reason: str) -> float:
         return 0.0
 
 
+def peer_status(server: ServerProcess) -> dict:
+    """The one prefill peer as the decode server's /health shows it."""
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200, r.text
+    (peer,) = r.json()["prefill_peers"]
+    return peer
+
+
 def metric(server: ServerProcess, name: str) -> float:
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -182,6 +190,8 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     reasons = {r: fallbacks(decode, r) for r in ("busy", "unreachable", "refused", "timeout", "closed", "error")}
     assert handed + busy == 12 and handed >= 8, (handed, reasons)
     assert metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') > bytes_before
+    assert peer_status(decode)["jobs_done"] >= 2 + handed and peer_status(decode)["up"]
+    assert "prefill_peers" not in httpx.get(single.url + "/health").json()
     assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') - done_before == handed
     assert fallbacks(decode, "bad_packet") + fallbacks(decode, "closed") + fallbacks(decode, "timeout") == 0
     # A cached prefix is not sent again: the shared prompt's blocks came once.
@@ -245,11 +255,17 @@ def test_faults_fall_back_to_local_prefill(cluster, mode, reason, says):
     _, decode, single, relay = cluster
     relay.mode = mode
     try:
-        before = fallbacks(decode, reason)
+        before, peer_before = fallbacks(decode, reason), peer_status(decode)
         prompt = [words(400, sum(map(ord, mode)))]
         assert texts(complete(decode.url, prompt)) == texts(complete(single.url, prompt))
         assert fallbacks(decode, reason) == before + 1
         assert says in decode.log.read_text()
+        # /health stays 200 (the prompt was prefilled here) and says why the peer was not used
+        peer = peer_status(decode)
+        assert peer["address"] == relay.addr and peer["fallbacks"] == peer_before["fallbacks"] + 1
+        assert peer["jobs_done"] == peer_before["jobs_done"]
+        last = peer["last_fallback"]
+        assert last["reason"] == reason and says in last["message"] and 0 <= last["seconds_ago"] < 60
     finally:
         relay.mode = "pass"
 

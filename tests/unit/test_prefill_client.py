@@ -145,3 +145,24 @@ def test_a_peer_that_accepts_and_says_nothing_is_a_timeout_not_a_refusal():
     reasons = {s.labels["reason"]: s.value for m in c.metrics.disagg_fallbacks.collect() for s in m.samples
                if s.name.endswith("_total")}
     assert reasons == {"timeout": 1.0}, reasons
+
+
+def test_health_shows_a_peer_in_its_backoff_and_why():
+    """/health's prefill_peers: a peer nothing listens on is down for its backoff, with the reason."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed again: nothing listens there now
+    config = DisaggConfig(peers=(f"127.0.0.1:{port}",), min_tokens=8, timeout=1)
+    c = PrefillClient(config, None, None, CacheSalt("m", "float32", "tp1", BS), mx.float32,
+                      ReceivedBlocks(1 << 20), Metrics())
+    (fresh,) = c.peer_status()
+    assert fresh == {"address": f"127.0.0.1:{port}", "up": True, "jobs_done": 0, "fallbacks": 0,
+                     "last_fallback": None}
+    done = Done()
+    c.start(plan(c, list(range(100, 140))), done)
+    assert done.event.wait(10)
+    (peer,) = c.peer_status()
+    assert peer["up"] is False and peer["fallbacks"] == 1 and peer["jobs_done"] == 0
+    assert peer["last_fallback"]["reason"] == "unreachable" and str(port) in peer["last_fallback"]["message"]
+    assert plan(c, list(range(200, 240))) is None  # in its backoff: the next long prompt is prefilled here
