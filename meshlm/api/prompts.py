@@ -20,6 +20,7 @@ from typing import Sequence
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.tools import ToolPlan, template_messages
+from meshlm.model.named_templates import tool_use_template
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,28 @@ def check_own_template(tokenizer, kwargs: dict, vocab_size: int, within: float =
     embedding lacks, is served (completions work) with a warning: every chat request will be a 400."""
     if not getattr(tokenizer, "chat_template", None):
         return  # a base model: chat requests are 400s that say so
-    outcome = _render_a_message(tokenizer, kwargs, within)
-    if outcome is None:
-        raise ValueError(f"the model's chat template did not render a user's message within {within:g} s (a "
-                         "loop that does not end?): give one that does with --chat-template")
-    if isinstance(outcome, Exception):
-        log.warning("the model's chat template does not render a user's message (%s: %s): every chat request "
-                    "will fail; --chat-template gives another", type(outcome).__name__, outcome)
-        return
-    ids = tokenizer.encode(outcome, add_special_tokens=False)
-    if ids and max(ids) >= vocab_size:
-        log.warning("the model's chat template makes token id %d, outside its embedding (vocab_size %d): every "
-                    "chat request will fail; its tokenizer holds more tokens than its embedding", max(ids),
-                    vocab_size)
+    cases = [("chat template", "chat request", kwargs)]
+    if tool_use_template(tokenizer) is not None:  # transformers renders it for every request with tools
+        cases.append(("tool_use chat template", "chat request with tools", {**kwargs, "tools": [_A_TOOL]}))
+    for name, requests, extra in cases:
+        outcome = _render_a_message(tokenizer, extra, within)
+        if outcome is None:
+            raise ValueError(f"the model's {name} did not render a user's message within {within:g} s (a loop "
+                             "that does not end?): give one that does with --chat-template")
+        if isinstance(outcome, Exception):
+            log.warning("the model's %s does not render a user's message (%s: %s): every %s will fail; "
+                        "--chat-template gives another", name, type(outcome).__name__, outcome, requests)
+            continue
+        ids = tokenizer.encode(outcome, add_special_tokens=False)
+        if ids and max(ids) >= vocab_size:
+            log.warning("the model's %s makes token id %d, outside its embedding (vocab_size %d): every %s will "
+                        "fail; its tokenizer holds more tokens than its embedding", name, max(ids), vocab_size,
+                        requests)
+
+
+_A_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
 
 
 def _render_a_message(tokenizer, kwargs: dict, within: float) -> str | Exception | None:

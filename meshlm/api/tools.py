@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
+from meshlm.model.named_templates import template_texts
 from meshlm.platform import import_mlx_lm
 
 json_tools = import_mlx_lm("mlx_lm.tool_parsers.json_tools")
@@ -205,13 +206,13 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
 
 
 def template_renders_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
+    """Its own template describes tools (a named `tool_use` one included: transformers picks it when a
+    request has tools)."""
+    return any("tools" in t for t in template_texts(tokenizer))
 
 
 def _template_knows_developer(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "developer" in template
+    return any("developer" in t for t in template_texts(tokenizer))
 
 
 def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:

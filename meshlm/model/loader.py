@@ -18,6 +18,7 @@ import mlx.nn as nn
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
 from meshlm.model.adapters import FILES as ADAPTER_FILES, apply_adapter
+from meshlm.model.named_templates import adopt_tool_parser
 from meshlm.model.vocab_parallel import shard_vocab_head
 from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
 
@@ -323,6 +324,9 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
         raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_in_a_line(str(exc))}"
                          f"{_missing_shards(path)}") from None
     check_tokenizer(tokenizer, path)
+    parser = adopt_tool_parser(tokenizer)
+    if parser is not None:
+        log.info("tool calls: the %s syntax of the model's tool_use chat template", parser)
     check_weight_types(model, path)
     # Beside the tokenizer's other check, before a shard's or a stage's (lazy) weights are read.
     eos = frozenset(int(t) for t in (tokenizer.eos_token_ids or ()))
