@@ -63,7 +63,7 @@ class _Request(BaseModel):
     presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     # vLLM's extension. At least 1e-6: a logit divided by ~1e-38 is inf in float32, and the row NaN.
-    repetition_penalty: StrictFloat = Field(1.0, ge=1e-6, le=10)
+    repetition_penalty: StrictFloat | None = Field(None, ge=1e-6, le=10)  # None: the model's default, else 1
     logit_bias: dict[str, StrictFloat] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's extension
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled

@@ -50,22 +50,26 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's too: Qwen2.5's generation_config.json sets 1.05
     source: str = "OpenAI defaults"
 
     def __post_init__(self) -> None:
-        numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p}
+        numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                   "repetition_penalty": self.repetition_penalty}
         wrong = [f"{k} {v!r}" for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):  # 2.5 failed every sampled request
             wrong.append(f"top_k {self.top_k!r} (an integer)")
         if wrong:
             raise ValueError(f"sampling defaults of the wrong type ({self.source}): {', '.join(wrong)}")
-        if not (0 <= self.temperature <= 2 and 0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p <= 1):
+        if not (0 <= self.temperature <= 2 and 0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p <= 1
+                and 0 < self.repetition_penalty <= 10):
             raise ValueError(f"sampling defaults out of range: {self.describe()}")
 
     @classmethod
     def resolve(cls, model: dict, temperature: float | None = None, top_p: float | None = None) -> "SamplingDefaults":
         """`model`: the sampling keys of the model's generation_config.json (maybe empty)."""
-        values = {k: model[k] for k in ("temperature", "top_p", "top_k", "min_p") if model.get(k) is not None}
+        values = {k: model[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if model.get(k) is not None}
         if isinstance(values.get("top_k"), float) and values["top_k"].is_integer():  # 50.0: a JSON writer's 50
             values["top_k"] = int(values["top_k"])
         flags = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
@@ -74,7 +78,7 @@ class SamplingDefaults:
 
     def describe(self) -> str:
         return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k} min_p={self.min_p:g} "
-                f"(from {self.source})")
+                f"repetition_penalty={self.repetition_penalty:g} (from {self.source})")
 
 
 class Serving:
@@ -140,7 +144,7 @@ class Serving:
                 max_tokens=max_tokens, temperature=_given(req.temperature, d.temperature),
                 top_p=_given(req.top_p, d.top_p), top_k=max(_given(req.top_k, d.top_k), 0),
                 min_p=_given(req.min_p, d.min_p), seed=req.seed, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty),
                 logit_bias=bias, allowed_token_ids=only, bad_words=bad_words, logprobs=req.logprob_count(),
                 prompt_logprobs=req.prompt_logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,

@@ -425,7 +425,7 @@ def keep_stage(model: nn.Module, stage: StageSlice) -> None:
             del model["lm_head"]
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(path: Path) -> dict:

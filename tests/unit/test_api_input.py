@@ -189,6 +189,11 @@ def test_sampling_defaults_resolution():
     with pytest.raises(ValueError, match="top_p '0.9'"):  # was "'<' not supported between 'int' and 'str'"
         SamplingDefaults.resolve({"top_p": "0.9"})
     assert SamplingDefaults.resolve({"top_k": 50.0}).top_k == 50
+    assert SamplingDefaults.resolve({"repetition_penalty": 1.05}).repetition_penalty == 1.05
+    assert SamplingDefaults.resolve({}).repetition_penalty == 1.0
+    for bad in (0, -1, 11, True):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingDefaults.resolve({"repetition_penalty": bad})
 
 
 def test_a_content_part_that_is_not_text_is_refused_saying_so():
