@@ -79,7 +79,7 @@ def check_model_json(path: Path, config: dict) -> None:
         ids = eos if isinstance(eos, list) else [eos]
         if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {str(eos)[:60]}")
-    for key in ("num_hidden_layers", "vocab_size"):
+    for key in ("num_hidden_layers", "vocab_size", "max_position_embeddings"):  # the last: 0 was served as 4096
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{path / 'config.json'}: {key} must be a positive integer, got {str(value)[:40]}")

@@ -472,6 +472,8 @@ def test_a_load_error_names_the_tensors_and_a_missing_shard(tmp_path):
     ("generation_config.json", {"eos_token_id": [[2]]}, "generation_config.json: eos_token_id must be a token id"),
     ("config.json", {"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
     ("config.json", {"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),  # an empty AssertionError
+    ("config.json", {"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
+    ("config.json", {"max_position_embeddings": "8k"}, "max_position_embeddings must be a positive integer, got 8k"),
     ("config.json", {"rope_theta": 0}, "rope_theta must be a positive number, got 0"),  # 'math domain error'
     ("config.json", {"rope_theta": -5.0}, "rope_theta must be a positive number"),
     # float weights under a GPTQ / AWQ config: 'UnboundLocalError: ... model_dtype' from mlx-lm's repacking
