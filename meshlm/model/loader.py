@@ -304,7 +304,7 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     with a deadline and the late rank's name (cluster/ranks.py)."""
     # Imported here: mlx-lm imports transformers (~0.9 s), which reading a config.json before a cluster's
     # ranks start (cluster/ranks.py) does not need.
-    mlx_lm_load = import_mlx_lm("mlx_lm.utils").load
+    mlx_lm_utils = import_mlx_lm("mlx_lm.utils")
 
     path = resolve_path(cfg.path)
     config = read_config(path)
@@ -312,8 +312,10 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     check_model_json(path, config)
     check_weight_files(path)
     check_quantization(path, config)
+    # mlx-lm's `load`, in its two parts, so that an error names the part at fault: a tokenizer.json of {}
+    # raised KeyError 'added_tokens', reported as config.json's.
     try:  # lazily for a shard or a stage: only their weights are then read
-        model, tokenizer = mlx_lm_load(str(path), lazy=tensor_group is not None or stage is not None)
+        model, model_json = mlx_lm_utils.load_model(path, lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
         raise ValueError(f"cannot load the weights in {path}: {exc}") from None
     # mlx-lm's ModelArgs: a config.json without a field the model needs, or a size MLX cannot hold (int32)
@@ -323,6 +325,11 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
         # type in config.json, a generation_config.json that is not an object): the model's files, not a bug
         raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_in_a_line(str(exc))}"
                          f"{_missing_shards(path)}") from None
+    try:
+        tokenizer = mlx_lm_utils.load_tokenizer(path, eos_token_ids=model_json.get("eos_token_id"))
+    except Exception as exc:  # transformers' and tokenizers' readers of the tokenizer files
+        raise ValueError(f"cannot load the tokenizer in {path} (transformers reads tokenizer.json, tokenizer_config.json "
+                         f"and config.json): {type(exc).__name__}: {_in_a_line(str(exc))}") from None
     check_tokenizer(tokenizer, path)
     parser = adopt_tool_parser(tokenizer)
     if parser is not None:

@@ -318,8 +318,10 @@ def test_demo_export_matches_gguf_weights(smol):
         {**json.loads((d / "config.json").read_text()), "eos_token_id": 10**9})),
      "end-of-sequence token id(s) [1000000000] are outside"),  # served, every answer ran to max_tokens
     (lambda d: (d / "config.json").write_text(json.dumps(
-        {**json.loads((d / "config.json").read_text()), "max_position_embeddings": "abc"})),
-     "cannot load the model in"),  # transformers' own field check: was its traceback
+        {**json.loads((d / "config.json").read_text()), "tie_word_embeddings": "yes"})),
+     "cannot load the tokenizer in"),  # transformers' own field check (reading config.json): was its traceback
+    (lambda d: (d / "tokenizer.json").write_text("{}"),
+     "cannot load the tokenizer in"),  # was "cannot build the model of .../config.json: KeyError: 'added_tokens'"
     (lambda d: (d / "generation_config.json").write_text("[1]"),
      "generation_config.json is not a JSON object"),  # mlx-lm read it as an object: was an AttributeError
 ])
