@@ -317,10 +317,11 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     try:  # lazily for a shard or a stage: only their weights are then read
         model, model_json = mlx_lm_utils.load_model(path, lazy=tensor_group is not None or stage is not None)
     except RuntimeError as exc:  # MLX's loaders: a truncated or corrupt weights file, which it names
-        raise ValueError(f"cannot load the weights in {path}: {exc}") from None
+        raise ValueError(f"cannot load the weights in {path}: {_in_a_line(str(exc))}") from None
     # mlx-lm's ModelArgs: a config.json without a field the model needs, or a size MLX cannot hold (int32)
     except (TypeError, KeyError, OverflowError) as exc:
-        raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"cannot build the model of {path / 'config.json'}: {type(exc).__name__}: "
+                         f"{_in_a_line(str(exc))}") from None
     except Exception as exc:  # transformers' and mlx-lm's own checks of the JSON files (a field of the wrong
         # type in config.json, a generation_config.json that is not an object): the model's files, not a bug
         raise ValueError(f"cannot load the model in {path}: {type(exc).__name__}: {_in_a_line(str(exc))}"
