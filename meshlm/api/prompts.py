@@ -20,7 +20,7 @@ from typing import Sequence
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.tools import ToolPlan, template_messages
-from meshlm.model.named_templates import tool_use_template
+from meshlm.model.chat_templates import set_tool_syntax, tool_use_template
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ def use_template(tokenizer, template: str, kwargs: dict, within: float = TEMPLAT
     if isinstance(outcome, Exception):
         raise ValueError(f"--chat-template does not render a user's message: {type(outcome).__name__}: "
                          f"{outcome}") from None
+    # The model's own template's tool parser would read calls in a syntax this template never shows
+    parser = set_tool_syntax(tokenizer, template)
+    log.info("tool calls: %s", f"the {parser} syntax of --chat-template" if parser else
+             "meshlm's fallback syntax (--chat-template names none mlx-lm parses)")
 
 
 def check_own_template(tokenizer, kwargs: dict, vocab_size: int, within: float = TEMPLATE_CHECK_SECONDS) -> None:

@@ -27,7 +27,7 @@ from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
 from meshlm.api.structured import request_grammar
 from meshlm.api.tokenize import detokenize, tokenize
-from meshlm.api.tools import plan_tools
+from meshlm.api.tools import keep_tool_markers, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         req = await _parse(request, ChatCompletionRequest, limits)
         serving.check_model(req.model)
         tools = plan_tools(req, serving.tokenizer)
+        req = keep_tool_markers(req, tools, serving.tokenizer)
         prompt = await serving.prompts.chat(req, tools)
         grammar = await request_grammar(serving.grammars, req, limits, tools)
         return await _respond(request, Completion(serving, req, [prompt], chat=True, grammar=grammar, tools=tools))
@@ -133,6 +134,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         # any sequence is queued (an await after that could leave them running for nobody)
         items = [*earlier, *await asyncio.to_thread(input_items, req)] if kept is not None else []
         tools = plan_tools(chat, serving.tokenizer)
+        chat = keep_tool_markers(chat, tools, serving.tokenizer)
         try:
             prompt = await serving.prompts.chat(chat, tools)
             grammar = await request_grammar(serving.grammars, chat, limits, tools)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
-from meshlm.model.named_templates import template_texts
+from meshlm.model.chat_templates import rendering_template, template_texts
 from meshlm.platform import import_mlx_lm
 
 json_tools = import_mlx_lm("mlx_lm.tool_parsers.json_tools")
@@ -57,6 +59,7 @@ class ToolPlan:
     start: str | None = None  # the tool-call syntax parsed in `auto` mode
     end: str | None = None
     parser: Callable | None = field(default=None, compare=False)
+    short_ids: bool = False  # call ids of 9 letters and digits, which Mistral's templates require back
 
     @property
     def schema(self) -> dict | None:
@@ -87,9 +90,9 @@ class ToolPlan:
         the grammar's JSON is complete only at its end, so a cut array never parses, and it is not content
         either (the model was not free to write it). Named: the call, its arguments as far as they go."""
         if self.mode == "named":
-            return [_call(self.named, text)] if text else []
+            return [_call(self.named, text, self.short_ids)] if text else []
         items = _json_or_text(text)
-        found = [_usable(c, self.names) for c in items] if isinstance(items, list) else []
+        found = [_usable(c, self.names, self.short_ids) for c in items] if isinstance(items, list) else []
         return found if found and None not in found else []
 
     def finish_reason(self, reason: str | None, calls: list[dict]) -> str | None:
@@ -119,7 +122,7 @@ class ToolPlan:
             except Exception as exc:  # the model's own text: anything can be wrong with it
                 log.info("unparsable tool call left as text (%s: %s)", type(exc).__name__, exc)
                 return text, []
-            found = [_usable(c, self.names) for c in (parsed if isinstance(parsed, list) else [parsed])]
+            found = [_usable(c, self.names, self.short_ids) for c in (parsed if isinstance(parsed, list) else [parsed])]
             if not found or None in found:  # all or nothing: a partial set of calls would be a wrong answer
                 log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
                 return text, []
@@ -166,26 +169,53 @@ def _is_object(arguments: str) -> bool:
     return isinstance(_json_or_text(arguments), dict)
 
 
-def _usable(parsed: object, names: frozenset[str]) -> dict | None:
+def _usable(parsed: object, names: frozenset[str], short_ids: bool = False) -> dict | None:
     """The OpenAI call for one parsed call, or None when it is not a call the client can run: not an
     object, no string name, a name not among the request's tools, or arguments not a JSON object
-    (missing arguments are `{}`: a function without parameters is often called so)."""
+    (missing arguments are `{}`: a function without parameters is often called so). `short_ids`: a
+    Mistral model's own id (9 letters and digits) is kept, as mlx-lm's server keeps it."""
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in names:
         return None
     args = parsed.get("arguments", {})
     if not (_is_object(args) if isinstance(args, str) else isinstance(args, dict)):
         return None
-    if isinstance(args, str):
-        return _call(parsed["name"], args)
-    try:  # arguments are a JSON string: NaN and Infinity (or 1e999, parsed to inf) are not JSON
-        return _call(parsed["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
-    except ValueError:
+    if not isinstance(args, str):
+        try:  # arguments are a JSON string: NaN and Infinity (or 1e999, parsed to inf) are not JSON
+            args = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
+    call = _call(parsed["name"], args, short_ids)
+    own = parsed.get("id")
+    if short_ids and isinstance(own, str) and len(own) == SHORT_ID_CHARS and own.isascii() and own.isalnum():
+        call["id"] = own
+    return call
+
+
+SHORT_ID_CHARS = 9
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def _call(name: str, arguments: str, short_ids: bool = False) -> dict:
+    call_id = ("".join(secrets.choice(_ID_ALPHABET) for _ in range(SHORT_ID_CHARS)) if short_ids
+               else f"call_{uuid.uuid4().hex[:24]}")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _short_id(call_id: str | None) -> str | None:
+    """A past call's id as Mistral's templates take it: its last 9 letters and digits (as vLLM truncates
+    them); one with fewer is left for the template to refuse, naming it."""
+    if call_id is None:
         return None
+    kept = "".join(c for c in call_id if c.isascii() and c.isalnum())
+    return kept[-SHORT_ID_CHARS:] if len(kept) >= SHORT_ID_CHARS else call_id
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def _past_arguments(arguments: str) -> object:
+    """A past call's arguments for the template: an object where they are JSON, and `{}` where a client
+    sent none ("" or "null", as vLLM maps them): templates iterate them as a mapping."""
+    if not arguments.strip() or arguments.strip() == "null":
+        return {}
+    return _json_or_text(arguments)
 
 
 def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
@@ -193,22 +223,44 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
     if not req.tools or req.tool_choice == "none":
         return None
     tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
-    parallel = req.parallel_tool_calls is not False
+    parallel, short_ids = req.parallel_tool_calls is not False, _mistral(tokenizer)
     if isinstance(req.tool_choice, NamedToolChoice):
-        return ToolPlan("named", tools, named=req.tool_choice.function.name, parallel=parallel)
+        return ToolPlan("named", tools, named=req.tool_choice.function.name, parallel=parallel, short_ids=short_ids)
     if req.tool_choice == "required":
-        return ToolPlan("required", tools, parallel=parallel)
-    if template_renders_tools(tokenizer) and getattr(tokenizer, "tool_parser", None) is not None:
+        return ToolPlan("required", tools, parallel=parallel, short_ids=short_ids)
+    if native_tools(tokenizer, with_tools=True):
         return ToolPlan("auto", tools, parallel=parallel, start=tokenizer.tool_call_start,
-                        end=tokenizer.tool_call_end, parser=tokenizer.tool_parser)
+                        end=tokenizer.tool_call_end, parser=tokenizer.tool_parser, short_ids=short_ids)
     return ToolPlan("auto", tools, parallel=parallel, start=FALLBACK_START, end=FALLBACK_END,
-                    parser=json_tools.parse_tool_call)
+                    parser=json_tools.parse_tool_call, short_ids=short_ids)
 
 
-def template_renders_tools(tokenizer) -> bool:
-    """Its own template describes tools (a named `tool_use` one included: transformers picks it when a
-    request has tools)."""
-    return any("tools" in t for t in template_texts(tokenizer))
+def native_tools(tokenizer, with_tools: bool) -> bool:
+    """Tools and past calls go through the model's template: the one that renders this request
+    (`tool_use` of a named set when tools are passed) describes tools, and mlx-lm parses the syntax it
+    asks for. Otherwise meshlm's fallback prompt and syntax: a template showing tools in a syntax no
+    parser reads (Llama 3.1's JSON) had the model's calls come back as text, and a named set's `default`
+    dropped past calls."""
+    template = rendering_template(tokenizer, with_tools)
+    return template is not None and "tools" in template and getattr(tokenizer, "tool_parser", None) is not None
+
+
+def _mistral(tokenizer) -> bool:
+    """Mistral's templates refuse a past call whose id is not 9 letters and digits."""
+    return getattr(getattr(tokenizer, "tool_parser", None), "__module__", "") == "mlx_lm.tool_parsers.mistral"
+
+
+def keep_tool_markers(req, plan: ToolPlan | None, tokenizer):
+    """`req`, decoding its special tokens when its tool-call markers are special tokens (Mistral's
+    `[TOOL_CALLS]`): skipped from the text, they left the calls as content. As vLLM's parsers do, unless
+    the client set skip_special_tokens itself."""
+    if plan is None or plan.mode != "auto" or "skip_special_tokens" in req.model_fields_set:
+        return req
+    for marker in (plan.start, plan.end):
+        if marker and tokenizer.decode(tokenizer.encode(marker, add_special_tokens=False),
+                                       skip_special_tokens=True) != marker:
+            return req.model_copy(update={"skip_special_tokens": False})
+    return req
 
 
 def _template_knows_developer(tokenizer) -> bool:
@@ -217,8 +269,9 @@ def _template_knows_developer(tokenizer) -> bool:
 
 def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:
     """Messages (and extra template arguments) for the chat template."""
-    native = template_renders_tools(tokenizer)
+    native = native_tools(tokenizer, with_tools=plan is not None)
     developer = _template_knows_developer(tokenizer)
+    ids = _short_id if _mistral(tokenizer) else (lambda i: i)
     messages = []
     for m in req.messages:
         # OpenAI's `developer` is the system message of its newer models; a template that does not know the
@@ -226,8 +279,8 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
         role = "system" if m.role == "developer" and not developer else m.role
         msg: dict = {"role": role, "content": m.text()}
         if m.tool_calls:
-            calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+            calls = [{"id": ids(c.id), "type": "function",
+                      "function": {"name": c.function.name, "arguments": _past_arguments(c.function.arguments)}}
                      for c in m.tool_calls]
             if native:
                 msg["tool_calls"] = calls
@@ -235,7 +288,7 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
                 msg["content"] += "".join(
                     f"{FALLBACK_START}{json.dumps(c['function'], ensure_ascii=False)}{FALLBACK_END}" for c in calls)
         if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
+            msg["tool_call_id"] = ids(m.tool_call_id)
         if m.name is not None:
             msg["name"] = m.name
         messages.append(msg)

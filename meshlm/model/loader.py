@@ -18,7 +18,7 @@ import mlx.nn as nn
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
 from meshlm.model.adapters import FILES as ADAPTER_FILES, apply_adapter
-from meshlm.model.named_templates import adopt_tool_parser
+from meshlm.model.chat_templates import adopt_tool_parser
 from meshlm.model.vocab_parallel import shard_vocab_head
 from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
 

@@ -55,7 +55,7 @@ def server(named, tmp_path_factory):
 def test_the_tool_parser_comes_from_the_tool_use_template(named):
     from mlx_lm import load
 
-    from meshlm.model.named_templates import adopt_tool_parser
+    from meshlm.model.chat_templates import adopt_tool_parser
 
     _, tok = load(str(named))
     assert tok.tool_parser is None  # mlx-lm reads string templates only
@@ -111,3 +111,18 @@ def test_a_tool_use_template_that_never_ends_stops_the_start(tiny_model, tmp_pat
     check_own_template(tok, {}, 512)  # served: chats without tools work
     assert "tool_use chat template does not render a user's message (TemplateError: no): every chat request " \
            "with tools will fail" in caplog.text
+
+
+def test_past_calls_stay_in_the_prompt_when_the_default_template_renders(server):
+    """With tool_choice none (or no tools) a named set renders its `default` template, which knows no
+    tool calls: past calls vanished from the prompt. They are written in the fallback syntax then."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    for body in ({"messages": history, "tools": [WEATHER], "tool_choice": "none"}, {"messages": history}):
+        text = prompt_text(server, body)
+        assert "function calling" not in text  # the default template
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    # with tools, the tool_use template renders them its own way
+    assert '<tool_call>{"name": "get_weather"}</tool_call>' in prompt_text(server, {"messages": history, "tools": [WEATHER]})

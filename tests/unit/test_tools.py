@@ -200,3 +200,12 @@ def test_a_developer_message_is_the_system_message_unless_the_template_knows_the
     assert [m["role"] for m in messages] == ["system", "user"]
     knows = SimpleNamespace(chat_template="{% if m.role == 'developer' %}...{% endif %}")
     assert [m["role"] for m in template_messages(req, None, knows)[0]] == ["developer", "user"]
+
+
+def test_past_calls_arguments_and_mistral_ids_as_templates_take_them():
+    from meshlm.api.tools import _past_arguments, _short_id
+
+    assert _past_arguments("") == _past_arguments("  ") == _past_arguments("null") == {}  # vLLM's mapping
+    assert _past_arguments('{"a": 1}') == {"a": 1} and _past_arguments("not json") == "not json"
+    assert _short_id("call_0123456789abcdef01234567") == "f01234567" and _short_id("abcDEF123") == "abcDEF123"
+    assert _short_id("c-1") == "c-1" and _short_id(None) is None  # too short: the template names it
