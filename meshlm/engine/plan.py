@@ -100,6 +100,7 @@ class StepPlan:
     loads: tuple[BlockLoad, ...] = ()
     saves: tuple[BlockSave, ...] = ()
     exports: tuple[BlockExport, ...] = ()
+    touches: tuple[bytes, ...] = ()  # keys whose SSD files to refresh (their blocks are hot in RAM)
     num_blocks: int = 0  # block ids below this may appear: every rank's pools must hold them
     fingerprint: int = 0
     # Planned before the tokens its rows decode were sampled (a pipeline's next step of the same sequences):

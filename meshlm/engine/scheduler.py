@@ -120,6 +120,8 @@ class Scheduler:
             elif (start := self._prompt_read_ahead(seq, whole=plan_budget)) is not None:
                 budget -= self._continue(seq, start, budget, draft)
         self._admit(draft, budget, rows)
+        rewrites, touches = self.blocks.take_refreshes()
+        self._saves.extend(BlockSave(block, key) for block, key in rewrites)
         plan = StepPlan(
             step_id=next(self._step_ids),
             new=tuple(draft.new),
@@ -131,6 +133,7 @@ class Scheduler:
             loads=tuple(draft.loads),
             saves=tuple(self._saves),
             exports=exports,
+            touches=tuple(touches),
             num_blocks=self.blocks.high_water,
             fingerprint=batch_fingerprint(self._lengths_after(draft.chunks)),
         )

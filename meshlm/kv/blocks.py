@@ -17,6 +17,11 @@ same blocks at the same ids by construction.
   never used yet (so the pool grows only as far as it is used), and cached
   blocks nobody holds, least recently used first (the RAM tier of the prefix
   cache). The budget is exact: `num_blocks` blocks, whatever the mix.
+- The SSD tier's LRU order and TTL go by its files' mtimes, which only its own
+  loads and writes refresh: a prefix served from RAM all day would expire there
+  first. A RAM hit therefore refreshes the block's file (a plan's `touches`),
+  or writes it again where the tier no longer lists it, at most once per
+  REFRESH_SECONDS a key.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ from __future__ import annotations
 import bisect
 import collections
 import heapq
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from meshlm.kv.keys import CacheSalt, chain_key
+
+
+REFRESH_SECONDS = 60.0  # a RAM-hot block's SSD file is refreshed at most this often
 
 
 def admit_tokens(length: int, reach: int | None) -> int:
@@ -118,7 +127,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, salt: CacheSalt | None = None,
-                 ssd: KeyIndex | None = None, partial: bool = True, stats: CacheStats | None = None) -> None:
+                 ssd: KeyIndex | None = None, partial: bool = True, stats: CacheStats | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`salt`: None turns the prefix cache off (blocks are never committed or shared).
         `partial`: let a match end inside a block (by copying the shared tokens)."""
         if num_blocks < 1 or block_size < 1:
@@ -139,6 +149,10 @@ class BlockManager:
         self._fresh = 0  # ids below this have been handed out at least once
         self._seqs: dict[int, _Seq] = {}
         self._pinned: list[int] = []  # lenders held until the step's plan is built
+        self._clock = clock
+        self._refreshed: dict[bytes, float] = {}  # cached key -> when a RAM hit last refreshed its SSD file
+        self._touches: list[bytes] = []  # for the next plan: SSD files to refresh
+        self._rewrites: list[tuple[int, bytes]] = []  # for the next plan: (block, key) to write again
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -260,6 +274,7 @@ class BlockManager:
             return
         self._key_of[block] = None
         del self._by_key[key]
+        self._refreshed.pop(key, None)
         parent, tokens = self._placed.pop(block)
         self._children[parent].remove(tokens, block)
         if not self._children[parent].entries:
@@ -327,6 +342,8 @@ class BlockManager:
         if block is not None:
             self._hold(block)
             self.stats.hits_ram += 1
+            if self.ssd is not None:
+                self._refresh(key, block)
             return block
         # A free block first: a received block's prefetch sets it aside (pins it) for the load that follows,
         # which a match with nowhere to put it would never run.
@@ -359,6 +376,23 @@ class BlockManager:
         m.tokens += shared
         self.stats.hits_partial += 1
         self.stats.partial_tokens += shared
+
+    def _refresh(self, key: bytes, block: int) -> None:
+        now = self._clock()
+        if now - self._refreshed.get(key, -REFRESH_SECONDS) < REFRESH_SECONDS:
+            return
+        self._refreshed[key] = now
+        if key in self.ssd:
+            self._touches.append(key)
+        else:  # evicted or expired there while hot here: its content is final, write it again
+            self._rewrites.append((block, key))
+
+    def take_refreshes(self) -> tuple[list[tuple[int, bytes]], list[bytes]]:
+        """(blocks to write to the SSD tier again, keys whose files to refresh) since the last call: the
+        next plan carries them. The blocks are held by the sequences that hit them this step."""
+        rewrites, touches = self._rewrites, self._touches
+        self._rewrites, self._touches = [], []
+        return rewrites, touches
 
     def end_step(self) -> None:
         """The step's plan is built: lenders of partial matches may be reused from now on."""

@@ -101,6 +101,9 @@ class ContextBlocks:
     def end_step(self) -> None:
         self.inner.end_step()
 
+    def take_refreshes(self) -> tuple[list[tuple[int, bytes]], list[bytes]]:
+        return self.inner.take_refreshes()
+
     def forget_loaded(self, loads: list[tuple[bytes, int]]) -> set[int]:
         """Loaded blocks some rank could not read: only split sequences look the cache up and load."""
         return self.inner.forget_loaded(loads)

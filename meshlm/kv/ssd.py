@@ -29,6 +29,9 @@ Several processes (servers, restarts overlapping) may share one directory:
   the others, N processes writing at once keep the directory within
   capacity x (1 + 0.05 N), plus one temp file each.
 - A file another process deleted is a plain miss, not a dropped file.
+- A block hot in this server's RAM is never loaded from its file, so the block
+  manager has the file touched now and then (`touch`), off the engine's thread:
+  else the most used prefix would be the first to expire or be evicted here.
 
 A cache directory that cannot be written (full, read-only) turns the tier off
 with one warning; serving continues from RAM.
@@ -146,6 +149,7 @@ class SSDTier:
         self._nonce = uuid.uuid4().hex[:8]  # two tiers in one process never share a temp name
         self._staged: dict[bytes, Block] = {}  # read and verified by `prefetch`, taken by the next `load`
         self._scan_queued = False  # a lookup asked the writer thread for a re-scan (`_rescan_when_due`)
+        self._queued: set[bytes] = set()  # keys queued to be written: a second save of one is dropped
         if config.capacity_bytes < block_file_bytes(shape):  # every block written would be evicted at once
             self._disable(f"--ssd-cache-gb {config.capacity_bytes / 2**30:.3g} holds no KV block of this store "
                           f"(up to {block_file_bytes(shape)} bytes each, with its header)")
@@ -348,12 +352,29 @@ class SSDTier:
     # -- writes -----------------------------------------------------------
     def save(self, key: bytes, block: Block) -> None:
         """Queue a block for writing (its arrays must already be evaluated)."""
-        if not self.enabled or key in self._index:
+        if not self.enabled or key in self._index or key in self._queued:
             return
         self._start_writer()
         try:
-            self._queue.put_nowait((key, block))
+            self._queue.put_nowait(("write", key, block))
+            self._queued.add(key)
         except queue.Full:  # the disk is behind; the block stays RAM-only
+            pass
+
+    def touch(self, key: bytes) -> None:
+        """The block is in use (from RAM): it becomes the most recently used here, and its file's mtime,
+        the LRU order and TTL clock every process sharing the directory sees, is refreshed by the writer."""
+        if not self.enabled:
+            return
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is None:  # not listed here (another rank's view, or evicted meanwhile): nothing to refresh
+                return
+            self._index[key] = size
+        self._start_writer()
+        try:
+            self._queue.put_nowait(("touch", key))
+        except queue.Full:  # the disk is behind: a refresh can wait for the next hit
             pass
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -375,8 +396,13 @@ class SSDTier:
                     self._scan_queued = False
                     if self.enabled:
                         self._enforce_capacity()
-                elif self.enabled:
-                    self._write(*item)
+                elif item[0] == "touch":
+                    if self.enabled:
+                        self._touch_file(item[1])
+                else:
+                    self._queued.discard(item[1])
+                    if self.enabled:
+                        self._write(item[1], item[2])
             except Exception as exc:  # OSError on ENOSPC/EROFS; the tier turns itself off, the server goes on
                 self._disable(f"writing {self.dir} failed: {exc}")
             finally:
@@ -411,6 +437,14 @@ class SSDTier:
             self._written += size
         if self._scan_due():
             self._enforce_capacity()
+
+    def _touch_file(self, key: bytes) -> None:
+        try:
+            os.utime(self._path(key), follow_symlinks=False)
+        except FileNotFoundError:  # evicted by another process: a miss from now on
+            self._forget(key)
+        except OSError:  # a file we cannot touch stays as it is; its loads still verify it
+            pass
 
     def _temp_dir(self) -> None:
         """Where writes start; a file squatting its name (nothing a writer of ours makes) is replaced, where

@@ -238,7 +238,11 @@ class Runner:
         """Copy the blocks the plan saves and hand them to the SSD writer. A block's content is final once
         committed, but its sequence may have ended and the block been handed to another sequence by this
         very plan, so the copies are taken (and evaluated) before anything here writes the pools."""
-        if self.ssd is None or not plan.saves:
+        if self.ssd is None:
+            return
+        for key in plan.touches:
+            self.ssd.touch(key)
+        if not plan.saves:
             return
         for s, block in zip(plan.saves, self._copies([s.block for s in plan.saves], host=True)):
             self.ssd.save(s.key, block)

@@ -66,13 +66,14 @@ from meshlm.engine.plan import StepPlan
 from meshlm.kv.keys import KEY_BYTES
 
 MAGIC = b"MLCP"
-VERSION = 10  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+VERSION = 11  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
 # 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
 # 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens);
 # 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead);
 # 8: the roll call (HELLO..WELCOME) comes before the model load, LOADED and START after it;
 # 9: ACKs name the blocks a plan loads that the rank could not read;
 # 10: a started worker heartbeats too, so that a stopped or hung rank is found within --worker-timeout
+# 11: plans carry `touches`, the SSD files of blocks hot in RAM to refresh (their LRU order and TTL)
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256

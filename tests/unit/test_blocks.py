@@ -202,3 +202,29 @@ def test_without_a_salt_nothing_is_shared():
     bm = manager(salt=None)
     run(bm, 0, list(range(12)))
     assert bm.match(1, list(range(12))).tokens == 0 and bm.num_cached == 0
+
+
+def test_a_ram_hit_refreshes_the_blocks_ssd_file_now_and_then_or_writes_it_again():
+    """The SSD tier's LRU order and TTL go by its files' mtimes, which only loads refreshed: a prefix
+    served from RAM all day was the first to expire or be evicted there (review helper-38)."""
+    from meshlm.kv.blocks import REFRESH_SECONDS
+
+    now = [1000.0]
+    disk = Disk()
+    bm = BlockManager(16, BS, SALT, disk, clock=lambda: now[0])
+    prompt = list(range(3 * BS + 1))
+    run(bm, 1, prompt)
+    keys = block_keys(prompt[: 3 * BS], SALT)
+    disk.update(keys)  # written through
+    assert bm.take_refreshes() == ([], [])
+    run(bm, 2, prompt)  # RAM hits: their files are touched
+    assert bm.take_refreshes() == ([], keys)
+    run(bm, 3, prompt)
+    assert bm.take_refreshes() == ([], [])  # not again within REFRESH_SECONDS
+    now[0] += REFRESH_SECONDS
+    disk.discard(keys[1])  # evicted (or expired) on the SSD tier while hot here
+    run(bm, 4, prompt)
+    rewrites, touches = bm.take_refreshes()
+    assert touches == [keys[0], keys[2]] and [k for _, k in rewrites] == [keys[1]]
+    assert rewrites[0][0] == bm.table(4)[1]  # the block the sequence holds: its content is final
+    assert manager(ssd=None).take_refreshes() == ([], [])

@@ -662,3 +662,35 @@ def test_a_tier_too_small_for_one_block_is_off_saying_so(tmp_path, caplog):
     tier.save(block_keys(ids(BS), SALT)[0], fake_block(0))
     tier.flush()
     assert not list(tmp_path.rglob("*" + SUFFIX)) and tier.writes == 0
+
+
+def test_a_touch_makes_a_block_the_most_recently_used_on_disk_and_in_the_index(tmp_path):
+    tier, keys = write_blocks(tmp_path, 3)
+    old = time.time() - 3600
+    for k in keys:
+        os.utime(tier._path(k), (old, old))
+    tier.touch(keys[0])
+    tier.touch(b"\7" * KEY_BYTES)  # not listed: nothing to refresh
+    tier.flush()
+    assert tier._path(keys[0]).stat().st_mtime > old + 3000 and tier._path(keys[1]).stat().st_mtime < old + 1
+    assert list(tier._index)[-1] == keys[0]
+    # and a re-scan (another process's view, a restart) orders it last too
+    tier._enforce_capacity()
+    assert list(tier._index)[-1] == keys[0]
+
+
+def test_a_plan_refreshes_the_ssd_files_of_blocks_hit_in_ram(path, tmp_path):
+    """End to end through the scheduler's plans and the runner: a prefix hit from RAM again and again
+    kept its file's first mtime, so it expired and was evicted first on the SSD tier (review helper-38)."""
+    rank = make_rank(path, tmp_path)
+    hot = ids(3 * BS + 2, seed=1)
+    _, _, _, blocks = run(rank, [hot], n=1)
+    tier = rank.ssd
+    keys = block_keys(hot[: 3 * BS], rank.salt)
+    assert all(k in tier for k in keys)
+    old = time.time() - 3600
+    for k in keys:  # an hour old, as if written long ago
+        os.utime(tier._path(k), (old, old))
+    _, _, plans, _ = run(rank, [hot], n=1, blocks=blocks)  # hit in RAM: the plan asks the rank to touch them
+    assert [k for p in plans for k in p.touches] == keys and not any(p.saves for p in plans)
+    assert all(tier._path(k).stat().st_mtime > old + 3000 for k in keys)
