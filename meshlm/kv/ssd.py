@@ -35,6 +35,12 @@ Several processes (servers, restarts overlapping) may share one directory:
 
 A cache directory that cannot be written (full, read-only) turns the tier off
 with one warning; serving continues from RAM.
+
+Capacity is kept per directory (model, layout, rank); the TTL applies to the
+whole `--kv-cache-dir`: at start-up a tier also deletes the expired files of
+the other directories there (another model, dtype, block size or layout that
+no server has used for `--ssd-ttl-days`). Else every model upgrade left up to
+its capacity behind for good.
 """
 
 from __future__ import annotations
@@ -159,6 +165,32 @@ class SSDTier:
             self._rebuild_index()
         except OSError as exc:
             self._disable(f"cannot use {self.dir}: {exc}")
+            return
+        try:
+            self._expire_others()
+        except OSError as exc:  # another process's directory: never a reason to turn this tier off
+            log.warning("SSD KV tier: could not expire other directories under %s: %s", config.cache_dir, exc)
+
+    def _expire_others(self) -> None:
+        """Delete the expired block files of the other model/layout/rank directories under the cache root:
+        nobody else looks there until a server of that kind starts. Directories are left (a server of that
+        kind may be starting in one)."""
+        root = self.config.cache_dir
+        expiry = time.time() - self.config.ttl_days * 86400
+        removed = 0
+        for rank_dir in root.glob("*/*/rank_*"):
+            if rank_dir == self.dir or rank_dir.is_symlink() or not rank_dir.is_dir():
+                continue
+            with os.scandir(rank_dir) as entries:
+                for e in entries:
+                    if key_of(e.name) is None or not e.is_file(follow_symlinks=False):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if e.stat(follow_symlinks=False).st_mtime < expiry:
+                            os.unlink(e.path)
+                            removed += 1
+        if removed:
+            log.info("SSD KV tier: %d expired files of other models or layouts removed under %s", removed, root)
 
     # -- start-up ---------------------------------------------------------
     def _rebuild_index(self) -> None:

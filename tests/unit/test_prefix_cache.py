@@ -694,3 +694,17 @@ def test_a_plan_refreshes_the_ssd_files_of_blocks_hit_in_ram(path, tmp_path):
     _, _, plans, _ = run(rank, [hot], n=1, blocks=blocks)  # hit in RAM: the plan asks the rank to touch them
     assert [k for p in plans for k in p.touches] == keys and not any(p.saves for p in plans)
     assert all(tier._path(k).stat().st_mtime > old + 3000 for k in keys)
+
+
+def test_a_tier_expires_the_abandoned_files_of_other_models_and_layouts(tmp_path):
+    """TTL and capacity were kept per model/layout/rank directory: a model upgrade, another dtype or block
+    size left its files under --kv-cache-dir for good (review helper-38). The TTL now covers them all."""
+    other = dataclasses.replace(SALT, model_fingerprint="an-older-model")
+    old_tier, keys = write_blocks(tmp_path, 3, salt=other)
+    old = time.time() - 8 * 86400  # past the 7-day TTL
+    for k in keys[:2]:
+        os.utime(old_tier._path(k), (old, old))
+    (old_tier.dir / "notes.txt").write_text("not a block")  # not ours: left alone
+    make_tier(tmp_path)  # a server of this model starts
+    assert sorted(blocks_on_disk(old_tier.dir)) == [keys[2].hex() + SUFFIX]
+    assert (old_tier.dir / "notes.txt").exists() and old_tier.dir.is_dir()
