@@ -131,6 +131,7 @@ class _Pending:
     sampled: dict[int, list[int]]  # the tokens each sequence took this step (several after a verify)
     logprobs: dict[int, list]
     finished: list[Finished]
+    verified: dict = field(default_factory=dict)  # uid -> (drafted, accepted): counted once shown
 
 
 @dataclass
@@ -634,7 +635,7 @@ class Engine:
         self.metrics.step_time.observe(now - t0 + result.launch_seconds)
         if self.speculator is not None:
             for uid, (drafted, accepted) in verified.items():
-                self.speculator.verified(uid, drafted, accepted, len(taken.get(uid, ())))
+                self.speculator.verified(uid, drafted, accepted)
             for uid, tokens in taken.items():
                 self.speculator.generated(uid, tokens)
             # Back-to-back steps: the gap is one step's time. Only decode and verify steps are fitted: a
@@ -646,7 +647,8 @@ class Engine:
                 self.speculator.step_done(plan.num_tokens, now - self._last_collect, bool(verified))
             self._last_collect = now
         self.times.add("sample", time.perf_counter() - t0 - waited)
-        return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished)
+        return _Pending(taken, {u: lp[: len(taken.get(u, ()))] for u, lp in logprobs.items()}, finished,
+                        verified)
 
     def _record_scores(self, scores: list[Scores]) -> None:
         """Keep a step's prompt scores with their sequences, for each one's first output."""
@@ -690,7 +692,9 @@ class Engine:
     def _emit(self, pending: "_Pending") -> None:
         with self._emitting():
             for uid, tokens in pending.sampled.items():
-                self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
+                shown = self._emit_tokens(uid, tokens, pending.logprobs.get(uid) or [])
+                if uid in pending.verified and self.speculator is not None:
+                    self.speculator.count(*pending.verified[uid], shown)
             self._finish_all(pending.finished)
 
     def _read(self, launched: _Launched) -> tuple[dict[int, list[int]], dict[int, list], dict]:
@@ -743,12 +747,13 @@ class Engine:
                     logprobs[u] = v.logprobs
         return sampled, logprobs, verified
 
-    def _emit_tokens(self, uid: int, tokens: list[int], logprobs: list) -> None:
+    def _emit_tokens(self, uid: int, tokens: list[int], logprobs: list) -> int:
         """Stream a sequence's new tokens (an accepted run arrives as one chunk); a stop string found
-        inside the run ends the sequence there, and what follows it is neither shown nor counted."""
+        inside the run ends the sequence there, and what follows it is neither shown nor counted. Returns
+        how many were shown."""
         t = self._tracked.get(uid)
         if t is None or t.seq.aborted:
-            return
+            return 0
         now = time.monotonic()
         if t.last_token_time is None:
             self.metrics.ttft.observe(now - t.seq.arrival)
@@ -776,7 +781,7 @@ class Engine:
         if text or lps or shown or prompt is not None or not t.seq.finished:
             t.emit(StepOutput(uid, text, tuple(tokens[:shown]), lps, prompt_logprobs=prompt))
         if not t.stop.stopped:
-            return
+            return shown
         ended = t.seq.finish_reason  # the scheduler's, which sees no text: None, or the run's last token's
         with self._lock:
             if shown < len(tokens):  # the rest of the run was never shown: it was not generated (nor counted)
@@ -787,6 +792,7 @@ class Engine:
                 self.scheduler.finish(t.seq, FinishReason.STOP)
         if ended in (None, FinishReason.LENGTH):
             self._finish(uid, FinishReason.STOP)  # else the scheduler's finish follows, with the trimmed count
+        return shown
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for f in finished:

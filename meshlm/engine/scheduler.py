@@ -376,7 +376,9 @@ class Scheduler:
             elif tokens and end < seq.num_tokens:  # a prompt chunk short of the end samples nothing (a scoring one)
                 raise ValueError(f"uid {chunk.uid}: sampled {tokens!r} for a chunk ending at {end} of {seq.num_tokens}")
             if seq.finished or not tokens:
-                seq.num_computed_tokens = end
+                # A stop string found in a speculative run shortened the sequence after this plan was made:
+                # positions past its end hold KV of dropped tokens, never committed (they were keyed short)
+                seq.num_computed_tokens = min(end, seq.num_tokens)
                 self._commit(seq)
                 continue
             if seq.params.max_tokens == 0:  # its prompt is computed (and scored): nothing is generated

@@ -412,6 +412,8 @@ class BlockManager:
         while (len(seq.keys) + 1) * bs <= computed and len(seq.keys) < len(seq.blocks):
             i = len(seq.keys)
             ids = tuple(tokens(i * bs, (i + 1) * bs))
+            if len(ids) < bs:  # the sequence is shorter than `computed` says: never key a block short
+                break
             key = chain_key(parent, ids)
             block = seq.blocks[i]
             if key not in self._by_key and self._key_of[block] is None:

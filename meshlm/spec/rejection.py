@@ -173,8 +173,11 @@ def _graph(p: Proposal) -> _Targets | _Stochastic:
         q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
         ratio = mx.minimum(1.0, p_d / mx.maximum(q_d, 1e-30))
         residual = mx.maximum(probs[:k] - q, 0.0)
+    # A residual with no mass left arises only by rounding (q >= p at every token, where acceptance was all
+    # but certain); its draw from log(0) everywhere was uniform over the whole vocabulary. Its limit is p.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, probs[:k])
     u = mx.random.uniform(shape=(k,), key=p.state.next_key())
-    # log(0) = -inf excludes a token; a residual with no mass left only arises where acceptance was certain
+    # log(0) = -inf excludes a token
     res_tokens = mx.random.categorical(mx.log(residual), axis=-1, key=p.state.next_key())
     return _Stochastic(u < ratio, res_tokens, bonus, rows)
 

@@ -150,7 +150,8 @@ class Speculator:
             log.exception("the draft model could not be reset; it is given up")
             self._draft_failures = MAX_DRAFT_FAILURES
 
-    def verified(self, uid: int, drafted: int, accepted: int, emitted: int) -> None:
+    def verified(self, uid: int, drafted: int, accepted: int) -> None:
+        """The policy's view of one verify: every match weighs, whatever a stop later drops."""
         acc = self._seqs.setdefault(uid, Acceptance())
         acc.observe(accepted, accepted < drafted)
         base = self.config.num_tokens
@@ -158,11 +159,14 @@ class Speculator:
             acc.k = base
         elif drafted >= (acc.k or base):  # a full proposal, all accepted: the text is being copied
             acc.k = min(2 * drafted, self.config.grown_num_tokens)
+
+    def count(self, drafted: int, accepted: int, emitted: int) -> None:
+        """The metrics of one verify, once the engine knows how many of its tokens were `emitted` (shown):
+        those after a stop (an EOS, a stop token, a stop string) are dropped, and counting them made
+        accepted exceed emitted."""
         m = self.metrics
         m.spec_verifies.inc()
         m.spec_drafted.inc(drafted)
-        # Only drafts the sequence kept: those after a stop (an EOS among them) are dropped, and counting
-        # them made accepted exceed emitted. The adaptive switch above still weighs every match.
         kept = min(accepted, emitted)
         m.spec_accepted.inc(kept)
         m.spec_emitted.inc(emitted)

@@ -228,3 +228,14 @@ def test_a_ram_hit_refreshes_the_blocks_ssd_file_now_and_then_or_writes_it_again
     assert touches == [keys[0], keys[2]] and [k for _, k in rewrites] == [keys[1]]
     assert rewrites[0][0] == bm.table(4)[1]  # the block the sequence holds: its content is final
     assert manager(ssd=None).take_refreshes() == ([], [])
+
+
+def test_a_sequence_shorter_than_its_computed_positions_never_keys_a_block_short():
+    """A stop string found inside an accepted speculative run shortens the sequence after the next step
+    was planned; that step's update then committed blocks keyed with 2 or 0 tokens (review helper-39)."""
+    bm = manager(ssd=Disk())
+    tokens = list(range(6))  # what the sequence holds now
+    bm.match(1, tokens)
+    assert bm.allocate(1, 12) is not None
+    saves = bm.commit(1, lambda a, b: tokens[a:b], 12)  # KV was computed for 12 positions
+    assert bm.num_cached == 1 and [k for _, k in saves] == block_keys(tokens[:BS], SALT)

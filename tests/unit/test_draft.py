@@ -313,3 +313,25 @@ def test_engine_sampling_with_a_model_draft_matches_the_target_distribution(targ
     chi2 = sum((seen[c] - expected[c]) ** 2 / expected[c] for c in big)
     df = len(big) - len(firsts)
     assert chi2 < chi2_critical(df), (chi2, df)
+
+
+def test_tokens_after_a_stop_string_in_an_accepted_run_are_not_counted(target):
+    """The speculation metrics counted a whole accepted run although a stop string inside it dropped the
+    rest (review helper-39): emitted and accepted now count what the client was shown."""
+    engine = engine_for(target, target)  # the target drafts for itself: every draft is accepted
+    try:
+        prompt = PROMPTS[0]
+        tokens = greedy(target, prompt, 12)
+        tok = engine.tokenizer
+        # a stop string ending on the third output token: inside the first verified run (tokens 1-4)
+        i = next(i for i in range(2, 8) if (t := tok.decode([tokens[i]]).strip())
+                 and t not in tok.decode(tokens[:i]))
+        stop = tok.decode([tokens[i]]).strip()
+        params = SamplingParams(max_tokens=12, temperature=0, stop=(stop,))
+        (out,) = run_all(engine, [(prompt, params)])
+        m = engine.metrics
+        emitted, accepted = m.spec_emitted._value.get(), m.spec_accepted._value.get()
+    finally:
+        engine.stop()
+    assert out == tokens[: i + 1]
+    assert emitted == len(out) - 1 and accepted <= emitted  # the first token came from the prefill, not a verify

@@ -236,3 +236,20 @@ def test_a_row_with_no_token_left_takes_none_and_is_the_requests_fault(params):
     bad, good = verify([Proposal(rows_with_argmax([3, 3]), (3,), empty), Proposal(rows_with_argmax([4, 4]), (4,), fine)])
     assert empty.fault is not None and "exclude every token" in empty.fault and empty.generated == 0
     assert fine.fault is None and good.tokens == [4, 4] and fine.generated == 2
+
+
+def test_a_rejection_with_no_residual_mass_left_samples_the_target_not_the_whole_vocabulary():
+    """max(0, p - q) can be zero everywhere only by rounding (q >= p at every token): the draw from
+    log(0) rows was uniform over the whole vocabulary, top_k and allowed ids ignored (review helper-39).
+    Its limit is p itself. Here q is made that large on purpose."""
+    params = SamplingParams(temperature=1.0, top_k=2)
+    state = SeqSampling.create(params)
+    logits = mx.array(np.stack([target_logits(()) for _ in range(3)]))
+    top2 = set(np.argsort(target_logits(()))[-2:].tolist())
+    outside = next(t for t in range(V) if t not in top2)  # a draft the target never keeps: rejected
+    q = mx.ones((2, V))
+    seen = set()
+    for _ in range(200):
+        [v] = verify([Proposal(logits, (outside, outside), state, q)])
+        seen.add(v.tokens[0])
+    assert seen <= top2 and seen, seen

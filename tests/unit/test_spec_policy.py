@@ -77,11 +77,11 @@ def test_ngram_drafts_grow_while_accepted_and_fall_back_at_a_rejection():
         drafts = spec.propose([seq], lambda uid: None)[seq.uid]
         lengths.append(len(drafts))
         assert list(drafts) == text[len(seq.tokens) - len(text):][: len(drafts)]
-        spec.verified(seq.uid, len(drafts), len(drafts), len(drafts) + 1)  # every draft accepted
+        spec.verified(seq.uid, len(drafts), len(drafts))  # every draft accepted
         seq.output_ids.extend(text[len(seq.tokens) - len(text):][: len(drafts) + 1])
         seq.num_computed_tokens = seq.num_tokens - 1
     assert lengths == [3, 6, 10, 10]  # doubled after each full acceptance, capped by the maximum
-    spec.verified(seq.uid, 10, 4, 5)  # a rejection: back to K
+    spec.verified(seq.uid, 10, 4)  # a rejection: back to K
     assert len(spec.propose([seq], lambda uid: None)[seq.uid]) == 3
 
 
@@ -100,7 +100,7 @@ def test_drafts_accepted_after_a_stop_are_not_counted_as_accepted():
     # A stop among the accepted drafts (an EOS the target agreed on) drops the rest: the metrics counted
     # five accepted for one token emitted.
     spec, seq, _ = _copying_sequence(5, 5)
-    spec.verified(seq.uid, 5, 5, 1)
+    spec.count(5, 5, 1)
     m = spec.metrics
     assert m.spec_accepted._value.get() == 1 and m.spec_emitted._value.get() == 1
     assert m.spec_accepted_at.labels(position="1")._value.get() == 0
