@@ -34,21 +34,37 @@ def think_token_ids(tokenizer) -> tuple[int, int] | None:
     return ids[0], ids[1]
 
 
-def opens_reasoning(prompt_text: str) -> bool:
-    """Whether the prompt ends in an open think block: the template wrote `<think>` after the assistant's
-    header (DeepSeek-R1's `<think>\n`). Only at the very end: a user's message that mentions the tag is
-    followed by the template's own text."""
-    return prompt_text.rstrip().endswith(START)
+THINK, START_STATE, ANSWER = "think", "start", "answer"  # where a chat's output starts
+
+
+def prompt_state(prompt_tail: str, continued: str | None = None) -> str:
+    """Where the output starts, by the prompt: THINK inside a think block the template opened (DeepSeek-R1's
+    `<think>\n` after the assistant's header); ANSWER after one it closed (Qwen3's `enable_thinking: false`
+    writes `<think>\n\n</think>\n\n`, and a grammar then holds the output from its first token); else
+    START, where a leading `<think>` may open one. Only the template's very end counts (a user's message
+    that mentions a tag is followed by the template's own text), or, with `continue_final_message`,
+    the assistant's message being continued (`continued`): a think block open or closed in it (as
+    vLLM's and mlx-lm's parsers read the last tag)."""
+    if continued:
+        opened, closed = continued.rfind(START), continued.rfind(END)
+        if opened > closed:
+            return THINK
+        if closed >= 0:
+            return ANSWER
+    tail = prompt_tail.rstrip()
+    if tail.endswith(START):
+        return THINK
+    return ANSWER if tail.endswith(END) else START_STATE
 
 
 class ReasoningSplit:
     """One choice's text as it streams in, split into reasoning and answer. A possible start of a tag at
     the end is held back until the next text decides it."""
 
-    def __init__(self, thinking: bool) -> None:
-        self.state = "think" if thinking else "start"  # start: a leading <think> may still come
+    def __init__(self, state: str) -> None:
+        self.state = state  # THINK, START (a leading <think> may still come) or ANSWER
         self.buffer = ""
-        self.reasoned = thinking  # whether there was a reasoning part at all
+        self.reasoned = state == THINK  # whether there was a reasoning part at all
 
     def feed(self, text: str) -> tuple[str, str]:
         """New (reasoning, answer) text."""
@@ -60,7 +76,10 @@ class ReasoningSplit:
                 if lead.startswith(START):
                     self.buffer, self.state, self.reasoned = lead[len(START):], "think", True
                     continue
-                if START.startswith(lead):  # nothing yet, or a part of the tag: wait for more
+                if lead.startswith(END):  # a block closed at once (its opening in the prompt): no reasoning
+                    self.buffer, self.state, self.reasoned = lead[len(END):], "answer", True
+                    continue
+                if START.startswith(lead) or END.startswith(lead):  # nothing yet, or part of a tag: wait
                     return reasoning, ""
                 self.state = "answer"
             if self.state == "think":
@@ -82,9 +101,9 @@ class ReasoningSplit:
         return (held, "") if self.state == "think" else ("", held)
 
 
-def split(text: str, thinking: bool) -> tuple[str | None, str]:
+def split(text: str, state: str) -> tuple[str | None, str]:
     """A whole output's (reasoning, answer); reasoning None when there was none."""
-    s = ReasoningSplit(thinking)
+    s = ReasoningSplit(state)
     r1, a1 = s.feed(text)
     r2, a2 = s.finish()
     return (r1 + r2 if s.reasoned else None), a1 + a2

@@ -294,6 +294,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's answer names the call it answers
+    # An assistant turn's reasoning, which templates of thinking models render back (Qwen3's, for the turns
+    # of a tool loop after the last user message); `reasoning` is vLLM's and mlx-lm's newer name for it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -329,6 +333,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     verbosity: Any = None  # OpenAI's: shorter or longer answers; only the model's own ('medium') here
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a thinking model's reasoning out
 
     @field_validator("verbosity")
     @classmethod

@@ -96,6 +96,9 @@ class Serving:
         self.reasoning_parser = reasoning_parser  # api/reasoning.py: "none", or a thinking model's
         # Its think tags' ids, when single tokens: a grammar then applies after the reasoning.
         self.think_tags = think_token_ids(self.tokenizer) if reasoning_parser != "none" else None
+        # Those of them that are special tokens, which skip_special_tokens would take out of the text
+        self.special_think_tags = tuple(i for i in self.think_tags or ()
+                                        if not self.tokenizer.decode([i], skip_special_tokens=True))
         self._outbox: Outbox | None = None  # for the running event loop, made on first use
         engine.output_batch = self._holding_outputs
 
@@ -167,8 +170,10 @@ class Serving:
 
     # -- engine ------------------------------------------------------------
     def submit(self, prompts: list[list[int]], req: _Request, grammar: str | None = None,
-               reasoning: Reasoning | None = None) -> tuple[list[int], list[Choice], asyncio.Queue]:
-        """Submit n sequences per prompt; outputs arrive on the returned queue as (choice index, StepOutput)."""
+               reasoning: Reasoning | None = None, keep_token_ids: tuple[int, ...] = ()
+               ) -> tuple[list[int], list[Choice], asyncio.Queue]:
+        """Submit n sequences per prompt; outputs arrive on the returned queue as (choice index, StepOutput).
+        `keep_token_ids`: special tokens the text shows even when skip_special_tokens (think tags)."""
         loop = asyncio.get_running_loop()
         if self._outbox is None or self._outbox.loop is not loop:
             self._outbox = Outbox(loop)
@@ -180,6 +185,8 @@ class Serving:
                               f"this server queues at most {self.engine.max_waiting} (--max-queue)", param="n")
         where = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
         params = [self.sampling_params(req, len(p), grammar, reasoning, w) for p, w in zip(prompts, where)]
+        if keep_token_ids:
+            params = [dataclasses.replace(p, keep_token_ids=keep_token_ids) for p in params]
         items = []
         for which, (p, base) in enumerate(zip(prompts, params)):
             for i in range(req.n):

@@ -8,7 +8,7 @@ import json
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError
-from meshlm.api.reasoning import ReasoningSplit, opens_reasoning, split
+from meshlm.api.reasoning import ANSWER, THINK, ReasoningSplit, prompt_state, split
 from meshlm.api.schemas import _Request
 from meshlm.api.serving import Choice, Serving, new_id, now, sse
 from meshlm.api.token_bytes import TextCursor
@@ -43,15 +43,19 @@ class Completion:
         # A thinking model's reasoning apart from its answer (--reasoning-parser). A grammar (a schema, a
         # forced tool call) then applies after the reasoning; where the think tags are not single tokens it
         # cannot wait for them, and constrained output is not split.
-        self.thinking: bool | None = None
+        self.thinking: str | None = None  # where the output starts (api/reasoning.py), None: not split
+        self.include_reasoning = getattr(req, "include_reasoning", True)
         reasoning = None
         if chat and serving.reasoning_parser != "none" and (grammar is None or serving.think_tags is not None):
             tail = serving.tokenizer.decode(prompts[0][-REASONING_TAIL:], skip_special_tokens=False)
-            self.thinking = opens_reasoning(tail)
-            if grammar is not None:
-                reasoning = Reasoning(*serving.think_tags, open=self.thinking)
+            continued = req.messages[-1].text() if req.continue_final_message and req.messages else None
+            self.thinking = prompt_state(tail, continued)
+            if grammar is not None and self.thinking != ANSWER:  # a closed block: the grammar holds it all
+                reasoning = Reasoning(*serving.think_tags, open=self.thinking == THINK)
+        # Special-token think tags are kept in the text the split reads: skipped, the reasoning was content.
+        keep = serving.special_think_tags if self.thinking is not None else ()
         # Last: from here on the sequences run, and `close` must abort them if this completion is dropped.
-        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar, reasoning)
+        self.uids, self.choices, self.queue = serving.submit(prompts, req, grammar, reasoning, keep)
         # Where each choice's logprobs are in its text, and how their tokens are named.
         self.cursors = [TextCursor(not req.skip_special_tokens, req.return_tokens_as_token_ids) for _ in self.choices]
         self.splits = {c.index: ReasoningSplit(self.thinking) for c in self.choices} if self.thinking is not None \
@@ -138,6 +142,7 @@ class Completion:
         reasoning = None
         if self.thinking is not None:
             reasoning, text = split(text, self.thinking)
+        shown = _reasoning_fields(reasoning) if self.include_reasoning else {}
         body = {"index": c.index, "finish_reason": c.finish_reason,
                 "logprobs": self._logprobs(c, c.logprobs, echo=self.echo)}
         if not self.chat and self.req.prompt_logprobs is not None:
@@ -148,16 +153,14 @@ class Completion:
                 body["prompt_token_ids"] = self.prompts[c.prompt]
         if self.chat and self.tools is not None:
             content, calls = self.tools.calls(text)
-            body["message"] = {"role": "assistant", "content": content}
-            if reasoning is not None:
-                body["message"]["reasoning_content"] = reasoning
+            body["message"] = {"role": "assistant", "content": content, **shown}
             if calls:
                 body["message"]["tool_calls"] = calls
                 body["finish_reason"] = self.tools.finish_reason(c.finish_reason, calls)
         elif self.chat:
             body["message"] = {"role": "assistant", "content": text}
             if reasoning is not None:  # as vLLM: an empty answer is null beside the reasoning
-                body["message"].update(content=text or None, reasoning_content=reasoning)
+                body["message"].update(content=text or None, **shown)
         else:
             body["text"] = text
         return body
@@ -184,8 +187,8 @@ class Completion:
                     yield _generation_failed(out).body()
                     break
                 reasoning, answer = self._split(c, out)
-                if reasoning:
-                    yield self._event(self._head(obj), c, self._delta(c, {"reasoning_content": reasoning}))
+                if reasoning and self.include_reasoning:
+                    yield self._event(self._head(obj), c, self._delta(c, _reasoning_fields(reasoning)))
                 if c.index in calls:
                     for chunk in self._tool_chunks(c, out, calls[c.index], answer):
                         yield self._event(self._head(obj), c, chunk)
@@ -292,3 +295,9 @@ def _generation_failed(out: StepOutput) -> APIError:
     if out.request_fault:
         return APIError(400, f"generation failed: {out.error}", code=out.request_fault)
     return APIError(503, f"generation failed: {out.error}", type_="server_error", code="engine_error")
+
+
+def _reasoning_fields(reasoning: str | None) -> dict:
+    """A message's (or delta's) reasoning under both names clients read: `reasoning_content` (DeepSeek's API,
+    vLLM until 0.11) and `reasoning` (vLLM and mlx-lm now)."""
+    return {} if reasoning is None else {"reasoning_content": reasoning, "reasoning": reasoning}

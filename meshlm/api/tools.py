@@ -291,6 +291,9 @@ def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokeniz
             msg["tool_call_id"] = ids(m.tool_call_id)
         if m.name is not None:
             msg["name"] = m.name
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and m.role == "assistant":
+            msg["reasoning_content"] = reasoning
         messages.append(msg)
     if plan is None:
         return messages, {}

@@ -22,9 +22,12 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM'
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, prompt_ids: list[int] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, prompt_ids: list[int] = (),
+                 keep: tuple[int, ...] = ()) -> None:
+        """`keep`: special tokens whose text stays even when skipping the others (a thinking model's tags)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.keep = frozenset(keep) if skip_special_tokens else frozenset()
         context = list(prompt_ids[-CONTEXT_TOKENS:])
         # A prompt of ids may end inside a character: its text would not be a prefix of what follows.
         while context and self._decode(context).endswith("\ufffd"):
@@ -34,7 +37,17 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if not self.keep or self.keep.isdisjoint(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # A special token is a whole piece of text: decoding around it is the same as decoding across it
+        out, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self.keep:
+                out += [self.tokenizer.decode(ids[start:i], skip_special_tokens=True),
+                        self.tokenizer.decode([t], skip_special_tokens=False)]
+                start = i + 1
+        out.append(self.tokenizer.decode(ids[start:], skip_special_tokens=True))
+        return "".join(out)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (maybe empty)."""

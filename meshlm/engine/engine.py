@@ -296,7 +296,8 @@ class Engine:
         if export is not None:
             seq.export_from = export.first_block
         sampling = SeqSampling.create(params, prompt_ids, self.eos_token_ids, constraint)
-        tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids),
+        tracked = _Tracked(seq, sampling, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids,
+                                                                 params.keep_token_ids),
                            StopMatcher(params.stop, params.include_stop_str), emit, export=export)
         handoff = self._plan_handoff(seq) if export is None else None
         if handoff is None:
