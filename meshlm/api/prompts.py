@@ -146,7 +146,7 @@ class PromptBuilder:
         if isinstance(p[0], str):
             if req.truncate_prompt_tokens is None:
                 self._bound_chars(max(len(s) for s in p), "prompt")
-            prompts = await asyncio.to_thread(self._encode_many, list(p), True)
+            prompts = await asyncio.to_thread(self._encode_many, list(p), req.add_special_tokens)
             for i, ids in enumerate(prompts):
                 self.check_ids(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]", tokenized=True)
             return [self._truncated(ids, req.truncate_prompt_tokens) for ids in prompts]

@@ -399,6 +399,7 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     # With echo, 0 returns the prompt alone: how OpenAI's legacy API scores a text (lm-eval's loglikelihood).
     max_tokens: StrictInt | None = Field(None, ge=0)
+    add_special_tokens: StrictBool = True  # vLLM's: false leaves out the BOS a prompt's text would get
     tools: Any = None  # chat's: refused here rather than ignored
     tool_choice: Any = None
 

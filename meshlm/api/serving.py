@@ -288,6 +288,9 @@ class Serving:
             top: dict = {}
             for t, v in x.top:  # best first: alternatives of one text (a character's first bytes: "") keep the best
                 top.setdefault(self._entry(t, cursor)[0], json_logprob(v))
+            # "The API will always return the logprob of the sampled token" (OpenAI's legacy API, and vLLM's):
+            # up to logprobs + 1 entries; `logprobs: 0` gave {} and clients taking its max failed
+            top.setdefault(self._entry(x.token_id, cursor)[0], json_logprob(x.logprob))
             tops.append(top)
             text, _, offset = self._entry(x.token_id, cursor, advance=True)
             tokens.append(text)

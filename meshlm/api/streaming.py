@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from typing import AsyncIterator
 
 from meshlm.api.errors import APIError
@@ -15,6 +16,7 @@ from meshlm.api.token_bytes import TextCursor
 from meshlm.api.tools import ToolPlan, ToolStream
 from meshlm.engine.request import Reasoning, StepOutput
 
+log = logging.getLogger(__name__)
 
 REASONING_TAIL = 16  # prompt tokens whose text says whether the template opened a think block
 
@@ -86,9 +88,10 @@ class Completion:
             return self.serving.completion_logprobs(lps, cursor)
         prompt = [dataclasses.replace(x, top=x.top[:k]) for x in self._scored(c)]
         cursor.echoed = self.echo_texts[c.prompt] if self.echo_sent else None
+        cursor.leading = self.echo_texts[c.prompt]
         head = self.serving.completion_logprobs(prompt, cursor, lead=self.prompts[c.prompt][0])
         head["tokens"][-1] += cursor.close()  # the prompt's text was decoded on its own
-        cursor.echoed = None
+        cursor.echoed = cursor.leading = None
         tail = self.serving.completion_logprobs(list(lps), cursor)
         return {key: head[key] + tail[key] for key in head}
 
@@ -205,6 +208,10 @@ class Completion:
                 self.finished = True
                 if self.req.include_usage:
                     yield {**self._head(obj), "choices": [], "usage": self.serving.usage(self.choices, self.prompts)}
+            yield sse("[DONE]")
+        except Exception as exc:  # a bug of ours must end the stream with an error, not cut it (no [DONE])
+            log.exception("stream failed")
+            yield APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").body()
             yield sse("[DONE]")
         finally:
             # Runs on normal end, on error, and when the client disconnects

@@ -52,6 +52,9 @@ class TokenBytes:
         if text and not self.tokenizer.decode([token_id], skip_special_tokens=True):
             return text.encode("utf-8"), False  # (a sentencepiece "\u2581" decodes to nothing either way)
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):  # an id of the embedding's padding, past the tokenizer (Qwen2's 151,665
+            # tokens of 151,936 rows): no text, as vLLM's detokenizer gives it; it was a 500
+            return text.encode("utf-8"), True
         byte = _BYTE_PIECE.fullmatch(piece)
         units = [self._units.get(ch) for ch in piece]
         # A reading of the piece counts only if it decodes to what the tokenizer decodes (U+FFFD for a
@@ -80,6 +83,9 @@ class TextCursor:
         # An echoed prompt as the client sent it, while its tokens are read: a special token's name shows
         # where this text spells it there (not, say, a BOS the tokenizer added).
         self.echoed: str | None = None
+        # The text an echoed prompt's tokens must join to (sent or decoded): a sentencepiece word leading it
+        # has no space there ("hi", its piece "\u2581hi" read as " hi"), and every offset after was one off.
+        self.leading: str | None = None
 
     def shows(self, name: str) -> bool:
         """Whether the text shows a special token's `name` next."""
@@ -92,6 +98,9 @@ class TextCursor:
     def advance(self, raw: bytes) -> tuple[str, int]:
         """Add a token's bytes; its completed characters and its offset in the text."""
         offset = self.offset
+        if offset == 0 and not self.pending and self.leading is not None and raw[:1] == b" " \
+                and not self.leading.startswith(" "):
+            raw = raw[1:]
         text, self.pending = _complete(self.pending + raw)
         self.offset += len(text)
         return text, offset

@@ -341,7 +341,9 @@ def test_echo_scores_a_prompt_with_the_official_client(server):
     assert choice.text == ECHOED and choice.finish_reason == "length" and usage.completion_tokens == 0
     assert "".join(lp.tokens) == ECHOED and len(lp.tokens) == usage.prompt_tokens == len(lp.token_logprobs)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
-    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) in (2, 3) for t in lp.top_logprobs[1:])
+    # "The API will always return the logprob of the sampled token": up to logprobs + 1 entries (as vLLM)
+    assert all(top[t] == x for t, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
     more = c.completions.create(model="tiny-llama", prompt=ECHOED, max_tokens=4, echo=True, logprobs=2, temperature=0,
                                 extra_body={"ignore_eos": True})

@@ -65,3 +65,31 @@ def test_sentencepiece_words_keep_their_space():
     for raw in raws:
         piece, offset = cursor.advance(raw)
         assert text[offset:offset + len(piece)] == piece
+
+
+def test_an_id_past_the_tokenizer_has_no_bytes_not_a_crash():
+    """Qwen2's embedding has 151,936 rows for 151,665 tokens: ids between pass the vocabulary check, and a
+    logprob entry naming one (echo, allowed_token_ids, an alternative) was a 500 (review helper-42)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())
+    assert tok.convert_ids_to_tokens(len(tok) + 10) is None
+    assert TokenBytes(tok)(len(tok) + 10) == (b"", True)
+
+
+def test_an_echoed_prompt_of_sentencepiece_words_keeps_its_offsets():
+    """The prompt's first word ("\u2581hi") was read as " hi" while the echoed text starts "hi": every
+    text_offset after it was one off (review helper-42)."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=tiny_sentencepiece_tokenizer())
+    text = "hi there the cat"
+    tb, cursor = TokenBytes(tok), TextCursor()
+    cursor.leading = text
+    pieces = []
+    for i in tok.encode(text):
+        piece, offset = cursor.advance(tb(i)[0])
+        assert text[offset:offset + len(piece)] == piece
+        pieces.append(piece)
+    assert "".join(pieces) == text
+    spaced = TextCursor()
+    spaced.leading = " " + text  # a prompt that does begin with a space keeps it
+    assert spaced.advance(b" hi") == (" hi", 0)
