@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from meshlm import __version__
+from meshlm.api.admission import AdmissionMiddleware
 from meshlm.api.auth import APIKeyMiddleware
 from meshlm.api.body import BodyLimits, parse_json_sync, read_body
 from meshlm.api.errors import APIError, bad_request
@@ -48,6 +49,9 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600)
+    # A request admitted here is one a drain waits for (api/admission.py).
+    app.add_middleware(AdmissionMiddleware, admit=engine.admit, release=engine.release,
+                       stopping=lambda: engine.problem is not None, rejected=count_rejected)
     # Outermost (added last): a request framed twice is refused before anything reads it.
     app.add_middleware(FramingMiddleware, rejected=count_rejected)
     health = health or (lambda: engine.problem)

@@ -200,7 +200,8 @@ class Serving:
                 items.append((p, sp, _emitter(self._outbox, queue, index)))
                 choices.append(Choice(index, len(p), which))
         try:
-            uids = self.engine.submit_all(items)  # all or none: one request's 429 queues nothing
+            # all or none: one request's 429 queues nothing; admitted (api/admission.py): it came before any drain
+            uids = self.engine.submit_all(items, admitted=True)
         except QueueFull as exc:
             raise APIError(429, f"Server is busy ({exc}); retry shortly.", type_="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"})

@@ -213,6 +213,9 @@ class Engine:
         self._preemptions_seen = 0
         self.error: str | None = None  # set when the engine failed; /health reports it
         self._draining = False
+        self._closed = False  # the drain's grace is over: nothing more is queued
+        self._admitted = 0  # HTTP requests that came before any drain, not yet answered (api/admission.py)
+        self._admission = threading.Lock()
         self._failing = threading.RLock()  # the engine thread and the watchdog may fail it at once
         self._failures: list[float] = []  # monotonic times of recent failures (crash-loop detection)
         self._restart_at: float | None = None
@@ -255,11 +258,12 @@ class Engine:
         return self.submit_all([(prompt_ids, params, emit)], export)[0]
 
     def submit_all(self, items: list[tuple[list[int], SamplingParams, OutputCallback]],
-                   export: Export | None = None) -> list[int]:
+                   export: Export | None = None, admitted: bool = False) -> list[int]:
         """Queue every sequence of one request (its prompts times n), or none: each is checked first, and a
         queue without room for all of them raises QueueFull before any is queued or counted (one queued
-        and then aborted for its sibling's 429 was counted as an aborted request)."""
-        if self.problem:
+        and then aborted for its sibling's 429 was counted as an aborted request). `admitted`: the request
+        came before a drain (`admit`), and is queued during its grace."""
+        if self.error or self._closed or (self._draining and not admitted):
             raise RuntimeError(f"engine unavailable: {self.problem}")
         constraints = [self._checked(prompt_ids, params) for prompt_ids, params, _ in items]
         with self._wake:
@@ -898,17 +902,35 @@ class Engine:
         """What /health reports: None when serving."""
         return self.error or ("server shutting down" if self._draining else None)
 
-    def drain(self, grace: float) -> bool:
-        """Refuse new requests, give running ones `grace` seconds, then end the rest with an error; True
-        when some were ended that way."""
-        self._draining = True
-        deadline = time.monotonic() + grace
-        while self._tracked and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._tracked:
-            self._fail("server shutting down", recover=False)
+    def admit(self) -> bool:
+        """An HTTP request arrives: False while draining (it is refused), else counted until `release`."""
+        with self._admission:
+            if self._draining:
+                return False
+            self._admitted += 1
             return True
-        return False
+
+    def release(self) -> None:
+        with self._admission:
+            self._admitted -= 1
+
+    def drain(self, grace: float, settle: float = 1.0) -> bool:
+        """Refuse new requests, give running and admitted ones `grace` seconds, then end the rest with an
+        error (admitted ones not yet queued get a 503 at submit, given `settle` seconds to reach it); True
+        when some were ended that way."""
+        with self._admission:
+            self._draining = True
+        deadline = time.monotonic() + grace
+        while (self._tracked or self._admitted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._closed = True
+        failed = bool(self._tracked)
+        if failed:
+            self._fail("server shutting down", recover=False)
+        deadline = time.monotonic() + settle
+        while self._admitted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return failed or bool(self._admitted)
 
     def fail(self, message: str) -> None:
         """End every in-flight request with an error, from any thread (the watchdog's too)."""

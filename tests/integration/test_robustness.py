@@ -351,3 +351,36 @@ def test_a_server_out_of_file_descriptors_says_so_in_a_line_and_serves_once_they
     log = srv.log.read_text()
     assert log.count("cannot accept connections (Too many open files; open-file limit 128/128)") == 1, log[-3000:]
     assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
+
+
+def test_requests_being_prepared_at_sigterm_get_an_answer_not_a_bare_500(tiny_model, tmp_path):
+    """A request still on its way to the engine at SIGTERM (here its chat template renders for seconds) was
+    not waited for: uvicorn cancelled it at the end of its graceful shutdown, a plain-text 500 and a
+    traceback; one prepared quickly got a 503 though it came before the signal (review helper-43). Now the
+    drain waits for it within its grace, and one it cannot wait for gets the drain's JSON 503."""
+    import concurrent.futures
+
+    slow = ("{% if messages[0].content == 'slow' %}{% for i in range(100000) %}{% for j in range(900) %}"
+            "{% endfor %}{% endfor %}{% endif %}{{ messages[0].content }}")
+    srv = ServerProcess(tiny_model, "--chat-template", slow, log_dir=tmp_path)
+
+    def chat(content: str) -> httpx.Response:
+        return httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            quick, slowly = pool.submit(chat, "quick"), pool.submit(chat, "slow")
+            time.sleep(0.3)
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            late = chat("late")
+            answers = [quick.result(), slowly.result()]
+        assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+    assert late.status_code == 503 and late.json()["error"]["message"] == "server shutting down"
+    assert answers[0].status_code == 200, answers[0].text  # it came before the signal: served in the grace
+    for r in answers[1:]:  # served, or the drain's JSON 503 when its render outlasts the grace
+        assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["message"] == "server shutting down"), r.text
+    assert "Exception in ASGI application" not in srv.log.read_text()
