@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from meshlm.config import ModelConfig
 from meshlm.model.adapt import check_supported
@@ -350,7 +351,12 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     if tensor_group is not None:
         if not hasattr(model, "shard"):
             raise ValueError(f"{path}: mlx-lm's {type(model).__module__} has no tensor-parallel `shard`")
-        model.shard(tensor_group)
+        try:
+            model.shard(tensor_group)
+        except (ValueError, RuntimeError) as exc:  # MLX's own words name neither the flag nor the cause
+            raise ValueError(f"{path}: cannot split the model over --tensor-parallel {tensor_group.size()}: "
+                             f"{_in_a_line(str(exc))} (a quantized layer's inputs split over the ranks must "
+                             "stay a multiple of its group size: fewer ranks, or --pipeline-parallel)") from None
         if shard_vocab_head(model, tensor_group):
             log.info("tensor parallelism: the LM head is split by vocabulary over %d ranks", tensor_group.size())
     if stage is not None:
@@ -363,8 +369,12 @@ def load_model(cfg: ModelConfig, tensor_group=None, stage: StageSlice | None = N
     if dtype in ("bfloat16", "float16") and not default_device_is_gpu():
         # MLX's half-precision GEMMs are slow on the CPU: the weights are rounded to `dtype` once and the
         # model computes in float32 (KV too). The packed kernels then hold the rounded layers in 16 bits.
+        # Rounding changed the weights where any is stored otherwise: their KV is not the float32 model's.
+        # By the tensors, not config.json's torch_dtype: older mlx-lm conversions store float16 scales under
+        # "bfloat16", and such a model's bf16 run reused the float32 run's cached KV (another answer).
+        stored = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
         model.set_dtype(getattr(mx, dtype))
-        if native != dtype:  # rounding changed the weights: their KV is not the float32 model's
+        if stored - {getattr(mx, dtype)}:
             fingerprint += {"bfloat16": "+bf16-weights", "float16": "+fp16-weights"}[dtype]
         dtype, what = "float32", f"{dtype} weights, float32 compute"
     model.set_dtype(getattr(mx, dtype))
@@ -386,6 +396,9 @@ def check_weight_types(model: nn.Module, path: Path) -> None:
             if key.startswith("_") or not isinstance(value, mx.array) or mx.issubdtype(value.dtype, mx.floating):
                 continue
             if key == "weight" and hasattr(module, "bits"):  # QuantizedLinear / QuantizedEmbedding's packing
+                continue
+            # mxfp4, nvfp4, mxfp8: their scales are 8-bit exponents (mlx-lm loads and runs them)
+            if key == "scales" and hasattr(module, "bits") and getattr(module, "mode", "affine") != "affine":
                 continue
             raise ValueError(f"{path}: the weight {name}.{key} is {str(value.dtype).removeprefix('mlx.core.')}, "
                              "not a floating-point type (nor a quantized layer's packed weights)")

@@ -535,3 +535,58 @@ def test_integer_weights_are_refused_and_a_quantized_models_packed_weights_are_n
     mx.save_safetensors(str(model / "model.safetensors"), {k: (v * 100).astype(mx.int32) for k, v in weights.items()})
     with pytest.raises(ValueError, match=r"the weight \S+ is int32, not a floating-point type"):
         load_model(ModelConfig(str(model)))
+
+
+def _quantized(model, dst, **kw):
+    """`model` quantized by mlx-lm's own quantize_model, saved as a checkpoint in `dst`."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    loaded = load_model(ModelConfig(str(model)))
+    config = json.loads((model / "config.json").read_text())
+    quantized, config = quantize_model(loaded.model, config, **kw)
+    dst.mkdir()
+    save_model(dst, quantized)
+    for name in model.iterdir():
+        if name.name not in ("model.safetensors", "config.json"):
+            (dst / name.name).write_bytes(name.read_bytes())
+    return dst, config
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_microscaled_float_checkpoints_load_and_answer_as_mlx_lm(tmp_path, mode):
+    """Their scales are 8-bit exponents, which the integer-weight check refused: 'the weight
+    lm_head.scales is uint8' (review helper-41). mlx-lm loads and runs them."""
+    import mlx_lm
+
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=1)
+    q, config = _quantized(model, tmp_path / "q", group_size=None, bits=None, mode=mode)
+    (q / "config.json").write_text(json.dumps(config))
+    loaded = load_model(ModelConfig(str(q)))
+    ids = mx.array([[5, 17, 33, 9]])
+    reference, _ = mlx_lm.load(str(q))
+    assert mx.abs(loaded.model(ids) - reference(ids)).max().item() < 1e-4
+
+
+def test_a_half_precision_run_of_weights_stored_otherwise_has_its_own_kv_fingerprint(tmp_path):
+    """Older mlx-lm conversions stored float16 scales under torch_dtype "bfloat16": the bf16 run rounds
+    them, yet shared the float32 run's fingerprint and reused its cached KV, another answer (review
+    helper-41). The fingerprint now goes by the tensors' own dtypes."""
+    from meshlm.config import ModelConfig
+    from meshlm.model.loader import load_model
+
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=1)
+    q, config = _quantized(model, tmp_path / "q", group_size=32, bits=4)
+    (q / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    weights = mx.load(str(q / "model.safetensors"))
+    mx.save_safetensors(str(q / "model.safetensors"),
+                        {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+                         for k, v in weights.items()})
+    full = load_model(ModelConfig(str(q), dtype="float32"))
+    half = load_model(ModelConfig(str(q), dtype="bfloat16"))
+    assert half.fingerprint == full.fingerprint + "+bf16-weights"
