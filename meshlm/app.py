@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import signal
 import socket
 import threading
 import time
@@ -217,7 +218,14 @@ class _DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(AcceptErrors(log))
         loop.set_default_executor(_UnjoinedExecutor(thread_name_prefix="meshlm-http-work"))
-        await super().serve(sockets)
+        # A hang-up (the terminal or ssh session closing) drains as SIGTERM does, as `meshlm launch` takes
+        # it: by default it killed the process, streams cut without an error and SSD writes lost.
+        hangup = signal.signal(signal.SIGHUP, self.handle_exit) if _main_thread() else None
+        try:
+            await super().serve(sockets)
+        finally:
+            if hangup is not None:
+                signal.signal(signal.SIGHUP, hangup)
 
     def handle_exit(self, sig, frame) -> None:
         # A second signal skips the rest of the grace period, but still stops in order: the streams get
@@ -231,3 +239,8 @@ class _DrainingServer(uvicorn.Server):
         # Not super().handle_exit: uvicorn would re-raise the signal once serving ends, and its default
         # action would kill the process before the engine stops (the SSD tier's pending writes lost).
         self.should_exit = True
+
+
+def _main_thread() -> bool:
+    """Only the main thread may set signal handlers (tests serve on others)."""
+    return threading.current_thread() is threading.main_thread()

@@ -384,3 +384,23 @@ def test_requests_being_prepared_at_sigterm_get_an_answer_not_a_bare_500(tiny_mo
     for r in answers[1:]:  # served, or the drain's JSON 503 when its render outlasts the grace
         assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["message"] == "server shutting down"), r.text
     assert "Exception in ASGI application" not in srv.log.read_text()
+
+
+def test_a_hang_up_drains_as_sigterm_does(tiny_model, tmp_path):
+    """SIGHUP (the terminal or ssh session of `meshlm serve` closing) killed the process by default: the
+    open stream was cut without an error event and the SSD writes were lost (review helper-43)."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a b c d " * 40, "max_tokens": 4000, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            srv.proc.send_signal(signal.SIGHUP)
+            rest = list(lines)
+        assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+    # finished within the drain's grace, or ended there by its error event: either way whole, to [DONE]
+    assert [x for x in rest if x][-1] == "data: [DONE]", rest[-3:]
+    assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
