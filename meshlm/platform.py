@@ -90,6 +90,21 @@ def meshlm_command() -> list[str]:
     return [sys.executable, "-c", _WITHOUT_CWD]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has `pid` (someone else's included)."""
+    if pid <= 0:  # kill(0, ...) would address our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def interrupt_deferred() -> Iterator[None]:
     """Ctrl-C while the native modules (MLX's, meshlm's) initialise takes effect once they have: raised

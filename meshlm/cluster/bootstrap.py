@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.config import ParallelConfig
-from meshlm.platform import meshlm_command
+from meshlm.platform import meshlm_command, pid_alive
 from meshlm.transport.auth import SECRET_ENV, ClusterSecret
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,7 @@ class LocalCluster:
 
     @classmethod
     def create(cls, n: int) -> "LocalCluster":
+        _remove_abandoned()
         tmp = Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))
         hostfile = tmp / "ring.json"
         used: set[int] = set()
@@ -220,6 +221,18 @@ class LocalCluster:
 
 LEADER_FILE = "leader"
 LOCAL_PREFIX = "meshlm-tp-"
+
+
+def _remove_abandoned() -> None:
+    """Remove the directories of local clusters whose rank 0 is gone: one killed while its cluster started
+    (systemd stops a whole control group with SIGTERM) left its ring file and ports behind for good."""
+    for d in Path(tempfile.gettempdir()).glob(LOCAL_PREFIX + "*"):
+        try:
+            leader = int((d / LEADER_FILE).read_text())
+        except (OSError, ValueError):  # not one of ours, or being written: left alone
+            continue
+        if not pid_alive(leader) and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def local_cluster_dir(ring_file: Path) -> Path | None:

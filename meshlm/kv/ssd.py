@@ -62,6 +62,7 @@ from pathlib import Path
 from meshlm.kv.blockfile import DirectWriter, block_file_bytes, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block, KVShape
+from meshlm.platform import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +105,6 @@ def key_of(name: str) -> bytes | None:
     # Exactly the name `_path` gives it: an upper-case (or spaced) name was indexed and counted, but every
     # delete used the lower-case name, so it was never evicted and the directory stayed over capacity.
     return key if key.hex() == stem else None
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:  # kill(0, ...) would address our own process group
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except (OverflowError, OSError):
-        return False
-    return True
 
 
 def temp_is_stale(name: str, mtime: float, now: float) -> bool:

@@ -170,3 +170,22 @@ def test_a_ring_that_cannot_bind_says_what_to_fix(error, words):
 
     hint = _bind_hint(error)
     assert (words in hint) if words else hint == ""
+
+
+def test_a_new_local_cluster_removes_those_of_rank_0s_that_are_gone():
+    """A rank 0 killed while its cluster started (systemd's SIGTERM to the whole group) left its directory
+    (ring file, leader pid) behind for good (review helper-43); a live one's is kept."""
+    dead = sleeper()
+    dead.kill()
+    dead.wait()
+    abandoned, live = LocalCluster.create(2), LocalCluster.create(2)
+    (abandoned.hostfile.parent / LEADER_FILE).write_text(str(dead.pid))
+    cluster = LocalCluster.create(2)
+    try:
+        assert not abandoned.hostfile.parent.exists()
+        assert live.hostfile.parent.is_dir() and cluster.hostfile.parent.is_dir()
+    finally:
+        for c in (live, cluster):
+            for f in c.hostfile.parent.iterdir():
+                f.unlink()
+            c.hostfile.parent.rmdir()
