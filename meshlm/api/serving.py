@@ -127,6 +127,8 @@ class Serving:
         if asked == 0 and not getattr(req, "echo", False):
             raise bad_request("max_tokens may be 0 only with echo (the prompt is then the whole text)",
                               param="max_tokens")
+        if asked is not None and req.min_tokens > asked:  # as vLLM: it was clamped to max_tokens unsaid
+            raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({asked})", param="min_tokens")
         if req.prompt_logprobs is not None and req.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         # Documented policy: more than fits in the context is clamped to what fits.

@@ -366,6 +366,7 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),  # as vLLM: it was clamped to max_tokens unsaid
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"cat": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
