@@ -364,12 +364,14 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 3.0) -> None:
-        """Stop stepping; requests still in flight end with an error; the executor shuts its ranks down."""
+        """Stop stepping; requests still in flight end with an error; the executor shuts its ranks down.
+        A cluster's step in flight is waited for as long as its watchdog would allow it (--step-timeout):
+        its control channel closed under it, the workers took the orderly stop for a leader that died."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(timeout, getattr(self.executor, "step_timeout", 0.0)))
         self._fail("server shutting down", recover=False)
         self.executor.close()
 

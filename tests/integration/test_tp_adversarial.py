@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import FAULT_ENTRY, ServerProcess, free_port, free_port_run, process_environ
+from conftest import FAULT_ENTRY, ServerProcess, fault_entry, free_port, free_port_run, process_environ
 from test_tensor_parallel import alive, children, wait_until
 
 pytestmark = pytest.mark.slow
@@ -714,3 +714,28 @@ def test_a_worker_whose_leader_dies_before_the_group_forms_exits_and_says_why(mo
                 os.kill(pid, signal.SIGKILL)
     assert "rank 0 ended before the cluster formed" in out, out[-2000:]
     assert wait_until(lambda: not alive(worker), 10) and not directory.exists()
+
+
+def test_sigterm_during_a_step_longer_than_3_s_stops_the_workers_in_order(model, tmp_path):
+    """The engine's stop waited 3 s for the step in flight, then closed the control channel under it: the
+    worker, in the step's collectives, logged that the leader's connection closed (its process died) and exited 3, after
+    an orderly stop the leader had sent (review helper-43). The step is waited for now."""
+    import threading
+
+    srv = ServerProcess(model, "--max-model-len", "512", "--tensor-parallel", "2", log_dir=tmp_path,
+                        entry=fault_entry("slow_prefill", 9), env={"MESHLM_OPENBLAS": "0"})
+    try:
+        answer: list = []
+        t = threading.Thread(target=lambda: answer.append(httpx.post(
+            srv.url + "/v1/completions", timeout=60, json={"prompt": "the river runs past the old mill " * 8,
+                                                            "max_tokens": 4, "temperature": 0})))
+        t.start()
+        time.sleep(1.5)  # inside the 9 s step: the drain's 2 s grace and 3 s more end before it does
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log.read_text()[-2000:]
+        t.join(30)
+    finally:
+        srv.stop()
+    log = srv.log.read_text()
+    assert "the leader's connection closed" not in log, log[-2000:]
+    assert answer and answer[0].status_code in (200, 503), answer
