@@ -36,7 +36,6 @@ from meshlm.spec.draft import load_draft
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 2  # in-flight requests get this long to finish on SIGTERM
 FATAL_EXIT_DELAY_SECONDS = 5.0  # an engine failed for good: /health explains it this long, then the process exits
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 
@@ -190,7 +189,8 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     log.info("serving %s on http://%s:%d/v1", loaded.name, f"[{host}]" if ":" in host else host, port)
     protocol = functools.partial(DeadlineProtocol, timeout=s.client_timeout)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=config.server.log_level,
-                                            http=protocol, timeout_graceful_shutdown=1), engine)
+                                            http=protocol, timeout_graceful_shutdown=1), engine,
+                             config.server.shutdown_timeout)
     fatal.server = server
     try:
         server.run(sockets=[sock])
@@ -209,9 +209,10 @@ class _UnjoinedExecutor(concurrent.futures.ThreadPoolExecutor):
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.grace = grace  # --shutdown-timeout
         self._draining = False
 
     async def serve(self, sockets=None) -> None:
@@ -230,7 +231,10 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         # A second signal skips the rest of the grace period, but still stops in order: the streams get
         # their error event, and the engine stops and flushes its SSD writes once `run` returns.
-        grace, self._draining = (0.0 if self._draining else SHUTDOWN_GRACE_SECONDS), True
+        grace, self._draining = (0.0 if self._draining else self.grace), True
+        # Said at once: uvicorn's own "Shutting down" comes only once the drain is over
+        log.info("%s: draining (%s)", signal.Signals(sig).name if sig else "stop",
+                 "ending running requests now" if not grace else f"running requests get {grace:g} s")
         threading.Thread(target=self._drain, args=(grace,), name="meshlm-drain", daemon=True).start()
 
     def _drain(self, grace: float) -> None:

@@ -75,6 +75,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_SECONDS,
                    help="seconds a client may stay silent before its first request or with a request half sent "
                         "(closed; a half-sent body gets 408), or not read a response (aborted) (default 60)")
+    p.add_argument("--shutdown-timeout", type=float, default=2.0,
+                   help="seconds SIGTERM (or SIGINT, SIGHUP) gives running requests to finish before they end with "
+                        "an error (default 2; a Kubernetes drain may want its terminationGracePeriodSeconds less "
+                        "a few); a second signal ends them at once")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins (https://host:port) whose browser pages may call the API "
                         "(CORS), or *; none by default")
@@ -318,7 +322,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             args.default_temperature, args.default_top_p, args.client_timeout,
                             tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
                             args.reasoning_parser, args.api_key, _chat_template(args.chat_template),
-                            _template_kwargs(args.chat_template_kwargs)),
+                            _template_kwargs(args.chat_template_kwargs), args.shutdown_timeout),
         speculative=SpeculativeConfig(args.speculative or ("draft" if args.draft_model else "off"),
                                       args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,

@@ -313,6 +313,7 @@ class ServerConfig:
     chat_template: str | None = None  # Jinja text replacing the model's own (--chat-template)
     # Template variables for every chat request; a request's own chat_template_kwargs win.
     chat_template_kwargs: dict = field(default_factory=dict)
+    shutdown_timeout: float = 2.0  # seconds a drain gives running requests (--shutdown-timeout)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()
@@ -335,6 +336,8 @@ class ServerConfig:
             raise ValueError("--default-top-p must be in (0, 1]")
         if not 0 < self.client_timeout <= 86400:
             raise ValueError("--client-timeout must be in (0, 86400] seconds")
+        if not 0 <= self.shutdown_timeout <= 86400:
+            raise ValueError("--shutdown-timeout must be in [0, 86400] seconds")
 
 
 ROLES = ("serve", "prefill")

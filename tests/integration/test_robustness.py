@@ -404,3 +404,28 @@ def test_a_hang_up_drains_as_sigterm_does(tiny_model, tmp_path):
     # finished within the drain's grace, or ended there by its error event: either way whole, to [DONE]
     assert [x for x in rest if x][-1] == "data: [DONE]", rest[-3:]
     assert list((tmp_path / "kv").rglob("*.safetensors")), "the prompt's blocks reached the SSD tier"
+
+
+@pytest.mark.parametrize("grace, n", [(0.5, 3900), (10.0, 300)])
+def test_shutdown_timeout_sets_the_drains_grace(tiny_model, tmp_path, grace, n):
+    """--shutdown-timeout (vLLM's name): the grace SIGTERM gives running requests was a fixed 2 s, so a
+    Kubernetes drain could not give long generations more (review helper-43). The signal is logged at once."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", str(grace), log_dir=tmp_path)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a b c d " * 40, "max_tokens": n, "ignore_eos": True, "stream": True,
+                                "temperature": 0}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+            ended = time.monotonic() - t0
+        assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
+    finally:
+        srv.stop()
+    assert f"SIGTERM: draining (running requests get {grace:g} s)" in srv.log.read_text()
+    if grace < 1:  # cut at the grace: its error event, then [DONE]
+        assert any("server shutting down" in line for line in rest) and ended < 2, (ended, rest[-3:])
+    else:  # the whole generation fits in a longer grace
+        assert not any("server shutting down" in line for line in rest) and [x for x in rest if x][-1] == "data: [DONE]"
