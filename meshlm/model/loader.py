@@ -109,6 +109,11 @@ def check_quantization(path: Path, config: dict) -> None:
     with 'UnboundLocalError: cannot access local variable model_dtype'."""
     q = config.get("quantization_config")
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if isinstance(q, dict) and method is None and "quantization" not in config:
+        # mlx-lm writes its own quantization as both keys; with only this copy it fails 'KeyError: quant_method'
+        raise ValueError(f"{path / 'config.json'}: quantization_config has no quant_method, and there is no "
+                         "`quantization` (mlx-lm's own key, with bits and group_size): restore that key, or "
+                         "name the method")
     if method not in REPACKED_METHODS:
         return
     for file in sorted(path.glob("*.safetensors")):

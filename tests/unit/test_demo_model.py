@@ -482,6 +482,8 @@ def test_a_load_error_names_the_tensors_and_a_missing_shard(tmp_path):
     ("config.json", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quant_method is 'gptq', but no weight in"),
     ("config.json", {"quantization_config": {"quant_method": "awq"}}, "no weight in"),
+    # mlx-lm's own key copied without `quantization` (mlx-lm: "KeyError: 'quant_method'")
+    ("config.json", {"quantization_config": {"bits": 4, "group_size": 64}}, "quantization_config has no quant_method"),
 ])
 def test_a_config_mlx_lm_would_trip_on_is_refused_naming_the_file_and_field(tmp_path, file, change, words):
     from meshlm.config import ModelConfig
