@@ -562,3 +562,4 @@ class SSDTier:
         if self.enabled:
             log.warning("SSD KV cache off, continuing RAM-only: %s", reason)
         self.enabled = False
+        self._staged = {}  # prefetched blocks (up to MAX_STAGED_BYTES) no load will take now

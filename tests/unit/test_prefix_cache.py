@@ -708,3 +708,13 @@ def test_a_tier_expires_the_abandoned_files_of_other_models_and_layouts(tmp_path
     make_tier(tmp_path)  # a server of this model starts
     assert sorted(blocks_on_disk(old_tier.dir)) == [keys[2].hex() + SUFFIX]
     assert (old_tier.dir / "notes.txt").exists() and old_tier.dir.is_dir()
+
+
+def test_a_tier_that_turns_itself_off_lets_go_of_its_prefetched_blocks(tmp_path):
+    """A tier turned off (a full disk) kept up to 1 GiB of prefetched blocks until restart (review
+    helper-38); a plan already loading one still reads it from the file."""
+    tier, keys = write_blocks(tmp_path, 2)
+    assert tier.prefetch(keys[0]) and tier._staged
+    tier._disable("test: the disk is full")
+    assert not tier._staged and not tier.enabled
+    assert blocks_equal(tier.load(keys[0]), fake_block(0))
