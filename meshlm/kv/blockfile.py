@@ -118,8 +118,14 @@ def write_block(path: Path, arrays: dict[str, Array], metadata: dict[str, str]) 
     _write_buffered(path, *_encode(arrays, metadata, 8))
 
 
+# A block holds a prompt's KV, from which its text can be read back: the serving user's alone, and never
+# written through a link planted in its name.
+FILE_MODE = 0o600
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _write_buffered(path: Path, head: bytes, raw: dict[str, memoryview]) -> None:
-    with path.open("wb") as f:
+    with os.fdopen(os.open(path, _WRITE_FLAGS, FILE_MODE), "wb") as f:
         f.write(head)
         for data in raw.values():
             f.write(data)
@@ -164,7 +170,7 @@ class DirectWriter:
             for data in raw.values():
                 buffer[pos : pos + len(data)] = data
                 pos += len(data)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(path, _WRITE_FLAGS | os.O_DIRECT, FILE_MODE)
             try:
                 if os.write(fd, buffer[:padded]) != padded:
                     raise OSError(f"short write to {path}")

@@ -52,6 +52,7 @@ import logging
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -59,7 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshlm.kv.blockfile import DirectWriter, block_file_bytes, read_block, read_header
+from meshlm.kv.blockfile import FILE_MODE, DirectWriter, block_file_bytes, read_block, read_header
 from meshlm.kv.keys import KEY_BYTES, CacheSalt
 from meshlm.kv.store import BlockData as Block, KVShape
 from meshlm.platform import pid_alive
@@ -107,6 +108,21 @@ def key_of(name: str) -> bytes | None:
     return key if key.hex() == stem else None
 
 
+def _private_dir(path: Path) -> None:
+    """Make `path` a directory only this user may enter (0700; tightened where it is ours and looser), or
+    raise OSError naming why it cannot be used: a link, not a directory, another user's."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{path} is not a directory (a link?)")
+    if st.st_uid != os.getuid():
+        raise OSError(f"{path} belongs to user {st.st_uid}, not to this one: a directory others may write is one "
+                      "they can plant KV blocks in")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+
+
 def temp_is_stale(name: str, mtime: float, now: float) -> bool:
     """A temp file nobody will rename any more: older than an hour, or written by a dead process on this host."""
     if now - mtime > STALE_TMP_SECONDS:
@@ -148,7 +164,7 @@ class SSDTier:
                           f"(up to {block_file_bytes(shape)} bytes each, with its header)")
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._make_private_dirs()
             self._rebuild_index()
         except OSError as exc:
             self._disable(f"cannot use {self.dir}: {exc}")
@@ -157,6 +173,17 @@ class SSDTier:
             self._expire_others()
         except OSError as exc:  # another process's directory: never a reason to turn this tier off
             log.warning("SSD KV tier: could not expire other directories under %s: %s", config.cache_dir, exc)
+
+    def _make_private_dirs(self) -> None:
+        """The cache root and each level down to this rank's directory: real directories of this user, no
+        one else's to read or write. Blocks hold prompts' KV (their text can be read back from it), and a
+        directory another user may write is one they can plant blocks in (answers changed) or links in."""
+        self.config.cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        level = self.config.cache_dir
+        for part in (None, *self.dir.relative_to(self.config.cache_dir).parts):
+            if part is not None:
+                level = level / part
+            _private_dir(level)
 
     def _expire_others(self) -> None:
         """Delete the expired block files of the other model/layout/rank directories under the cache root:
@@ -470,11 +497,12 @@ class SSDTier:
         it switched the whole tier off."""
         where = self.dir / TMP_DIR
         try:
-            where.mkdir(exist_ok=True)
+            where.mkdir(mode=0o700, exist_ok=True)
         except FileExistsError:
             log.warning("SSD KV tier: replacing the file %s by the directory writes need", where)
             where.unlink()
-            where.mkdir(exist_ok=True)
+            where.mkdir(mode=0o700, exist_ok=True)
+        _private_dir(where)
 
     def _scan_due(self) -> bool:
         capacity = self.config.capacity_bytes
@@ -507,7 +535,7 @@ class SSDTier:
 
     @contextlib.contextmanager
     def _dir_lock(self) -> Iterator[None]:
-        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

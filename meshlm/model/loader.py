@@ -269,7 +269,9 @@ def write_digest_cache(path: Path, new: dict[str, dict]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"version": DIGEST_CACHE_VERSION, "files": entries}, indent=1))
+        # The serving user's alone (it lists the model files served): no other user's to read or replace
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
+            f.write(json.dumps({"version": DIGEST_CACHE_VERSION, "files": entries}, indent=1))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot cache weight digests in %s (the next start hashes again): %s", path, exc)

@@ -12,6 +12,7 @@ import logging
 import shutil
 import os
 import random
+import stat
 import struct
 import time
 import tracemalloc
@@ -718,3 +719,37 @@ def test_a_tier_that_turns_itself_off_lets_go_of_its_prefetched_blocks(tmp_path)
     tier._disable("test: the disk is full")
     assert not tier._staged and not tier.enabled
     assert blocks_equal(tier.load(keys[0]), fake_block(0))
+
+
+def test_the_tiers_files_and_directories_are_the_serving_users_alone(tmp_path):
+    """Blocks were written 0644 in 0755 directories: another local user could read them, and a prompt's
+    text can be read back from its KV (review helper-44). Directories are now 0700 (ours tightened), files
+    0600, the lock and writes follow no planted link."""
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o755)
+    tier, keys = write_blocks(root, 2)
+    tier._enforce_capacity()  # takes the lock
+    level = root
+    for part in (None, *tier.dir.relative_to(root).parts, "tmp"):
+        level = level if part is None else level / part
+        assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700, level
+    for f in tier.dir.iterdir():
+        if f.is_file():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_a_tier_refuses_a_directory_tree_it_does_not_own_or_a_planted_link(tmp_path):
+    """A tree another user made (or may write) is one they can plant blocks in, changing answers; a link in
+    a level's place takes the writes elsewhere (review helper-44). The tier turns off instead."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "kv"
+    root.mkdir()
+    (root / SALT.model_fingerprint).symlink_to(elsewhere)
+    tier = make_tier(root)
+    assert not tier.enabled and not any(elsewhere.iterdir())
+    if os.getuid() == 0:  # chown to another user needs root (the CI's user here)
+        other = tmp_path / "other"
+        other.mkdir()
+        os.chown(other, 65534, 65534)
+        assert not make_tier(other).enabled
