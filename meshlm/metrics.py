@@ -75,7 +75,16 @@ class PrefixCacheCollector:
         hits = CounterMetricFamily("meshlm_prefix_cache_hits", "Blocks found, by tier", labels=["tier"])
         hits.add_metric(["ram"], stats.hits_ram)
         hits.add_metric(["ssd"], stats.hits_ssd)
+        hits.add_metric(["received"], stats.hits_received)
         yield hits
+        # In tokens, as vLLM's prefix_cache_queries and prefix_cache_hits: their ratio is the hit rate (the
+        # block counts above and the lookup misses below are in other units)
+        yield CounterMetricFamily("meshlm_prefix_cache_query_tokens",
+                                  "Prompt tokens looked up in the prefix cache, at their first admission",
+                                  value=stats.query_tokens)
+        yield CounterMetricFamily("meshlm_prefix_cache_hit_tokens",
+                                  "Of the prompt tokens looked up, those served from the cache (usage's cached_tokens)",
+                                  value=stats.hit_tokens)
         yield CounterMetricFamily(
             "meshlm_prefix_cache_partial_tokens", "Tokens reused from the front of a block (matches ending inside one)",
             value=stats.partial_tokens,

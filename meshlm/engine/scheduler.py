@@ -264,6 +264,8 @@ class Scheduler:
             if not seq.cache_counted:  # the prompt's hits, as usage reports them (as vLLM): a recompute's
                 # lookup covers generated tokens too (it exceeded the prompt)
                 seq.num_cached_tokens, seq.cache_counted = min(m.tokens, len(seq.prompt_ids)), True
+                self.blocks.stats.query_tokens += len(seq.prompt_ids)
+                self.blocks.stats.hit_tokens += seq.num_cached_tokens
             self.running.append(seq)
             draft.new.append(NewSequence(seq.uid, m.tokens, self.blocks.holder(seq.uid)))
             draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)

@@ -66,6 +66,9 @@ class KeyIndex(Protocol):
 class CacheStats:
     hits_ram: int = 0  # blocks
     hits_ssd: int = 0
+    hits_received: int = 0  # blocks a prefill server sent (disaggregated prefill), not read from the SSD tier
+    query_tokens: int = 0  # prompt tokens looked up at their first admission (vLLM's prefix_cache_queries)
+    hit_tokens: int = 0  # of them, served from the cache (usage's cached_tokens; vLLM's prefix_cache_hits)
     load_failures: int = 0  # blocks some rank could not load (its copy gone or bad): recomputed
     hits_partial: int = 0  # matches that ended inside a block
     partial_tokens: int = 0  # tokens those partial blocks lent
@@ -352,7 +355,10 @@ class BlockManager:
         block = self._take()
         self._commit(block, key, parent, tokens)  # findable at once: the load runs before any reader
         m.loads.append((key, block))
-        self.stats.hits_ssd += 1
+        if getattr(self.ssd, "last_tier", "ssd") == "received":
+            self.stats.hits_received += 1
+        else:
+            self.stats.hits_ssd += 1
         return block
 
     def _match_partial(self, seq: _Seq, parent: bytes, query: tuple[int, ...], m: Match, need: int | None) -> None:

@@ -209,13 +209,18 @@ class ReceivedThenSSD:
     def __init__(self, received: ReceivedBlocks, ssd=None) -> None:
         self.received = received
         self.ssd = ssd
+        self.last_tier = "ssd"  # which tier the last successful prefetch found its block in (the hit metrics)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.received or (self.ssd is not None and key in self.ssd)
 
     def prefetch(self, key: bytes) -> bool:
         """The block may be loaded by a plan: a received one is pinned until then (transfers go on meanwhile)."""
-        return self.received.pin(key) or (self.ssd is not None and self.ssd.prefetch(key))
+        if self.received.pin(key):
+            self.last_tier = "received"
+            return True
+        self.last_tier = "ssd"
+        return self.ssd is not None and self.ssd.prefetch(key)
 
     def forget(self, key: bytes) -> None:
         """A rank could not load the block: neither tier lists it again."""

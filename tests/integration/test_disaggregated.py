@@ -191,6 +191,9 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     assert handed + busy == 12 and handed >= 8, (handed, reasons)
     assert metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') > bytes_before
     assert peer_status(decode)["jobs_done"] >= 2 + handed and peer_status(decode)["up"]
+    # Received blocks are their own tier's hits: they were counted as SSD hits on a server without one
+    assert metric(decode, 'meshlm_prefix_cache_hits_total{tier="received"}') > 0
+    assert metric(decode, 'meshlm_prefix_cache_hits_total{tier="ssd"}') == 0  # --no-ssd-cache
     assert "prefill_peers" not in httpx.get(single.url + "/health").json()
     assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') - done_before == handed
     assert fallbacks(decode, "bad_packet") + fallbacks(decode, "closed") + fallbacks(decode, "timeout") == 0

@@ -42,6 +42,8 @@ RAM = 'meshlm_prefix_cache_bytes{tier="ram"}'
 SSD = 'meshlm_prefix_cache_bytes{tier="ssd"}'
 HITS_RAM = 'meshlm_prefix_cache_hits_total{tier="ram"}'
 HITS_SSD = 'meshlm_prefix_cache_hits_total{tier="ssd"}'
+QUERY_TOKENS = "meshlm_prefix_cache_query_tokens_total"
+HIT_TOKENS = "meshlm_prefix_cache_hit_tokens_total"
 EVICTIONS_RAM = 'meshlm_prefix_cache_evictions_total{tier="ram"}'
 EVICTIONS_SSD = 'meshlm_prefix_cache_evictions_total{tier="ssd"}'
 DROPPED = "meshlm_prefix_cache_ssd_dropped_total"
@@ -147,10 +149,13 @@ def test_plain_server_has_no_prefix_cache(plain):
 def test_repeated_prompt_hits_every_full_block(warm, reference):
     prompt = ids(5 * BS + 3, seed=1)
     hits = warm.metric(HITS_RAM)
+    queried, served = warm.metric(QUERY_TOKENS), warm.metric(HIT_TOKENS)
     first, second = complete(warm, prompt), complete(warm, prompt)
     assert cached(first) == 0
     assert cached(second) == 5 * BS
     assert warm.metric(HITS_RAM) - hits >= 5
+    # In tokens, as vLLM's prefix_cache_queries/hits: their ratio is the hit rate usage shows (review helper-45)
+    assert warm.metric(QUERY_TOKENS) - queried == 2 * len(prompt) and warm.metric(HIT_TOKENS) - served == 5 * BS
     assert text(first) == text(second) == reference(prompt)
     assert warm.metric(RAM) > 0
 
