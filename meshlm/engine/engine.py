@@ -309,7 +309,8 @@ class Engine:
         else:  # its end waits for this lock, so the entry is in place before it is looked for
             self._handing_off[uid] = (seq, self.handoff.start(handoff, lambda: self._handed_back(uid)))
         self._tracked[uid] = tracked
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if export is None:  # a prefill job (disaggregated prefill) is not a client's request: counted as a job
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
         self.metrics.queue_depth.set(self._num_queued)
         return uid
 
@@ -762,9 +763,10 @@ class Engine:
         if t is None or t.seq.aborted:
             return 0
         now = time.monotonic()
-        if t.last_token_time is None:
+        served = t.export is None  # a prefill job's token reaches no client (disaggregated prefill)
+        if served and t.last_token_time is None:
             self.metrics.ttft.observe(now - t.seq.arrival)
-        else:
+        elif served:
             self.metrics.itl.observe(now - t.last_token_time)
         t.last_token_time = now
         text, shown = "", 0
@@ -780,7 +782,8 @@ class Engine:
             shown = i + 1
             if t.stop.stopped:
                 break
-        self.metrics.generation_tokens.inc(shown)
+        if served:
+            self.metrics.generation_tokens.inc(shown)
         lps = tuple(lp for lp in logprobs[:shown] if lp is not None)
         prompt = t.take_prompt_logprobs()
         # A last token without text still goes out: its id (return_token_ids) and the count must agree
@@ -819,8 +822,9 @@ class Engine:
         if t.stop.stopped and reason is FinishReason.LENGTH:
             # a stop string in the last, unfinished character's text: seen only now, and it cut the text
             reason = FinishReason.STOP
-        self.metrics.requests.labels(status=reason.value).inc()
-        self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
+        if t.export is None:  # a prefill job's end is meshlm_disagg_prefill_jobs_total's
+            self.metrics.requests.labels(status=reason.value).inc()
+            self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
         t.emit(
             StepOutput(
                 uid,

@@ -169,6 +169,8 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     shared = [words(150, 1), words(300, 2)]
     complete(decode.url, shared, 2)  # the decode server caches these prefixes (handed off themselves)
     jobs_before, bytes_before = relay.jobs, metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}')
+    requests_before = metric(prefill, 'meshlm_requests_total{status="length"}')
+    prompt_tokens_before = metric(prefill, "meshlm_prompt_tokens_total")
     busy_before = fallbacks(decode, "busy")
     done_before = prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}')
     prompts = []
@@ -196,6 +198,9 @@ def test_parity_16_concurrent_prompts_with_cached_prefixes(cluster):
     assert metric(decode, 'meshlm_prefix_cache_hits_total{tier="ssd"}') == 0  # --no-ssd-cache
     assert "prefill_peers" not in httpx.get(single.url + "/health").json()
     assert prefill.metric('meshlm_disagg_prefill_jobs_total{outcome="done"}') - done_before == handed
+    # A prefill job is not a client's request: it counted as one on the prefill server (review helper-45)
+    assert metric(prefill, 'meshlm_requests_total{status="length"}') == requests_before
+    assert metric(prefill, "meshlm_prompt_tokens_total") == prompt_tokens_before
     assert fallbacks(decode, "bad_packet") + fallbacks(decode, "closed") + fallbacks(decode, "timeout") == 0
     # A cached prefix is not sent again: the shared prompt's blocks came once.
     usage = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]
