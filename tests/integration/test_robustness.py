@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import socket
@@ -196,6 +197,17 @@ def test_sigterm_ends_a_server_whose_chat_template_never_finishes(tiny_model, tm
         srv.stop()
 
 
+@contextlib.contextmanager
+def long_stream(srv: ServerProcess, max_tokens: int = 4000):
+    """A streamed completion of `max_tokens` that has sent its first chunk: its remaining lines."""
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json={"prompt": "a b c d " * 40, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                            "temperature": 0}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        yield lines
+
+
 def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path):
     """A second SIGTERM during the drain's grace period ends serving at once, but in order: the open stream
     gets its error event and ends, the engine stops, the SSD writes are flushed and the process exits 0
@@ -203,11 +215,7 @@ def test_a_second_sigterm_stops_at_once_but_still_in_order(tiny_model, tmp_path)
     that)."""
     srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
     try:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
-                          json={"prompt": "a b c d " * 40, "max_tokens": 4000, "ignore_eos": True,
-                                "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
+        with long_stream(srv) as lines:
             srv.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)  # draining: the stream runs on for up to the grace period
             t0 = time.monotonic()
@@ -391,11 +399,7 @@ def test_a_hang_up_drains_as_sigterm_does(tiny_model, tmp_path):
     open stream was cut without an error event and the SSD writes were lost (review helper-43)."""
     srv = ServerProcess(tiny_model, "--max-model-len", "4096", log_dir=tmp_path)
     try:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
-                          json={"prompt": "a b c d " * 40, "max_tokens": 4000, "ignore_eos": True,
-                                "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
+        with long_stream(srv) as lines:
             srv.proc.send_signal(signal.SIGHUP)
             rest = list(lines)
         assert srv.proc.wait(15) == 0, srv.log.read_text()[-2000:]
@@ -412,11 +416,7 @@ def test_shutdown_timeout_sets_the_drains_grace(tiny_model, tmp_path, grace, n):
     Kubernetes drain could not give long generations more (review helper-43). The signal is logged at once."""
     srv = ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", str(grace), log_dir=tmp_path)
     try:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
-                          json={"prompt": "a b c d " * 40, "max_tokens": n, "ignore_eos": True, "stream": True,
-                                "temperature": 0}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
+        with long_stream(srv, n) as lines:
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
             rest = list(lines)
