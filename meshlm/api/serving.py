@@ -24,6 +24,7 @@ from meshlm.api.schemas import ChatCompletionRequest, _Request
 from meshlm.api.token_bytes import TextCursor, TokenBytes
 from meshlm.engine.engine import Engine, PromptTooLong, QueueFull
 from meshlm.engine.request import Reasoning, SamplingParams, StepOutput, TokenLogprob
+from meshlm.model.loader import SAMPLING_KEYS
 
 
 @dataclass
@@ -68,8 +69,7 @@ class SamplingDefaults:
     @classmethod
     def resolve(cls, model: dict, temperature: float | None = None, top_p: float | None = None) -> "SamplingDefaults":
         """`model`: the sampling keys of the model's generation_config.json (maybe empty)."""
-        values = {k: model[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                  if model.get(k) is not None}
+        values = {k: model[k] for k in SAMPLING_KEYS if model.get(k) is not None}
         if isinstance(values.get("top_k"), float) and values["top_k"].is_integer():  # 50.0: a JSON writer's 50
             values["top_k"] = int(values["top_k"])
         flags = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
