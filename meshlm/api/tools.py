@@ -4,9 +4,9 @@
 - `none` (or no tools): plain chat; the tools are not rendered.
 - `auto` (the default when tools are given): the tools go through the model's chat template and the
   model's own tool-call syntax is parsed out of its text with mlx-lm's parser for that template
-  (`mlx_lm.tool_parsers`). A template that cannot render tools gets the FALLBACK_PROMPT as a
-  system message instead, and its calls are read in that prompt's `<tool_call>{json}</tool_call>`
-  syntax.
+  (`mlx_lm.tool_parsers`), or meshlm's for Llama 3's bare JSON (`llama3_calls`). A template that
+  cannot render tools, or asks for a syntax neither reads, gets the FALLBACK_PROMPT as a system
+  message instead, and its calls are read in that prompt's `<tool_call>{json}</tool_call>` syntax.
 - `required`: the output is grammar-constrained to a JSON array of calls
   `[{"name": ..., "arguments": {...}}]`, each valid against its function's parameters (one call
   unless `parallel_tool_calls`), as vLLM does.
@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from meshlm.api import llama3_calls
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
 from meshlm.model.chat_templates import rendering_template, template_texts
 from meshlm.platform import import_mlx_lm
@@ -60,6 +61,7 @@ class ToolPlan:
     end: str | None = None
     parser: Callable | None = field(default=None, compare=False)
     short_ids: bool = False  # call ids of 9 letters and digits, which Mistral's templates require back
+    leading: bool = False  # no markers: a call is the answer itself, JSON at its start (Llama 3)
 
     @property
     def schema(self) -> dict | None:
@@ -108,6 +110,8 @@ class ToolPlan:
     def _parsed_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """`auto`: the calls in the model's own syntax; the text around them is the content, verbatim
         (a stream has sent the text before the first call as it came; vLLM does not strip it either)."""
+        if self.leading:
+            return self._leading_calls(text)
         if self.start is None or self.start not in text:
             return text, []
         outside, calls, rest = [], [], text
@@ -122,15 +126,38 @@ class ToolPlan:
             except Exception as exc:  # the model's own text: anything can be wrong with it
                 log.info("unparsable tool call left as text (%s: %s)", type(exc).__name__, exc)
                 return text, []
-            found = [_usable(c, self.names, self.short_ids) for c in (parsed if isinstance(parsed, list) else [parsed])]
-            if not found or None in found:  # all or nothing: a partial set of calls would be a wrong answer
-                log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
+            found = self._usable_all(parsed if isinstance(parsed, list) else [parsed], segment)
+            if found is None:
                 return text, []
             calls += found
+        return "".join(outside) + rest or None, self._at_most_one(calls)
+
+    def _leading_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """Llama 3's syntax: the answer is wholly calls (content None, as vLLM), or it is all content."""
+        body = llama3_calls.call_body(text)
+        if body is None:
+            return text, []
+        try:
+            parsed = llama3_calls.parse_calls(body, _DECODER)
+        except (ValueError, RecursionError) as exc:
+            log.info("tool call left as text (%s: %.200s)", type(exc).__name__, exc)
+            return text, []
+        found = self._usable_all(parsed, body)
+        return (text, []) if found is None else (None, self._at_most_one(found))
+
+    def _usable_all(self, parsed: list, segment: str) -> list[dict] | None:
+        """The calls, or None unless every one is usable: a partial set of calls would be a wrong answer."""
+        found = [_usable(c, self.names, self.short_ids) for c in parsed]
+        if not found or None in found:
+            log.info("tool call left as text: not a call to one of the request's tools: %.200r", segment)
+            return None
+        return found
+
+    def _at_most_one(self, calls: list[dict]) -> list[dict]:
         if not self.parallel and len(calls) > 1:  # the client asked for one at most: the first, as vLLM does
             log.info("parallel_tool_calls is false: %d of the model's %d calls dropped", len(calls) - 1, len(calls))
-            calls = calls[:1]
-        return "".join(outside) + rest or None, calls
+            return calls[:1]
+        return calls
 
     @property
     def names(self) -> frozenset[str]:
@@ -228,21 +255,28 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
         return ToolPlan("named", tools, named=req.tool_choice.function.name, parallel=parallel, short_ids=short_ids)
     if req.tool_choice == "required":
         return ToolPlan("required", tools, parallel=parallel, short_ids=short_ids)
-    if native_tools(tokenizer, with_tools=True):
+    syntax = native_syntax(tokenizer, with_tools=True)
+    if syntax == "mlx-lm":
         return ToolPlan("auto", tools, parallel=parallel, start=tokenizer.tool_call_start,
                         end=tokenizer.tool_call_end, parser=tokenizer.tool_parser, short_ids=short_ids)
+    if syntax == "llama3":
+        return ToolPlan("auto", tools, parallel=parallel, leading=True, short_ids=short_ids)
     return ToolPlan("auto", tools, parallel=parallel, start=FALLBACK_START, end=FALLBACK_END,
                     parser=json_tools.parse_tool_call, short_ids=short_ids)
 
 
-def native_tools(tokenizer, with_tools: bool) -> bool:
-    """Tools and past calls go through the model's template: the one that renders this request
-    (`tool_use` of a named set when tools are passed) describes tools, and mlx-lm parses the syntax it
-    asks for. Otherwise meshlm's fallback prompt and syntax: a template showing tools in a syntax no
-    parser reads (Llama 3.1's JSON) had the model's calls come back as text, and a named set's `default`
-    dropped past calls."""
+def native_syntax(tokenizer, with_tools: bool) -> str | None:
+    """How tools and past calls reach the model: through its template, the one that renders this request
+    (`tool_use` of a named set when tools are passed), when it describes tools and their syntax is read
+    by mlx-lm's parser ("mlx-lm") or meshlm's for Llama 3's JSON ("llama3"). Otherwise (None) meshlm's
+    fallback prompt and syntax: a template showing tools in a syntax nothing reads had the model's calls
+    come back as text, and a named set's `default` dropped past calls."""
     template = rendering_template(tokenizer, with_tools)
-    return template is not None and "tools" in template and getattr(tokenizer, "tool_parser", None) is not None
+    if template is None or "tools" not in template:
+        return None
+    if getattr(tokenizer, "tool_parser", None) is not None:
+        return "mlx-lm"
+    return "llama3" if llama3_calls.asks_for_it(template) else None
 
 
 def _mistral(tokenizer) -> bool:
@@ -269,7 +303,7 @@ def _template_knows_developer(tokenizer) -> bool:
 
 def template_messages(req: ChatCompletionRequest, plan: ToolPlan | None, tokenizer) -> tuple[list[dict], dict]:
     """Messages (and extra template arguments) for the chat template."""
-    native = native_tools(tokenizer, with_tools=plan is not None)
+    native = native_syntax(tokenizer, with_tools=plan is not None) is not None
     developer = _template_knows_developer(tokenizer)
     ids = _short_id if _mistral(tokenizer) else (lambda i: i)
     messages = []
@@ -319,13 +353,16 @@ def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")
 
 
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
+
+
 def _json_or_text(text: str) -> object:
     """`text` parsed as JSON, or `text` itself where it is not JSON (a model's or a client's string: templates
     expect past calls' arguments as objects). Nested past the parser's stack is not JSON either, nor NaN,
     Infinity or a number past a double, which Python's parser takes and clients' refuse: calls made of
     them went out with arguments such as '{"a": Infinity}'."""
     try:
-        return json.loads(text, parse_float=_finite, parse_constant=_not_json)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError):
         return text
 
@@ -339,6 +376,7 @@ class ToolStream:
         self.plan = plan
         self.buffer = ""  # text not sent yet
         self.in_call = False
+        self.text_only = False  # a `leading` syntax's answer that did not start with a call
         self.calls: list[dict] = []  # the calls made (a named call: its arguments so far)
 
     def feed(self, text: str) -> list[dict]:
@@ -353,6 +391,8 @@ class ToolStream:
         self.buffer += text
         if p.mode != "auto" or self.in_call:  # held back until finish()
             return []
+        if p.leading:
+            return self._leading()
         at = self.buffer.find(p.start)
         if at >= 0:
             self.in_call = True
@@ -360,6 +400,19 @@ class ToolStream:
             return [{"content": head}] if head else []
         keep = partial_suffix(self.buffer, p.start)
         head, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return [{"content": head}] if head else []
+
+    def _leading(self) -> list[dict]:
+        """A syntax whose call is the answer itself: held back while the answer may still start with one."""
+        if not self.text_only:
+            starts = llama3_calls.may_start_a_call(self.buffer)
+            if starts is None:
+                return []
+            if starts:
+                self.in_call = True
+                return []
+            self.text_only = True
+        head, self.buffer = self.buffer, ""
         return [{"content": head}] if head else []
 
     def finish(self) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Which tool-call syntax a request is shown and read in, with real templates' shapes: a template that
-shows tools in a syntax mlx-lm has no parser for (Llama 3.1's JSON), Mistral's `[TOOL_CALLS]` as a
+"""Which tool-call syntax a request is shown and read in, with real templates' shapes: Llama 3.1's bare
+JSON (meshlm's own parser), a template showing tools in a syntax nothing reads, Mistral's `[TOOL_CALLS]` as a
 special token and its 9-character call ids, and --chat-template replacing the model's syntax."""
 
 from __future__ import annotations
@@ -18,14 +18,31 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FALLBACK_WORDS = "You can call the functions described below"  # meshlm's FALLBACK_PROMPT
 
-# Llama 3.1's shape: the tools in the user turn as JSON, calls as a bare {"name", "parameters"} object.
+# Llama 3.1's shape: the tools in the user turn as JSON, calls as a bare {"name", "parameters"} object, one
+# past call a message, tool results in an `ipython` turn.
 LLAMA31 = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
-    "{%- if tools is not none and message.role == 'user' %}{{- 'Given the following functions, respond with a "
-    "JSON for a function call with its proper arguments. Format: {\"name\": function name, \"parameters\": "
-    "dictionary of argument name and its value}. ' }}{%- for t in tools %}{{- t | tojson }}{%- endfor %}"
-    "{%- endif %}{{- message.content if message.content is string else '' }}{{- '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined and message.tool_calls %}"
+    "{%- if message.tool_calls | length != 1 %}"
+    "{{- raise_exception('This model only supports single tool-calls at once!') }}{%- endif %}"
+    "{%- set call = message.tool_calls[0].function %}"
+    "{{- '<|im_start|>assistant\n{\"name\": \"' + call.name + '\", \"parameters\": ' }}"
+    "{{- call.arguments | tojson }}{{- '}<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + ('ipython' if message.role == 'tool' else message.role) + '\n' }}"
+    "{%- if tools is not none and message.role == 'user' %}{{- 'Given the following functions, please respond "
+    "with a JSON for a function call with its proper arguments that best answers the given prompt. Respond in "
+    "the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}. Do not "
+    "use variables. ' }}{%- for t in tools %}{{- t | tojson }}{%- endfor %}"
+    "{%- endif %}{{- message.content if message.content is string else '' }}{{- '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# A template that shows tools in a syntax neither mlx-lm nor meshlm reads.
+UNREAD = (
+    "{%- if tools %}{{- 'Tools: ' }}{{- tools | tojson }}{{- ' Call one as <<name(arguments)>>.' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}"
+    "{{- message.content if message.content is string else '' }}{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 # Mistral v0.3's shape: [AVAILABLE_TOOLS], calls as [TOOL_CALLS][{...}], ids of 9 letters and digits.
 MISTRAL = (
@@ -76,9 +93,11 @@ def servers(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("syntax")
     logs = tmp_path_factory.mktemp("logs")
     llama = model_with(tiny_model, root / "llama31", LLAMA31)
+    unread = model_with(tiny_model, root / "unread", UNREAD)
     mistral = model_with(tiny_model, root / "mistral", MISTRAL, special_tool_calls=True)
     common = ("--max-model-len", "1024")
     out = {"llama31": ServerProcess(llama, *common, log_dir=logs),
+           "unread": ServerProcess(unread, *common, log_dir=logs),
            "mistral": ServerProcess(mistral, *common, log_dir=logs),
            # the Mistral model told to speak Hermes: its own parser must not read the calls
            "override": ServerProcess(mistral, *common, "--chat-template", HERMES, log_dir=logs)}
@@ -120,19 +139,56 @@ def answer(server: ServerProcess, forced: dict, stream: bool = False, **body) ->
 
 
 def test_a_template_with_tools_but_no_parser_gets_the_fallback_syntax(servers):
-    """Llama 3.1's template was given the tools (asking for its bare JSON), and meshlm read only the
-    fallback `<tool_call>` syntax the model was never shown: every call came back as text."""
-    llama = servers["llama31"]
-    text = prompt_text(llama, {"messages": ASK, "tools": [WEATHER]})
-    assert FALLBACK_WORDS in text and "respond with a JSON for a function call" not in text
+    """A template that shows tools in a syntax nothing reads: the calls it asks for would come back as text,
+    so the model is shown meshlm's fallback syntax, which is read."""
+    unread = servers["unread"]
+    text = prompt_text(unread, {"messages": ASK, "tools": [WEATHER]})
+    assert FALLBACK_WORDS in text and "<<name(arguments)>>" not in text
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    got = answer(llama, {"regex": re.escape(call)})
+    got = answer(unread, {"regex": re.escape(call)})
     assert got["finish"] == "tool_calls" and [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris"})]
     # A past call goes back in the syntax the model was shown
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt_text(
-        llama, {"messages": history, "tools": [WEATHER]})
+        unread, {"messages": history, "tools": [WEATHER]})
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_models_get_their_own_template_and_their_json_calls_are_read(servers, stream):
+    """Llama 3.1-3.3's templates ask for a bare {"name", "parameters"} object, which mlx-lm has no parser
+    for: such models were shown meshlm's fallback prompt instead of the tools as they were trained on."""
+    llama = servers["llama31"]
+    assert "the Llama 3 JSON syntax of the model's chat template" in llama.log.read_text()
+    text = prompt_text(llama, {"messages": ASK, "tools": [WEATHER]})
+    assert FALLBACK_WORDS not in text and "Respond in the format" in text and '"get_weather"' in text
+    got = answer(llama, {"regex": re.escape(LLAMA_CALL)}, stream)
+    assert got["finish"] == "tool_calls" and got["content"] is None, got
+    assert [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris"})]
+    two = LLAMA_CALL + "; " + LLAMA_CALL.replace("Paris", "Rome")
+    got = answer(llama, {"regex": re.escape(two)}, stream)
+    assert [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    # An answer that is not a call is content, whole, streamed or not
+    got = answer(llama, {"regex": re.escape("Sunny, " + LLAMA_CALL)}, stream)
+    assert got == {"content": "Sunny, " + LLAMA_CALL, "finish": "stop", "calls": []}
+
+
+def test_a_llama3_round_trip_renders_the_past_call_and_its_result(servers):
+    llama = servers["llama31"]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = prompt_text(llama, {"messages": history, "tools": [WEATHER]})
+    assert LLAMA_CALL + "<|im_end|>\n<|im_start|>ipython\nsunny" in text and "<tool_call>" not in text
+    # The template takes one call a message; two are its 400, naming it, as vLLM's
+    two = [{**history[1]["tool_calls"][0], "id": f"call_{i}"} for i in (1, 2)]
+    r = httpx.post(llama.url + "/v1/chat/completions", json={
+        "messages": ASK + [{"role": "assistant", "content": None, "tool_calls": two}], "tools": [WEATHER]})
+    assert r.status_code == 400 and "single tool-calls" in r.text, r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -209,3 +209,66 @@ def test_past_calls_arguments_and_mistral_ids_as_templates_take_them():
     assert _past_arguments('{"a": 1}') == {"a": 1} and _past_arguments("not json") == "not json"
     assert _short_id("call_0123456789abcdef01234567") == "f01234567" and _short_id("abcDEF123") == "abcDEF123"
     assert _short_id("c-1") == "c-1" and _short_id(None) is None  # too short: the template names it
+
+
+def llama3_plan(**kw) -> ToolPlan:
+    return ToolPlan("auto", (F, G), leading=True, **kw)
+
+
+LLAMA_CALL = '{"name": "f", "parameters": {"a": "x"}}'
+
+
+@pytest.mark.parametrize("text, want", [
+    (LLAMA_CALL, [("f", '{"a": "x"}')]),
+    ("\n " + LLAMA_CALL + " \n", [("f", '{"a": "x"}')]),
+    ("<|python_tag|>" + LLAMA_CALL, [("f", '{"a": "x"}')]),  # the tag, when special tokens are decoded
+    (LLAMA_CALL + "; " + '{"name": "g", "arguments": {}}', [("f", '{"a": "x"}'), ("g", "{}")]),  # vLLM's join
+    (LLAMA_CALL + "\n" + '{"name": "g"}', [("f", '{"a": "x"}'), ("g", "{}")]),
+])
+def test_llama3_json_calls_are_the_whole_answer(text, want):
+    """Llama 3.1-3.3 answer a call as a bare {"name", "parameters"} object, which mlx-lm has no parser for:
+    such models got meshlm's fallback prompt instead of their own template's tools."""
+    for plan in (llama3_plan(), llama3_plan(parallel=False)):
+        expected = want if plan.parallel else want[:1]
+        content, calls = plan.calls(text)
+        assert content is None and names_and_arguments(calls) == expected
+        for step in (1, 3, len(text)):
+            streamed = stream_all(plan, [text[i:i + step] for i in range(0, len(text), step)])
+            assert (streamed[0], names_and_arguments(streamed[1])) == (None, expected)
+
+
+@pytest.mark.parametrize("text", [
+    "Sunny in Paris.", "  It is {warm}", "<|python_tag|> no call", "[" + LLAMA_CALL + "]",
+    LLAMA_CALL + " and then some text",  # not wholly calls: all of it is text, as vLLM's llama3_json
+    LLAMA_CALL + '; {"name": "zzz", "parameters": {}}',  # one call to no offered tool spoils the set
+    '{"name": "f", "parameters": {"a": 1e999}}', '{"answer": 42}', "{", "<|python_tag|>{" + "[" * 100_000,
+])
+def test_llama3_json_answers_that_are_not_wholly_calls_are_content_whole_or_streamed(text):
+    plan = llama3_plan()
+    assert plan.calls(text) == (text, [])
+    for step in (1, 4, len(text)):
+        assert stream_all(plan, [text[i:i + step] for i in range(0, len(text), step)]) == (text, [])
+
+
+def test_llama3_json_streams_text_once_it_cannot_be_a_call():
+    s = ToolStream(llama3_plan())
+    assert s.feed("  ") == [] and s.feed("<|pyth") == []  # may still become the tag and a call
+    assert s.feed("on_tag|>Hi") == [{"content": "  <|python_tag|>Hi"}]
+    assert s.feed(" there") == [{"content": " there"}]
+    s = ToolStream(llama3_plan())
+    assert s.feed("Hi") == [{"content": "Hi"}] and s.feed(' {"name": "f"}') == [{"content": ' {"name": "f"}'}]
+    assert s.finish() == [] and s.calls == []
+
+
+def test_a_llama3_template_is_rendered_with_its_tools_and_read_in_its_syntax():
+    from types import SimpleNamespace
+
+    from meshlm.api.schemas import ChatCompletionRequest
+    from meshlm.api.tools import native_syntax, plan_tools
+
+    asks = 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+    llama = SimpleNamespace(chat_template="{% if tools %}" + asks + "{% endif %}", tool_parser=None)
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [F]})
+    assert native_syntax(llama, with_tools=True) == "llama3" and plan_tools(req, llama).leading
+    other = SimpleNamespace(chat_template="{% if tools %}call <fn>{% endif %}", tool_parser=None)
+    assert native_syntax(other, with_tools=True) is None and not plan_tools(req, other).leading
