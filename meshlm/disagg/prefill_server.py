@@ -160,7 +160,9 @@ class PrefillService:
         bs = self.salt.block_size
 
         def sink(index: int, data) -> None:  # the engine thread: encode there, MLX stays on one thread
-            items.put(("block", index, *block_packet(job.job_id, index, bs, data)))
+            # the KV bytes, as the receiver counts them (the packet adds the stage wire's headers)
+            kv_bytes = sum(a.nbytes for a in (*data.keys, *data.values))
+            items.put(("block", index, *block_packet(job.job_id, index, bs, data), kv_bytes))
 
         def emit(out: StepOutput) -> None:
             if out.finish_reason is not None:
@@ -185,10 +187,10 @@ class PrefillService:
                     continue
                 progress = time.monotonic()
                 if item[0] == "block":
-                    _, index, packet, crc = item
+                    _, index, packet, crc, kv_bytes = item
                     conn.send_message(Block(index, keys[index], crc), self._deadline())
                     conn.send(packet, self._deadline())
-                    self.metrics.disagg_kv_bytes.labels(direction="sent").inc(len(packet))
+                    self.metrics.disagg_kv_bytes.labels(direction="sent").inc(kv_bytes)
                     sent += 1
                     continue
                 out: StepOutput = item[1]

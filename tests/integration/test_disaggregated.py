@@ -342,14 +342,19 @@ def test_a_prompt_waiting_for_a_prefill_server_counts_in_the_queue_gauge(cluster
 
 def test_n_choices_share_one_transfer(cluster):
     """Regression: n > 1 handed the same prompt off n times (n jobs, n copies of its KV on the wire)."""
-    _, decode, single, relay = cluster
+    prefill, decode, single, relay = cluster
     body = {"prompt": words(500, 777), "max_tokens": 8, "temperature": 0, "n": 3}
     jobs, joined = relay.jobs, metric(decode, "meshlm_disagg_joined_total")
+    sent, received = (metric(prefill, 'meshlm_disagg_kv_bytes_total{direction="sent"}'),
+                      metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}'))
     got = httpx.post(decode.url + "/v1/completions", json=body, timeout=120)
     assert got.status_code == 200, got.text
     want = httpx.post(single.url + "/v1/completions", json={**body, "n": 1}, timeout=120).json()
     assert [c["text"] for c in got.json()["choices"]] == [want["choices"][0]["text"]] * 3
     assert relay.jobs - jobs == 1 and metric(decode, "meshlm_disagg_joined_total") - joined == 2
+    # The two servers' byte counters agree (the sender counted the packets' headers too)
+    sent = metric(prefill, 'meshlm_disagg_kv_bytes_total{direction="sent"}') - sent
+    assert sent > 0 and sent == metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') - received
 
 
 def test_prefill_server_killed_mid_transfer(cluster):
