@@ -239,6 +239,19 @@ def test_a_request_http_cannot_parse_is_a_json_400(server, request_bytes):
     still_serving(server)
 
 
+@pytest.mark.parametrize("kib", [17, 60])
+def test_a_head_over_16_kib_is_refused_however_it_arrives(server, kib):
+    """h11 refuses a head only while it is still arriving past 16 KiB: one that came in a single read was
+    served (17-70 KB answered 200)."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (kib * 1024) + b"\r\n\r\n"
+    status, _, body = _answer_until_closed(server.port, head).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400") and b"connection: close" in status.lower(), status[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+    fits = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * 15_000 + b"\r\n\r\n"
+    assert _answer_until_closed(server.port, fits).startswith(b"HTTP/1.1 200")
+    still_serving(server)
+
+
 def test_a_body_framed_twice_is_refused_and_its_connection_closed(server):
     """Transfer-Encoding and Content-Length together (RFC 9112 6.1: a proxy may have framed the body by the
     other one, request smuggling): a 400, and the connection closed after it, where uvicorn answered by
