@@ -128,7 +128,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--local-all-reduce", default="auto", choices=AUTO_ON_OFF,
                    help="sum through shared memory when every rank is on this machine (auto: where it applies, "
                         "on the CPU; off: the --backend's own all-reduce)")
-    g = p.add_argument_group("pipeline parallelism (docs/DISTRIBUTED.md)")
+    g = p.add_argument_group("pipeline parallelism (docs/PIPELINE.md)")
     g.add_argument("--pipeline-parallel", type=int, default=1,
                    help="stages, each a rank holding a range of layers; alone on one machine it starts them itself")
     g.add_argument("--pp-split", default=None, help="layers per stage in pipeline order, e.g. 10,20 (default: even)")
