@@ -150,9 +150,11 @@ def filter_logits(row: mx.array, p: SamplingParams) -> mx.array:
     if p.top_p < 1:
         probs = mx.softmax(row)
         sorted_probs = mx.sort(probs)[::-1]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        # Keep the smallest prefix whose mass reaches top_p, the first token always: a top_p below the
+        # probabilities' smallest value (5e-324 in float32 is 0) kept none, and id 0 was drawn every time.
         before = mx.cumsum(sorted_probs) - sorted_probs
-        cutoff = mx.where(before < p.top_p, sorted_probs, mx.array(2.0)).min()
+        keep = (before < p.top_p) | (mx.arange(before.shape[-1]) == 0)
+        cutoff = mx.where(keep, sorted_probs, mx.array(2.0)).min()
         row = mx.where(probs < cutoff, neg_inf, row)
     return row
 

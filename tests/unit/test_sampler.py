@@ -104,9 +104,10 @@ def test_seeded_row_does_not_depend_on_its_batch_mates():
     [
         {"temperature": 1.5, "top_k": 1},
         {"temperature": 1.5, "top_p": 1e-6},
+        {"temperature": 1.5, "top_p": 5e-324},  # 0 in float32: it kept no token, and id 0 was drawn
         {"temperature": 1.5, "min_p": 0.999},
     ],
-    ids=["top_k=1", "top_p_tiny", "min_p_near_1"],
+    ids=["top_k=1", "top_p_tiny", "top_p_below_float32", "min_p_near_1"],
 )
 def test_filters_at_their_extreme_reduce_to_greedy(params):
     logits = random_logits(16, seed=2) / 3.0  # gaps between top logits well above fp noise
