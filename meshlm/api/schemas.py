@@ -29,8 +29,11 @@ MAX_DOCUMENTS = 1024  # chat `documents`
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 # vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
-_UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template", "guided_whitespace_pattern")
+_UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template", "guided_whitespace_pattern",
+                     "logits_processors", "structural_tag")
 _VLLM_DEFAULTS = {"use_beam_search": False, "spaces_between_special_tokens": True}
+# Parameters OpenAI's API (and its SDKs, which send `None` as null) types as nullable, meaning the default.
+_NULL_MEANS_DEFAULT = frozenset({"n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo"})
 # What meshlm passes to the chat template itself, or what changes how it is called: not a template variable
 # a client may set through `chat_template_kwargs`.
 _TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -103,6 +106,15 @@ class _Request(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None  # structured_outputs has no whitespace_pattern here either
+    logits_processors: Any = None  # vLLM's: server-side code by name (it refuses them too, unless allowed)
+    structural_tag: Any = None  # vLLM's: tagged regions held to schemas
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
+        return data
 
     @field_validator(*_UNSUPPORTED)
     @classmethod

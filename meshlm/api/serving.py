@@ -131,8 +131,9 @@ class Serving:
             raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({asked})", param="min_tokens")
         if req.prompt_logprobs is not None and req.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
-        # Documented policy: more than fits in the context is clamped to what fits.
-        max_tokens = min(asked if asked is not None else self.default_max_tokens, room)
+        # Documented policy: more than fits in the context is clamped to what fits. Without max_tokens, at
+        # least min_tokens (it was cut to --max-tokens-default unsaid; vLLM's default is the whole context).
+        max_tokens = min(asked if asked is not None else max(self.default_max_tokens, req.min_tokens), room)
         bias = req.bias_items()
         self.prompts.check_ids([t for t, _ in bias], "logit_bias")
         stop_ids = tuple(req.stop_token_ids or ())

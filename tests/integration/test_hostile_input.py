@@ -414,11 +414,27 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"logits_processors": ["my_module.Proc"]}, "logits_processors"),  # was ignored: a 200 unprocessed
+    ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag"),  # was ignored: unconstrained
 ])
 def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
     error_of(r, 400, param)
     still_serving(server)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 3}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "echo": None}),
+])
+def test_nullable_openai_parameters_sent_as_null_mean_their_default(server, path, body):
+    """OpenAI's API types these as nullable and its SDKs send None as null: they were 400s."""
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "stream": None}
+    r = httpx.post(server.url + path, json={**body, **nulls, "temperature": 0})
+    assert r.status_code == 200, r.text
+    plain = httpx.post(server.url + path, json={**body, "temperature": 0}).json()
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0].get("logprobs") is None
+    assert r.json()["usage"] == plain["usage"]
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -544,6 +560,19 @@ def _body(rng: random.Random) -> bytes:
     if mutation == 1:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))  # noise
     return raw
+
+
+def test_min_tokens_without_max_tokens_raises_the_default(tiny_model, tmp_path):
+    """min_tokens above --max-tokens-default, max_tokens omitted: the output was cut to the default (a
+    200 with fewer tokens than asked for); vLLM's default is the whole context."""
+    srv = ServerProcess(tiny_model, "--max-model-len", "64", "--max-tokens-default", "4", log_dir=tmp_path)
+    try:
+        for extra, want in (({"min_tokens": 10}, 10), ({"min_tokens": 2}, 4), ({"min_tokens": 100}, 64 - 3)):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "temperature": 0, **extra})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == want, (extra, r.json()["usage"])
+    finally:
+        srv.stop()
 
 
 def test_fuzzed_bodies_never_get_a_5xx(tiny_model, tmp_path):
