@@ -83,7 +83,7 @@ class ResponseRun:
 
     def _response(self, output: list[dict], c: Choice | None, failed: dict | None = None) -> dict:
         """The response object; `c` None: still running."""
-        req = self.req
+        req, defaults = self.req, self.completion.serving.defaults
         status = "in_progress" if c is None else "failed" if failed else \
             "incomplete" if c.finish_reason == "length" else "completed"
         body = {
@@ -95,7 +95,9 @@ class ResponseRun:
             "previous_response_id": req.previous_response_id,
             # A failed response is not kept: GET would not find it
             "reasoning": {"effort": None, "summary": None}, "store": self.store is not None and not failed,
-            "temperature": req.temperature, "top_p": req.top_p,
+            # what sampled it (OpenAI's objects give the value used, never null)
+            "temperature": defaults.temperature if req.temperature is None else req.temperature,
+            "top_p": defaults.top_p if req.top_p is None else req.top_p,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
             "metadata": req.metadata or {}, "user": req.user, "usage": None,

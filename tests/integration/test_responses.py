@@ -61,6 +61,10 @@ def test_a_response_is_the_chat_completion_it_amounts_to(client, model, max_toke
     assert [item.type for item in got.output] == ["message"] and got.output[0].role == "assistant"
     assert got.output[0].status == ("incomplete" if cut else "completed")
     assert got.model == model and got.id.startswith("resp")
+    # The values that sampled it (they were null when the request left them out): the tiny model has no
+    # generation_config defaults, so OpenAI's
+    plain = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    assert (plain.temperature, plain.top_p, got.temperature) == (1.0, 1.0, 0.0)
 
 
 def same_logprobs(got, want, tol: float = 1e-4) -> None:
