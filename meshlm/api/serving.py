@@ -40,6 +40,7 @@ class Choice:
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class Serving:
                 choice.cached_tokens = out.cached_tokens
                 choice.cache_write_tokens = out.cache_write_tokens
                 choice.finish_reason = out.finish_reason.value
+                choice.stop_reason = out.stop_reason
             yield choice, out
 
     def usage(self, choices: list[Choice], prompts: list[list[int]]) -> dict:

@@ -146,7 +146,7 @@ class Completion:
         if self.thinking is not None:
             reasoning, text = split(text, self.thinking)
         shown = _reasoning_fields(reasoning) if self.include_reasoning else {}
-        body = {"index": c.index, "finish_reason": c.finish_reason,
+        body = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "logprobs": self._logprobs(c, c.logprobs, echo=self.echo)}
         if not self.chat and self.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(c)
@@ -226,6 +226,8 @@ class Completion:
 
     def _event(self, head: dict, c: Choice, chunk: dict) -> dict:
         """One choice's chunk as an SSE event; with vLLM's `continuous_usage_stats`, the usage so far."""
+        if chunk.get("finish_reason") is not None:
+            chunk["stop_reason"] = c.stop_reason  # vLLM's, on a choice's last chunk
         event = {**head, "choices": [chunk]}
         if self.req.continuous_usage:
             done = len(c.token_ids)

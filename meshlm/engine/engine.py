@@ -822,6 +822,13 @@ class Engine:
         if t.stop.stopped and reason is FinishReason.LENGTH:
             # a stop string in the last, unfinished character's text: seen only now, and it cut the text
             reason = FinishReason.STOP
+        stop_reason = None
+        if reason is FinishReason.STOP and t.stop.stopped:
+            stop_reason = t.stop.matched
+        elif reason is FinishReason.STOP and t.seq.output_ids:
+            last = t.seq.output_ids[-1]
+            eos = not t.seq.params.ignore_eos and last in self.eos_token_ids  # EOS is no stop_reason (vLLM)
+            stop_reason = last if last in t.seq.params.stop_token_ids and not eos else None
         if t.export is None:  # a prefill job's end is meshlm_disagg_prefill_jobs_total's
             self.metrics.requests.labels(status=reason.value).inc()
             self.metrics.cached_tokens.inc(t.seq.num_cached_tokens)
@@ -831,6 +838,7 @@ class Engine:
                 tail,
                 prompt_logprobs=t.take_prompt_logprobs(),
                 finish_reason=reason,
+                stop_reason=stop_reason,
                 error=error,
                 request_fault=request_fault,
                 prompt_tokens=len(t.seq.prompt_ids),

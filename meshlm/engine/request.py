@@ -190,6 +190,8 @@ class StepOutput:
     # The prompt's, once (on a sequence's first output): one per prompt token after the first.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's stop_reason: the stop string or the `stop_token_ids` id that ended it; None for EOS or another end
+    stop_reason: str | int | None = None
     error: str | None = None
     # `error` is the request's own (a grammar that cannot go on, no token left to sample): its 400's code;
     # "" where it is the server's

@@ -53,6 +53,7 @@ class StopMatcher:
         self.include = include  # vLLM's include_stop_str_in_output: the matched stop string is shown too
         self.pending = ""  # received, not yet shown: at most the longest stop string's length
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it (vLLM's stop_reason)
 
     def feed(self, piece: str, armed: bool = True) -> str:
         """Add decoded text; return what may be shown now. Sets `stopped` on a match. `armed` false: a
@@ -68,8 +69,9 @@ class StopMatcher:
             done = [a for a in self.automata if a.step(ch)]
             if done and armed:
                 self.stopped = True
+                self.matched = max((a.pattern for a in done), key=len)  # the one cut from the text
                 end = base + i + 1
-                return self.pending[: end if self.include else end - max(len(a.pattern) for a in done)]
+                return self.pending[: end if self.include else end - len(self.matched)]
         held = max(a.state for a in self.automata)
         out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         return out

@@ -97,6 +97,25 @@ def test_stop_string_not_leaked(client):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
 
 
+def test_stop_reason_names_the_stop_string_or_token_id_that_ended_a_choice(client):
+    """vLLM's `stop_reason` beside finish_reason: the matched stop string, the stop_token_ids id, or null
+    (EOS, the length limit). It was missing, so a client could not tell which of its stops ended the text."""
+    req = {"prompt": "once upon a time", "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    assert (full["finish_reason"], full["stop_reason"]) == ("length", None)
+    stop = full["text"][6:9]
+    token = full["token_ids"][3]
+    cases = [({"stop": ["zzz-never", stop]}, stop), ({"stop_token_ids": [token]}, token)]
+    for extra, want in cases:
+        got = client.post("/v1/completions", json={**req, **extra}).json()["choices"][0]
+        assert (got["finish_reason"], got["stop_reason"]) == ("stop", want), extra
+        with client.stream("POST", "/v1/completions", json={**req, **extra, "stream": True}) as r:
+            last = [e for e in sse_events(r.iter_lines())[:-1] if e["choices"][0]["finish_reason"]]
+        assert [(e["choices"][0]["finish_reason"], e["choices"][0]["stop_reason"]) for e in last] == [("stop", want)]
+    chat = client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": [token]}).json()["choices"][0]
+    assert chat["stop_reason"] in (None, token) and (chat["finish_reason"] == "stop") == (chat["stop_reason"] == token)
+
+
 def test_a_stop_string_matched_on_the_last_allowed_token_is_a_stop(client):
     """Regression: the length limit ended the sequence first and the stop string's finish was skipped,
     so the text was cut but finish_reason said "length". vLLM checks stop strings before the limit."""
