@@ -22,6 +22,7 @@ from meshlm.engine.request import FinishReason, SamplingParams, StepOutput
 from meshlm.engine.scheduler import QueueFull
 from meshlm.kv.keys import CacheSalt, block_keys
 from meshlm.metrics import Metrics
+from meshlm.transport.handshakes import HandshakeSlots, RefusalLog
 from meshlm.disagg.prefill_wire import (MAX_HANDSHAKES_PER_HOST, WAITING_SECONDS, Block, Conn, Done, Failed, Job,
                                         PeerInfo, PrefillWireError, Waiting, accept, block_packet)
 
@@ -45,8 +46,8 @@ class PrefillService:
         self.timeout = timeout
         self.metrics = metrics
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._handshaking: dict[str, int] = {}  # address -> connections of it not yet authenticated
-        self._lock = threading.Lock()
+        self._handshaking = HandshakeSlots(MAX_HANDSHAKES_PER_HOST, MAX_HANDSHAKES)
+        self._refusals = RefusalLog(log, "prefill server: dropped a connection from %s: %s")
         self._closed = False
         # An IPv6 --host too, as the control channel and the stage links take one
         self._server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -76,24 +77,12 @@ class PrefillService:
                 sock, addr = self._server.accept()
             except OSError:
                 return  # closed
-            with self._lock:
-                mine = self._handshaking.get(addr[0], 0)
-                crowded = mine >= MAX_HANDSHAKES_PER_HOST or sum(self._handshaking.values()) >= MAX_HANDSHAKES
-                if not crowded:
-                    self._handshaking[addr[0]] = mine + 1
-            if crowded:
-                log.warning("connection from %s:%d dropped: too many connections still to authenticate",
-                            addr[0], addr[1])
+            if not self._handshaking.take(addr[0]):
+                self._refusals.refused(f"{addr[0]}:{addr[1]}", "too many connections still to authenticate")
                 sock.close()
                 continue
             threading.Thread(target=self._serve, args=(sock, addr[0], f"{addr[0]}:{addr[1]}"),
                              name="meshlm-prefill-job", daemon=True).start()
-
-    def _authenticated(self, host: str) -> None:
-        with self._lock:
-            self._handshaking[host] -= 1
-            if not self._handshaking[host]:
-                del self._handshaking[host]
 
     def _serve(self, sock: socket.socket, host: str, peer: str) -> None:
         conn: Conn | None = None
@@ -102,7 +91,7 @@ class PrefillService:
             try:
                 conn = accept(sock, peer, self.secret, HANDSHAKE_SECONDS)
             finally:
-                self._authenticated(host)
+                self._handshaking.release(host)
             slot = self._slots.acquire(blocking=False)
             if not slot:
                 outcome = self._refuse(conn, f"{MAX_CONNECTIONS} jobs already running")

@@ -137,6 +137,15 @@ class Refused(Exception):
     secret). It is dropped and the leader keeps waiting; the message names neither the secret nor a proof."""
 
 
+# The leader's REJECT to an unproven connection it dropped to make room: not a verdict on the worker,
+# which tries again (strangers flooding the control port evicted a real worker, and the start failed).
+BUSY = "too many unauthenticated connections"
+
+
+class LeaderBusy(HandshakeError):
+    """The leader dropped this connection before it could prove itself: its slots were full."""
+
+
 @dataclass
 class Candidate:
     """Leader side: one accepted connection that has not proved itself yet. Nothing it claims is believed
@@ -144,6 +153,7 @@ class Candidate:
 
     link: Link
     deadline: float  # dropped if it has not proved itself by then
+    host: str = ""  # the address it connected from (slots are bounded per host)
     nonce: bytes = field(default_factory=new_nonce, repr=False)
     hello: Hello | None = None
     hello_payload: bytes = field(default=b"", repr=False)
@@ -222,6 +232,8 @@ def _handshake_frame(link: Link, kind: Kind, joining: Joining, deadline: float) 
     except VersionMismatch as e:
         raise HandshakeError(_refuse_version(link, joining, e.version)) from None
     if frame.kind is Kind.REJECT:
+        if frame.version == wire.VERSION and wire.decode_reason(frame.payload) == BUSY:
+            raise LeaderBusy(_rejected(frame, joining))
         raise HandshakeError(_rejected(frame, joining))
     if frame.kind is not kind:
         raise ProtocolError(f"expected {kind.name} or REJECT, got {frame.kind.name}")

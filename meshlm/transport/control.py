@@ -44,10 +44,11 @@ from types import TracebackType
 
 from meshlm.engine.plan import StepPlan
 from meshlm.transport import codec as wire
-from meshlm.transport.auth import (Candidate, ClusterSecret, HandshakeError, Joining, Refused, new_nonce,
-                                  prove_worker)
+from meshlm.transport.auth import (BUSY, Candidate, ClusterSecret, HandshakeError, Joining, LeaderBusy, Refused,
+                                  new_nonce, prove_worker)
 from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, Loaded, ProtocolError, TokenIds,
                                     VersionMismatch, Welcome)
+from meshlm.transport.handshakes import RefusalLog
 from meshlm.transport.link import Link, LinkClosed, LinkTimeout, hung_up, remaining, tune, wait_readable
 from meshlm.step_times import check_totals
 
@@ -184,6 +185,9 @@ class ControlLeader:
         self._closed = threading.Event()  # ends the pulse thread (`_keep_pulsing`)
         self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
         self._dropped_count = 0
+        self._refusals = RefusalLog(log, "control: dropped connection from %s during the handshake: %s")
+        # Unproven connections held per host: every worker of a cluster on one machine, and a few more
+        self._per_host = min(MAX_CANDIDATES, world_size + 3)
         self.worker_times: dict[int, tuple[float, ...]] = {}  # rank -> its seconds by phase, from its last ACK
 
     # -- handshake ------------------------------------------------------------------
@@ -299,14 +303,22 @@ class ControlLeader:
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
-            sock, _ = self._listener.accept()
+            sock, addr = self._listener.accept()
         except OSError:
             return
         tune(sock, max(self.timeout, 5.0))
-        cand = Candidate(Link(sock, wire.WORKER_KINDS, MAX_HELLO_BYTES), time.monotonic() + self.auth_timeout)
+        cand = Candidate(Link(sock, wire.WORKER_KINDS, MAX_HELLO_BYTES), time.monotonic() + self.auth_timeout,
+                         host=addr[0])
+        # A flood of strangers must not exhaust file descriptors, nor evict a real worker: room is made
+        # among the connections of the new one's host, or of the host holding the most (the flooding one),
+        # never among another host's few. An evicted worker is told BUSY and tries again.
         waiting = _candidates(sel)
-        if len(waiting) >= MAX_CANDIDATES:  # a flood of strangers must not exhaust file descriptors
-            self._drop(sel, min(waiting, key=lambda c: c.deadline), "too many unauthenticated connections")
+        mine = [c for c in waiting if c.host == cand.host]
+        if len(mine) >= self._per_host or len(waiting) >= MAX_CANDIDATES:
+            if len(mine) < self._per_host:
+                fullest = collections.Counter(c.host for c in waiting).most_common(1)[0][0]
+                mine = [c for c in waiting if c.host == fullest]
+            self._drop(sel, min(mine, key=lambda c: c.deadline), BUSY)
         try:
             cand.link.send(cand.challenge(), timeout=1.0)
         except LinkClosed:
@@ -349,7 +361,7 @@ class ControlLeader:
         """Refuse one unauthenticated connection; the reason names no secret and no proof."""
         self._dropped.append(f"{cand.link.peer}: {reason}")
         self._dropped_count += 1
-        log.warning("control: dropped connection from %s during the handshake: %s", cand.link.peer, reason)
+        self._refusals.refused(cand.link.peer, reason)
         sel.unregister(cand.link.sock)
         self._reject(cand.link, reason)
 
@@ -724,16 +736,25 @@ class ControlWorker:
         """The roll call: connect (retrying until the deadline), prove this rank, check the leader's proof.
         Raises HandshakeError. `gone`: why the leader will never listen (asked between connection attempts)."""
         deadline = time.monotonic() + self.connect_timeout
-        self._link = Link(self._dial(deadline, gone), wire.LEADER_KINDS, self.max_payload)
-        try:
-            joining = Joining(Hello(self.rank, self.world_size, new_nonce()), self._leader)
-            welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
-        except LeaderLost as e:
-            self.close()
-            raise HandshakeError(str(e)) from None
-        except BaseException:
-            self.close()
-            raise
+        while True:
+            self._link = Link(self._dial(deadline, gone), wire.LEADER_KINDS, self.max_payload)
+            self._seq = 0
+            try:
+                joining = Joining(Hello(self.rank, self.world_size, new_nonce()), self._leader)
+                welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
+                break
+            except LeaderBusy as e:  # dropped to make room before it could prove itself: not a verdict
+                self._link.close()  # the link only: close() would also stop this rank's heartbeats for good
+                if remaining(deadline) == 0:
+                    raise HandshakeError(str(e)) from None
+                log.info("rank %d: %s; trying again", self.rank, e)
+                time.sleep(min(0.2, remaining(deadline)))
+            except LeaderLost as e:
+                self.close()
+                raise HandshakeError(str(e)) from None
+            except BaseException:
+                self.close()
+                raise
         if welcome.world_size != self.world_size:
             self.close()
             raise HandshakeError(f"leader runs world size {welcome.world_size}, this rank expects {self.world_size}")

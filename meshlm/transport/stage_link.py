@@ -23,8 +23,11 @@ naming the stage, which ends the step (and the cluster) like any rank failure.
 from __future__ import annotations
 
 import errno
+import logging
+import queue
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,7 +37,10 @@ from meshlm.transport import stage_wire
 from meshlm.transport.auth import ClusterSecret, new_nonce, proof_matches, stage_proof
 from meshlm.transport.codec import ControlError
 from meshlm.config import split_addr
+from meshlm.transport.handshakes import HandshakeSlots, RefusalLog
 from meshlm.transport.link import recv_exactly, remaining, send_all, tune
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"MLST"
 LINK_VERSION = 1
@@ -42,9 +48,12 @@ _HELLO = struct.Struct("!4sIii32s")
 NONCE, PROOF = 32, 32
 RETRY_SECONDS = 0.1
 # How long one accepted connection has to complete its side of the handshake (a neighbour's takes a
-# round trip): one that connects and stays silent held the accept until the start deadline, and the real
-# neighbour behind it failed too.
+# round trip). Handshakes run side by side, a few per host: one at a time, five silent strangers (the
+# listen backlog) held a real neighbour back 25 s, and a flood of them until the start deadline.
 HANDSHAKE_SECONDS = 5.0
+HANDSHAKES_PER_HOST = 4
+HANDSHAKES = 32
+BACKLOG = 64
 
 
 class StageLinkError(ControlError):
@@ -130,52 +139,95 @@ def listen(host: str, port: int) -> socket.socket:
     srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, port))
-    srv.listen(4)
+    srv.listen(BACKLOG)
     return srv
 
 
 def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, timeout: float,
            liveness: float) -> StageLink:
-    """Take the link from stage `peer` (= own - 1); connections that fail the handshake are dropped
+    """Take the link from stage `peer` (= own - 1). Every connection gets its handshake on a thread of its
+    own, within HANDSHAKE_SECONDS and the slots of its host; those that fail are dropped (and logged),
     and the wait goes on until the deadline."""
     deadline = time.monotonic() + timeout
+    slots = HandshakeSlots(HANDSHAKES_PER_HOST, HANDSHAKES)
+    refusals = RefusalLog(log, f"stage {own}: dropped a connection from %s to its stage link: %s")
+    proven: queue.Queue = queue.Queue()
     problems: list[str] = []
-    while True:
-        left = remaining(deadline)
-        if left == 0:
-            seen = f" (refused: {'; '.join(problems[-3:])})" if problems else ""
-            raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
-        server.settimeout(left)
-        try:
-            sock, addr = server.accept()
-        except (TimeoutError, socket.timeout):
-            continue
+    lock = threading.Lock()
+    taken = threading.Event()  # set once accept returns: handshakes still running close their sockets
+    running: list[threading.Thread] = []
+
+    def handshake(sock: socket.socket, host: str, where: str) -> None:
         try:
             _accept_handshake(sock, secret, own, peer, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
-            return StageLink(sock, own, peer, liveness)
         except (StageLinkError, OSError) as exc:
-            problems.append(f"{addr[0]}:{addr[1]}: {exc}")
+            problems.append(f"{where}: {exc}")
+            refusals.refused(where, str(exc))
             sock.close()
+            return
+        finally:
+            slots.release(host)
+        with lock:
+            if not taken.is_set():
+                proven.put(sock)
+                return
+        sock.close()
+
+    try:
+        while True:
+            try:
+                sock = proven.get_nowait()
+            except queue.Empty:
+                pass
+            else:
+                return StageLink(sock, own, peer, liveness)
+            left = remaining(deadline)
+            if left == 0:
+                for t in running:  # their deadlines are this one: let them say why they failed
+                    t.join(0.2)
+                seen = f" (refused {len(problems)}: {'; '.join(problems[-3:])})" if problems else ""
+                raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
+            server.settimeout(min(left, 0.05))
+            try:
+                sock, addr = server.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            where = f"{addr[0]}:{addr[1]}"
+            if not slots.take(addr[0]):
+                problems.append(f"{where}: too many connections still to prove themselves")
+                refusals.refused(where, "too many connections still to prove themselves")
+                sock.close()
+                continue
+            running[:] = [t for t in running if t.is_alive()]
+            running.append(threading.Thread(target=handshake, args=(sock, addr[0], where),
+                                            name=f"meshlm-stage{own}-handshake", daemon=True))
+            running[-1].start()
+    finally:
+        with lock:
+            taken.set()
+        while not proven.empty():  # a second proven peer (none is expected): not this link
+            proven.get_nowait().close()
 
 
 def connect(addr: str, secret: ClusterSecret, own: int, peer: int, timeout: float, liveness: float) -> StageLink:
-    """Connect to stage `peer` (= own + 1) at host:port, retrying until it listens or the deadline."""
+    """Connect to stage `peer` (= own + 1) at host:port, retrying until it listens or the deadline: also
+    when the listener drops the connection during the handshake (its slots were full: strangers may hold
+    them for a while), not when it fails to prove the secret."""
     host, port = split_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
         try:
             sock = socket.create_connection((host, int(port)), timeout=max(0.1, remaining(deadline)))
-        except OSError as exc:
+            try:
+                _connect_handshake(sock, secret, own, peer, deadline)
+            except BaseException:
+                sock.close()
+                raise
+            return StageLink(sock, own, peer, liveness)
+        except (OSError, _Dropped) as exc:
             if remaining(deadline) == 0:
                 raise StageLinkError(f"stage {own} cannot reach stage {peer} at {addr}: {exc}") from None
-            time.sleep(RETRY_SECONDS)
-            continue
-        try:
-            _connect_handshake(sock, secret, own, peer, deadline)
-        except BaseException:
-            sock.close()
-            raise
-        return StageLink(sock, own, peer, liveness)
+            time.sleep(min(RETRY_SECONDS, remaining(deadline)))
 
 
 def _pair(stage_from: int, stage_to: int) -> bytes:
@@ -208,13 +260,17 @@ def _connect_handshake(sock: socket.socket, secret: ClusterSecret, own: int, pee
     _write(sock, stage_proof(secret, False, nonce, their_nonce, link), deadline)
 
 
+class _Dropped(StageLinkError):
+    """The other end closed the connection during the handshake (or never answered in time)."""
+
+
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
     try:
         return recv_exactly(sock, n, deadline)
     except TimeoutError:
-        raise StageLinkError("handshake timed out") from None
+        raise _Dropped("handshake timed out") from None
     except EOFError:
-        raise StageLinkError("closed during the handshake") from None
+        raise _Dropped("closed during the handshake") from None
 
 
 def _write(sock: socket.socket, data: bytes, deadline: float) -> None:

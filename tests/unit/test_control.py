@@ -1329,3 +1329,63 @@ def test_the_leader_reads_once_more_before_calling_an_arrived_ack_missing(monkey
         assert acked.wait(TIMEOUT)  # sent over loopback: in the leader's socket
         monkeypatch.setattr(control, "wait_readable", blind)
         assert set(leader.collect_acks(0, timeout=0.01)) == {1}
+
+
+def _from(host: str, port: int) -> socket.socket:
+    """A connection to the leader from another loopback address (another host, as the leader sees it)."""
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _slow_proof(monkeypatch, seconds: float) -> None:
+    """Workers send their PROOF `seconds` late, as one a WAN round trip away does."""
+    send = ControlWorker._send
+
+    def late(self, kind, payload):
+        if kind is Kind.PROOF:
+            time.sleep(seconds)
+        return send(self, kind, payload)
+
+    monkeypatch.setattr(ControlWorker, "_send", late)
+
+
+def test_a_flood_from_one_host_neither_evicts_a_worker_of_another_nor_floods_the_log(monkeypatch, caplog):
+    """Past 32 unproven connections the leader dropped the oldest, a real worker still proving itself
+    among them: told 'too many unauthenticated connections', it exited and the start failed. Each
+    dropped connection was a warning: ~1,500 lines a second."""
+    _slow_proof(monkeypatch, 0.5)
+    leader = _leader()
+    waiting = Waiting(leader)
+    workers = _start(leader.port, 2, [(1, FP)])
+    time.sleep(0.1)  # the worker's connection is the oldest one waiting
+    flood = []
+    for _ in range(3 * control.MAX_CANDIDATES):
+        with contextlib.suppress(ConnectionRefusedError):  # the listen backlog overflows now and then
+            flood.append(_from("127.0.0.2", leader.port))
+    assert set(waiting.outcome()) == {1}
+    assert "trying again" not in caplog.text  # never evicted
+    assert leader._dropped_count > 0  # the flood did fill the slots
+    _serve_one_plan(leader, workers)
+    assert len(re.findall("dropped connection from", caplog.text)) <= 6, caplog.text[-2000:]
+    for sock in flood:
+        sock.close()
+
+
+def test_a_worker_dropped_to_make_room_tries_again(monkeypatch, caplog):
+    """Strangers from enough hosts can still fill the leader's slots: an evicted worker is told BUSY, and
+    it connects again until its deadline instead of failing the start."""
+    caplog.set_level(logging.INFO, logger="meshlm.transport.control")
+    _slow_proof(monkeypatch, 0.3)
+    monkeypatch.setattr(control, "MAX_CANDIDATES", 1)
+    leader = _leader()
+    waiting = Waiting(leader)
+    workers = _start(leader.port, 2, [(1, FP)])
+    time.sleep(0.1)
+    strangers = [_from(f"127.0.0.{i}", leader.port) for i in (2, 3, 4)]  # each evicts the one before
+    assert set(waiting.outcome()) == {1}
+    assert "too many unauthenticated connections; trying again" in caplog.text
+    _serve_one_plan(leader, workers)
+    for sock in strangers:
+        sock.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -186,5 +187,54 @@ def test_a_silent_connection_does_not_keep_the_real_neighbour_out(monkeypatch):
     hidden = mx.ones((1, 2, 8))
     out["link"].send_activation(0, 0, hidden, 5.0)
     assert mx.array_equal(link.recv_activation(0, 0, 2, ActivationSpec(8, mx.float32), 5.0), hidden)
+    for s in (lurker, server, link, out["link"]):
+        s.close()
+
+
+def test_silent_strangers_from_another_host_do_not_hold_the_neighbour_back():
+    """The listener took one handshake at a time, HANDSHAKE_SECONDS each, behind a backlog of 4: five
+    silent strangers delayed a real neighbour 25 s, and a flood of them failed the start."""
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    strangers = []
+    for _ in range(10):
+        s = socket.socket()
+        s.bind(("127.0.0.2", 0))
+        s.connect(("127.0.0.1", port))
+        strangers.append(s)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault(
+        "link", stage_link.connect(f"127.0.0.1:{port}", SECRET, 0, 1, 10.0, 5.0)))
+    t0 = time.monotonic()
+    t.start()
+    link = stage_link.accept(server, SECRET, 1, 0, 10.0, 5.0)
+    t.join()
+    assert time.monotonic() - t0 < 2.0
+    hidden = mx.ones((1, 2, 8))
+    out["link"].send_activation(0, 0, hidden, 5.0)
+    assert mx.array_equal(link.recv_activation(0, 0, 2, ActivationSpec(8, mx.float32), 5.0), hidden)
+    for s in (*strangers, server, link, out["link"]):
+        s.close()
+
+
+def test_a_neighbour_dropped_while_its_hosts_slots_are_full_tries_again(monkeypatch):
+    monkeypatch.setattr(stage_link, "HANDSHAKES_PER_HOST", 1)
+    monkeypatch.setattr(stage_link, "HANDSHAKE_SECONDS", 0.5)
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    out: dict = {}
+
+    def accept():
+        out["link"] = stage_link.accept(server, SECRET, 1, 0, 10.0, 5.0)
+
+    t = threading.Thread(target=accept)
+    t.start()
+    lurker = socket.create_connection(("127.0.0.1", port))  # the host's only slot, for 0.5 s
+    time.sleep(0.1)
+    link = stage_link.connect(f"127.0.0.1:{port}", SECRET, 0, 1, 10.0, 5.0)  # dropped at first, then in
+    t.join()
+    hidden = mx.ones((1, 2, 8))
+    link.send_activation(0, 0, hidden, 5.0)
+    assert mx.array_equal(out["link"].recv_activation(0, 0, 2, ActivationSpec(8, mx.float32), 5.0), hidden)
     for s in (lurker, server, link, out["link"]):
         s.close()

@@ -1,0 +1,60 @@
+"""What a listener holds for connections still proving themselves: bounded slots per host and in all,
+and a log of the connections it refused that a flood cannot turn into a flood of lines.
+
+A stranger may connect to any of meshlm's listeners (the control port, a pipeline stage's port, a
+prefill server's port) and send nothing, or garbage, or a slow handshake. Bounding the slots per host
+keeps one flooding host from taking every slot a real peer on another host needs; bounding them in all
+keeps many hosts from exhausting file descriptors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+
+class HandshakeSlots:
+    def __init__(self, per_host: int, total: int) -> None:
+        self.per_host, self.total = per_host, total
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, host: str) -> bool:
+        """A slot for one more connection from `host`, or False when the host or the listener is full."""
+        with self._lock:
+            mine = self._held.get(host, 0)
+            if mine >= self.per_host or sum(self._held.values()) >= self.total:
+                return False
+            self._held[host] = mine + 1
+            return True
+
+    def release(self, host: str) -> None:
+        with self._lock:
+            self._held[host] -= 1
+            if not self._held[host]:
+                del self._held[host]
+
+
+class RefusalLog:
+    """Each of the first `first` refusals in a line of its own, then a line at most every `every` seconds
+    saying how many more there were: a localhost flood wrote ~1,500 warnings a second."""
+
+    def __init__(self, log: logging.Logger, line: str, first: int = 5, every: float = 10.0) -> None:
+        """`line`: the warning, with %s for the peer and then the reason."""
+        self.log, self.line, self.first, self.every = log, line, first, every
+        self._lock = threading.Lock()
+        self.count = 0  # refusals so far
+        self._unsaid = 0  # refusals since the last line
+        self._last = 0.0
+
+    def refused(self, peer: str, reason: str) -> None:
+        with self._lock:
+            self.count += 1
+            now = time.monotonic()
+            if self.count > self.first and now - self._last < self.every:
+                self._unsaid += 1
+                return
+            more, self._unsaid, self._last = self._unsaid, 0, now
+        tail = f" ({more} more refused since the last such line)" if more else ""
+        self.log.warning(self.line + "%s", peer, reason, tail)
