@@ -2,9 +2,11 @@
 
 Their templates ask for `{"name": function name, "parameters": dictionary of argument name and its value}`
 with no marker around it: a call is the answer itself, a JSON object at its start (after an optional
-`<|python_tag|>`), several joined by `;`. vLLM reads it with its `llama3_json` parser, by the same rules:
-an answer that starts otherwise is text, and one that starts with an object but is not wholly calls is
-text too (a partial set of calls would be a wrong answer).
+`<|python_tag|>`), several joined by `;`. As vLLM's `llama3_json` streams them, an answer that starts
+otherwise is text. Stricter than vLLM's whole-answer reading, which takes every object anywhere in the
+text as a call and drops the text around them: an answer that is not wholly calls is all content here,
+streamed or not (prose quoting a JSON example is no call, and a partial set of calls would be a wrong
+answer).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def parse_calls(body: str, decoder: json.JSONDecoder) -> list[dict]:
         if not isinstance(obj, dict):
             raise ValueError("a call is not a JSON object")
         # vLLM's parser takes `arguments` where a model writes it instead of the template's `parameters`
-        args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+        args = obj["arguments"] if obj.get("arguments") is not None else obj.get("parameters", {})
         calls.append({"name": obj.get("name"), "arguments": args})
         at = _skip_space(body, at)
         if at < len(body) and body[at] == ";":

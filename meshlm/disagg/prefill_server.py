@@ -66,6 +66,7 @@ class PrefillService:
 
     def close(self) -> None:
         self._closed = True
+        self._refusals.close()
         try:
             self._server.close()
         except OSError:

@@ -48,7 +48,7 @@ from meshlm.transport.auth import (BUSY, Candidate, ClusterSecret, HandshakeErro
                                   new_nonce, prove_worker)
 from meshlm.transport.codec import (Ack, ControlError, Frame, Hello, Kind, Loaded, ProtocolError, TokenIds,
                                     VersionMismatch, Welcome)
-from meshlm.transport.handshakes import RefusalLog
+from meshlm.transport.handshakes import RefusalLog, host_key
 from meshlm.transport.link import Link, LinkClosed, LinkTimeout, hung_up, remaining, tune, wait_readable
 from meshlm.step_times import check_totals
 
@@ -222,6 +222,7 @@ class ControlLeader:
                 raise
             finally:
                 self._close_unadmitted(sel)
+                self._refusals.close()
         self._listener.close()  # a static world: late or extra workers must not get in
         return {rank: c.hello for rank, c in admitted.items() if c.hello is not None}
 
@@ -308,17 +309,18 @@ class ControlLeader:
             return
         tune(sock, max(self.timeout, 5.0))
         cand = Candidate(Link(sock, wire.WORKER_KINDS, MAX_HELLO_BYTES), time.monotonic() + self.auth_timeout,
-                         host=addr[0])
+                         host=host_key(addr[0]))
         # A flood of strangers must not exhaust file descriptors, nor evict a real worker: room is made
-        # among the connections of the new one's host, or of the host holding the most (the flooding one),
-        # never among another host's few. An evicted worker is told BUSY and tries again.
+        # among the new connection's host when it holds its share, else among all, preferring one that
+        # has said nothing (a worker sends its HELLO as it connects), then one of the host holding the
+        # most, then the oldest. Strangers from many addresses that send HELLOs can still evict a worker:
+        # it is told BUSY and tries again.
         waiting = _candidates(sel)
         mine = [c for c in waiting if c.host == cand.host]
         if len(mine) >= self._per_host or len(waiting) >= MAX_CANDIDATES:
-            if len(mine) < self._per_host:
-                fullest = collections.Counter(c.host for c in waiting).most_common(1)[0][0]
-                mine = [c for c in waiting if c.host == fullest]
-            self._drop(sel, min(mine, key=lambda c: c.deadline), BUSY)
+            pool = mine if len(mine) >= self._per_host else waiting
+            held = collections.Counter(c.host for c in waiting)
+            self._drop(sel, min(pool, key=lambda c: (c.hello is not None, -held[c.host], c.deadline)), BUSY)
         try:
             cand.link.send(cand.challenge(), timeout=1.0)
         except LinkClosed:

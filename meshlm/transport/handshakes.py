@@ -14,6 +14,12 @@ import threading
 import time
 
 
+def host_key(address: str) -> str:
+    """The host a connection's address names: an IPv4 peer of a dual-stack listener (`::ffff:a.b.c.d`)
+    counts as the same host as on an IPv4 one."""
+    return address[7:] if address.startswith("::ffff:") and "." in address else address
+
+
 class HandshakeSlots:
     def __init__(self, per_host: int, total: int) -> None:
         self.per_host, self.total = per_host, total
@@ -47,6 +53,13 @@ class RefusalLog:
         self.count = 0  # refusals so far
         self._unsaid = 0  # refusals since the last line
         self._last = 0.0
+
+    def close(self) -> None:
+        """Once the listener stops taking connections: the refusals no line has counted yet, in one."""
+        with self._lock:
+            more, self._unsaid = self._unsaid, 0
+        if more:
+            self.log.warning(self.line, "other peers", f"{more} more connection(s) refused since the last such line")
 
     def refused(self, peer: str, reason: str) -> None:
         with self._lock:

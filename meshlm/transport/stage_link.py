@@ -22,6 +22,7 @@ naming the stage, which ends the step (and the cluster) like any rank failure.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import queue
@@ -37,7 +38,7 @@ from meshlm.transport import stage_wire
 from meshlm.transport.auth import ClusterSecret, new_nonce, proof_matches, stage_proof
 from meshlm.transport.codec import ControlError
 from meshlm.config import split_addr
-from meshlm.transport.handshakes import HandshakeSlots, RefusalLog
+from meshlm.transport.handshakes import HandshakeSlots, RefusalLog, host_key
 from meshlm.transport.link import recv_exactly, remaining, send_all, tune
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ MAGIC = b"MLST"
 LINK_VERSION = 1
 _HELLO = struct.Struct("!4sIii32s")
 NONCE, PROOF = 32, 32
+# In place of the listener's nonce and proof: a verdict (another stage pair, another build), the reason
+# after it. The connecting stage fails at once, where a bare close would have it retry until its deadline.
+REFUSED = b"MLST-REFUSED\x00"
 RETRY_SECONDS = 0.1
 # How long one accepted connection has to complete its side of the handshake (a neighbour's takes a
 # round trip). Handshakes run side by side, a few per host: one at a time, five silent strangers (the
@@ -175,16 +179,21 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
 
     try:
         while True:
+            left = remaining(deadline)
+            if left == 0:
+                for t in running:  # their deadlines are this one: let them finish, or say why they failed
+                    t.join(0.2)
             try:
                 sock = proven.get_nowait()
             except queue.Empty:
                 pass
             else:
-                return StageLink(sock, own, peer, liveness)
-            left = remaining(deadline)
+                try:
+                    return StageLink(sock, own, peer, liveness)
+                except OSError as exc:
+                    sock.close()
+                    raise StageLinkError(f"link from stage {peer} failed: {exc}") from None
             if left == 0:
-                for t in running:  # their deadlines are this one: let them say why they failed
-                    t.join(0.2)
                 seen = f" (refused {len(problems)}: {'; '.join(problems[-3:])})" if problems else ""
                 raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
             server.settimeout(min(left, 0.05))
@@ -192,14 +201,14 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
                 sock, addr = server.accept()
             except (TimeoutError, socket.timeout):
                 continue
-            where = f"{addr[0]}:{addr[1]}"
-            if not slots.take(addr[0]):
+            where, host = f"{addr[0]}:{addr[1]}", host_key(addr[0])
+            if not slots.take(host):
                 problems.append(f"{where}: too many connections still to prove themselves")
                 refusals.refused(where, "too many connections still to prove themselves")
                 sock.close()
                 continue
             running[:] = [t for t in running if t.is_alive()]
-            running.append(threading.Thread(target=handshake, args=(sock, addr[0], where),
+            running.append(threading.Thread(target=handshake, args=(sock, host, where),
                                             name=f"meshlm-stage{own}-handshake", daemon=True))
             running[-1].start()
     finally:
@@ -207,12 +216,14 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
             taken.set()
         while not proven.empty():  # a second proven peer (none is expected): not this link
             proven.get_nowait().close()
+        refusals.close()
 
 
 def connect(addr: str, secret: ClusterSecret, own: int, peer: int, timeout: float, liveness: float) -> StageLink:
     """Connect to stage `peer` (= own + 1) at host:port, retrying until it listens or the deadline: also
     when the listener drops the connection during the handshake (its slots were full: strangers may hold
-    them for a while), not when it fails to prove the secret."""
+    them for a while), not when it fails to prove the secret or refuses the link (another stage pair or
+    build)."""
     host, port = split_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
@@ -220,10 +231,10 @@ def connect(addr: str, secret: ClusterSecret, own: int, peer: int, timeout: floa
             sock = socket.create_connection((host, int(port)), timeout=max(0.1, remaining(deadline)))
             try:
                 _connect_handshake(sock, secret, own, peer, deadline)
+                return StageLink(sock, own, peer, liveness)
             except BaseException:
                 sock.close()
                 raise
-            return StageLink(sock, own, peer, liveness)
         except (OSError, _Dropped) as exc:
             if remaining(deadline) == 0:
                 raise StageLinkError(f"stage {own} cannot reach stage {peer} at {addr}: {exc}") from None
@@ -238,10 +249,18 @@ def _accept_handshake(sock: socket.socket, secret: ClusterSecret, own: int, peer
     magic, version, stage_from, stage_to, their_nonce = _HELLO.unpack(_read(sock, _HELLO.size, deadline))
     if magic != MAGIC:
         raise StageLinkError("not a meshlm stage link")
+    verdict = told = None
     if version != LINK_VERSION:
-        raise StageLinkError(f"speaks stage link version {version}, this build speaks {LINK_VERSION}")
-    if (stage_from, stage_to) != (peer, own):
-        raise StageLinkError(f"claims to link stage {stage_from} to {stage_to}; stage {own} takes only stage {peer}")
+        verdict = f"speaks stage link version {version}, this build speaks {LINK_VERSION}"
+        told = f"it speaks link version {LINK_VERSION}"
+    elif (stage_from, stage_to) != (peer, own):
+        verdict = f"claims to link stage {stage_from} to {stage_to}; stage {own} takes only stage {peer}"
+        told = f"it takes only stage {peer}"
+    if verdict is not None:  # a stage of this or another build: tell it (in 51 bytes), waiting cannot help
+        with contextlib.suppress(StageLinkError, OSError):
+            reply = REFUSED + told.encode()[:NONCE + PROOF - len(REFUSED)]
+            _write(sock, reply.ljust(NONCE + PROOF, b"\0"), deadline)
+        raise StageLinkError(verdict)
     nonce = new_nonce()
     link = _pair(peer, own)
     _write(sock, nonce + stage_proof(secret, True, nonce, their_nonce, link), deadline)
@@ -253,6 +272,9 @@ def _connect_handshake(sock: socket.socket, secret: ClusterSecret, own: int, pee
     nonce = new_nonce()
     _write(sock, _HELLO.pack(MAGIC, LINK_VERSION, own, peer, nonce), deadline)
     reply = _read(sock, NONCE + PROOF, deadline)
+    if reply.startswith(REFUSED):
+        why = reply[len(REFUSED):].rstrip(b"\0").decode(errors="replace")
+        raise StageLinkError(f"stage {peer} refused the link from stage {own}: {why}")
     their_nonce, proof = reply[:NONCE], reply[NONCE:]
     link = _pair(own, peer)
     if not proof_matches(stage_proof(secret, True, their_nonce, nonce, link), proof):

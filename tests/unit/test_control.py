@@ -1389,3 +1389,24 @@ def test_a_worker_dropped_to_make_room_tries_again(monkeypatch, caplog):
     _serve_one_plan(leader, workers)
     for sock in strangers:
         sock.close()
+
+
+def test_silent_strangers_from_many_hosts_are_dropped_before_a_worker_that_spoke(monkeypatch, caplog):
+    """Each stranger on an address of its own ties every host at one connection: the oldest overall, the
+    worker still proving itself, was the one dropped. A worker sends its HELLO as it connects, so
+    connections that said nothing go first."""
+    caplog.set_level(logging.INFO, logger="meshlm.transport.control")
+    _slow_proof(monkeypatch, 0.5)
+    leader = _leader()
+    waiting = Waiting(leader)
+    workers = _start(leader.port, 2, [(1, FP)])
+    time.sleep(0.1)
+    flood = []
+    for i in range(2 * control.MAX_CANDIDATES):
+        with contextlib.suppress(ConnectionRefusedError):
+            flood.append(_from(f"127.0.1.{i + 1}", leader.port))
+    assert set(waiting.outcome()) == {1}
+    assert "trying again" not in caplog.text and leader._dropped_count > 0
+    _serve_one_plan(leader, workers)
+    for sock in flood:
+        sock.close()

@@ -158,6 +158,16 @@ def test_a_stage_with_the_wrong_secret_or_place_is_refused():
     assert "did not connect" in str(out["accept_error"]) and "refused" in str(out["accept_error"])
     out = _pair(claim=(2, 1), timeout=1.5)
     assert "stage 1 takes only stage 0" in str(out["accept_error"])
+    # Told so, the connecting stage fails at once: a bare close would have it retry until its deadline
+    server = stage_link.listen("127.0.0.1", 0)
+    t = threading.Thread(target=lambda: pytest.raises(StageLinkError, stage_link.accept, server, SECRET, 1, 0, 3.0, 5.0))
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(StageLinkError, match="stage 1 refused the link from stage 2: it takes only stage 0"):
+        stage_link.connect(f"127.0.0.1:{server.getsockname()[1]}", SECRET, 2, 1, 20.0, 5.0)
+    assert time.monotonic() - t0 < 2.0
+    t.join()
+    server.close()
 
 
 def test_a_silent_neighbour_is_a_timeout_not_a_hang():

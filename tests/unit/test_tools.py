@@ -239,7 +239,7 @@ def test_llama3_json_calls_are_the_whole_answer(text, want):
 
 @pytest.mark.parametrize("text", [
     "Sunny in Paris.", "  It is {warm}", "<|python_tag|> no call", "[" + LLAMA_CALL + "]",
-    LLAMA_CALL + " and then some text",  # not wholly calls: all of it is text, as vLLM's llama3_json
+    LLAMA_CALL + " and then some text",  # not wholly calls: all of it is text (vLLM's whole reading: a call)
     LLAMA_CALL + '; {"name": "zzz", "parameters": {}}',  # one call to no offered tool spoils the set
     '{"name": "f", "parameters": {"a": 1e999}}', '{"answer": 42}', "{", "<|python_tag|>{" + "[" * 100_000,
 ])
