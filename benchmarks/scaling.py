@@ -64,7 +64,8 @@ import tensor_parallel as tp  # noqa: E402  (scrape, finish, end_report, other_s
 TARGETS = {"tensor": 1.7, "pipeline": 1.7, "context": None}  # N=2 ranks / one core at 16 streams (issues 13, 17)
 LAYOUT_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--pipeline-parallel", "context": "--context-parallel"}
 _RANK_SECONDS = re.compile(r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\}\s+(\S+)$')
-_ALL_REDUCE_SECONDS = re.compile(r'^meshlm_all_reduce_seconds_total\{part="(\w+)"\}\s+(\S+)$')
+_ALL_REDUCE_SECONDS = re.compile(r'^meshlm_all_reduce_seconds_total\{part="(\w+)",rank="(\d+)"\}\s+(\S+)$')
+_ALL_REDUCES = re.compile(r'^meshlm_all_reduce_total\{rank="(\d+)"\}\s+(\S+)$')
 PROBE_ITERS = 300
 DECODE_PROBE_CONTEXT = 256  # tokens per row before decoding: about the load's prompts
 
@@ -162,11 +163,11 @@ def start_ranks(model: Path, args: argparse.Namespace, workdir: Path, run: int) 
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def rank_seconds(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
-    """From /metrics: `meshlm_rank_seconds_total` as {rank: {phase: seconds}}, and rank 0's shared-memory
-    all-reduce seconds as {part: seconds} (empty where the ranks sum with MLX's backend)."""
+def rank_seconds(url: str) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
+    """From /metrics: `meshlm_rank_seconds_total` as {rank: {phase: seconds}}, and every rank's shared-memory
+    all-reduces as {rank: {"count", "total", "waiting"}} (empty where the ranks sum with MLX's backend)."""
     out: dict[int, dict[str, float]] = {}
-    sums: dict[str, float] = {}
+    sums: dict[int, dict[str, float]] = {}
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -175,7 +176,9 @@ def rank_seconds(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float
         if m := _RANK_SECONDS.match(line.strip()):
             out.setdefault(int(m.group(2)), {})[m.group(1)] = float(m.group(3))
         elif m := _ALL_REDUCE_SECONDS.match(line.strip()):
-            sums[m.group(1)] = float(m.group(2))
+            sums.setdefault(int(m.group(2)), {})[m.group(1)] = float(m.group(3))
+        elif m := _ALL_REDUCES.match(line.strip()):
+            sums.setdefault(int(m.group(1)), {})["count"] = float(m.group(2))
     return out, sums
 
 
@@ -212,11 +215,10 @@ def run_load(cluster: pp.Cluster, args: argparse.Namespace, info: dict[str, Any]
         if steps > 0:
             summary["ms_per_step_by_rank"] = breakdown(times0, times1, steps, summary["wall_s"])
             if sums1:
-                count = after.get("meshlm_all_reduce_total", 0) - before.get("meshlm_all_reduce_total", 0)
-                summary["all_reduce_rank0"] = {
-                    "sums_per_step": round(count / steps, 2),
-                    **{f"{part}_ms_per_step": round((s - sums0.get(part, 0.0)) / steps * 1e3, 3)
-                       for part, s in sums1.items()}}
+                summary["all_reduce_by_rank"] = {str(rank): {
+                    "sums_per_step": round((parts.get("count", 0) - sums0.get(rank, {}).get("count", 0)) / steps, 2),
+                    **{f"{part}_ms_per_step": round((s - sums0.get(rank, {}).get(part, 0.0)) / steps * 1e3, 3)
+                       for part, s in parts.items() if part != "count"}} for rank, parts in sorted(sums1.items())}
         info["load"] = summary
         info["_texts"] = [r.text if r.ok else None for r in results]
         ok = not summary.get("requests_failed")
@@ -334,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             "ms_per_step_by_rank": "meshlm_rank_seconds_total over the load / engine steps; device = the forward and "
                                    "its collectives (see all_reduce for the collectives alone); unaccounted = wall "
                                    "per step minus every phase (rank 0: its HTTP thread's share of the core)",
-            "all_reduce_rank0": "rank 0's shared-memory sums inside the forwards (meshlm_all_reduce_*) per engine "
-                                "step: total, and waiting for the other ranks to reach the same sum (their skew)",
+            "all_reduce_by_rank": "each rank's shared-memory sums inside the forwards (meshlm_all_reduce_*) per "
+                                  "engine step: total, and waiting for the other ranks to reach the same sum "
+                                  "(their skew)",
         },
     }
     if others := tp.other_servers():

@@ -131,9 +131,10 @@ class RankTimesCollector:
 
 
 class AllReduceCollector:
-    """Rank 0's tensor-parallel sums through shared memory (transport/local_reduce.py), read at scrape
-    time: how many, their seconds, and the part of those spent waiting for the other ranks (the
-    skew between ranks; the rest is copying and adding). Part of meshlm_rank_seconds' device phase."""
+    """Every rank's tensor-parallel sums through shared memory (transport/local_reduce.py), read at scrape
+    time (a worker's as of its last ack): how many, their seconds, and the part of those spent waiting for
+    the other ranks (the skew between ranks; the rest is copying and adding). Part of
+    meshlm_rank_seconds' device phase."""
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -141,13 +142,16 @@ class AllReduceCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        count, seconds, waiting = self.stats()
-        yield CounterMetricFamily("meshlm_all_reduce", "Shared-memory all-reduces rank 0 took part in", value=count)
-        family = CounterMetricFamily("meshlm_all_reduce_seconds", "Rank 0's seconds in shared-memory all-reduces, "
-                                     "all of it (total) and waiting for the other ranks' parts (waiting)",
-                                     labels=["part"])
-        family.add_metric(["total"], seconds)
-        family.add_metric(["waiting"], waiting)
+        counts = CounterMetricFamily("meshlm_all_reduce", "Shared-memory all-reduces each rank took part in",
+                                     labels=["rank"])
+        family = CounterMetricFamily("meshlm_all_reduce_seconds", "Each rank's seconds in shared-memory "
+                                     "all-reduces, all of it (total) and waiting for the other ranks' parts "
+                                     "(waiting)", labels=["part", "rank"])
+        for rank, (count, seconds, waiting) in sorted(self.stats().items()):
+            counts.add_metric([str(rank)], count)
+            family.add_metric(["total", str(rank)], seconds)
+            family.add_metric(["waiting", str(rank)], waiting)
+        yield counts
         yield family
 
 

@@ -344,7 +344,8 @@ def _follow(config: ServeConfig, topo: Topology) -> int:
     loaded, rank, sums = _load(config, topo, control.sockets())
     # Rank 0 creates the sums' file before it starts the cluster.
     return run_worker(topo.parallel, control, rank, _handshake_fingerprint(loaded, topo),
-                      on_joined=sums.join if sums is not None else None, local=topo.leader_gone is not None)
+                      on_joined=sums.join if sums is not None else None, local=topo.leader_gone is not None,
+                      sums=sums)
 
 
 def control_leader(topo: Topology):

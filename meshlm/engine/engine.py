@@ -72,8 +72,9 @@ class Executor(Protocol):
         """Every rank's seconds by phase so far (workers' as of their last ACK), in PHASES order."""
         ...
 
-    def all_reduce_stats(self) -> tuple[int, float, float] | None:
-        """Rank 0's shared-memory all-reduces: (count, seconds, seconds waiting); None where there are none."""
+    def all_reduce_stats(self) -> dict[int, tuple[int, float, float]] | None:
+        """Each rank's shared-memory all-reduces, {rank: (count, seconds, seconds waiting)} (workers' as of
+        their last ACK); None where there are none."""
         ...
 
     def idle(self) -> None:

@@ -161,9 +161,10 @@ class TensorExecutor:
         if self.sums is not None:
             self.sums.abort()
 
-    def all_reduce_stats(self) -> tuple[int, float, float] | None:
-        """Rank 0's shared-memory sums: (count, seconds, seconds waiting for the others); None without."""
-        return self.sums.stats() if self.sums is not None else None
+    def all_reduce_stats(self) -> dict[int, tuple[int, float, float]] | None:
+        """Every rank's shared-memory sums, {rank: (count, seconds, seconds waiting for the others)}: rank
+        0's own now, each worker's as of its last ack; None where the ranks sum with MLX's backend."""
+        return {0: self.sums.stats(), **self.control.worker_sums} if self.sums is not None else None
 
     def close(self) -> None:
         self.control.shutdown(reason="leader shutting down", linger=1.0)

@@ -80,11 +80,12 @@ def answer_roll_call(cfg: ParallelConfig, secret: ClusterSecret, start_timeout: 
 
 def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fingerprint: str,
                join_stages: Callable[[], StageIO] | None = None, on_joined: Callable[[], None] | None = None,
-               local: bool = False) -> int:
+               local: bool = False, sums=None) -> int:
     """Say this rank has loaded, wait for the start, then serve plans until the cluster ends.
     `join_stages`: a pipeline stage's links to its neighbours, formed once the cluster has started;
     `on_joined`: called once it has (joining the shared-memory sums, whose file the leader makes before
-    it starts the cluster); `local`: rank 0 started this process (`_leave_stopping_to_rank_0`)."""
+    it starts the cluster); `local`: rank 0 started this process (`_leave_stopping_to_rank_0`); `sums`: the
+    SharedMemoryGroup this rank's layers sum over, whose counts its acks carry (None: MLX's backend)."""
     try:
         control.start(fingerprint, rank.max_blocks)
     except ControlError as exc:  # another model, or the leader gave up: the message says what to fix
@@ -104,7 +105,7 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
     watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")
     watchdog.probe = _leader_gone_probe(control, watchdog, cfg.rank)
     try:
-        return _serve_plans(control, rank, watchdog, io)
+        return _serve_plans(control, rank, watchdog, io, sums)
     finally:
         watchdog.close()
         control.close()
@@ -147,7 +148,8 @@ def _leave_stopping_to_rank_0(rank: int, control: ControlWorker) -> None:
         signal.signal(sig, on_signal)
 
 
-def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io: StageIO | None = None) -> int:
+def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io: StageIO | None = None,
+                 sums=None) -> int:
     times = rank.times
     while True:
         try:
@@ -195,7 +197,7 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
         try:
             with times.timing("control"):
                 control.ack(plan.step_id, batch_fingerprint(rank.runner.lengths), times=times.totals(),
-                            missing=result.missing)
+                            missing=result.missing, sums=sums.stats() if sums is not None else ())
         except LeaderLost as exc:  # e.g. this rank was stopped past the leader's patience, then continued
             log.error("%s; exiting", exc)
             return EXIT_LEADER_LOST

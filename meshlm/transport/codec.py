@@ -29,7 +29,7 @@ or trailing bytes are a `ProtocolError`, never a half-built message:
 | PLAN      | l→w | `meshlm.engine.plan.StepPlan`                            |
 | TOKENS    | l→w | `TokenIds` (a plan's input ids, sent after it)           |
 | HEARTBEAT | l→w | empty                                                    |
-| ACK       | w→l | `Ack` (step id, batch fingerprint, error, times, keys)  |
+| ACK       | w→l | `Ack` (step id, batch fingerprint, error, times, keys, sums) |
 | REJECT    | any | reason: u32 byte length + UTF-8 (a frozen layout)        |
 | SHUTDOWN  | l→w | reason, as REJECT                                        |
 
@@ -66,7 +66,7 @@ from meshlm.engine.plan import StepPlan
 from meshlm.kv.keys import KEY_BYTES
 
 MAGIC = b"MLCP"
-VERSION = 11  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
+VERSION = 12  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack payloads, block-table plans;
 # 4: plans carry KV exports (disaggregated prefill); 5: ACKs carry the worker's time by phase;
 # 6: a new sequence names the context-parallel rank holding it whole (--cp-min-tokens);
 # 7: a plan's ids may follow it in a TOKENS frame (a pipeline's step planned ahead);
@@ -74,6 +74,7 @@ VERSION = 11  # 2: CHALLENGE/PROOF handshake with a cluster secret; 3: msgpack p
 # 9: ACKs name the blocks a plan loads that the rank could not read;
 # 10: a started worker heartbeats too, so that a stopped or hung rank is found within --worker-timeout
 # 11: plans carry `touches`, the SSD files of blocks hot in RAM to refresh (their LRU order and TTL)
+# 12: ACKs carry the worker's shared-memory sums (count, seconds, seconds waiting), as rank 0 reports its own
 DEFAULT_MAX_PAYLOAD = 64 << 20
 NONCE_SIZE = 32
 MAC_SIZE = 32  # HMAC-SHA256
@@ -316,6 +317,9 @@ class Ack:
     error: str = ""
     times: tuple[float, ...] = ()
     missing: tuple[bytes, ...] = ()  # keys of blocks the plan loads that this rank could not read
+    # Its shared-memory sums so far (transport/local_reduce.py): count, seconds, seconds waiting for the
+    # other ranks; empty where it sums with MLX's backend
+    sums: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for key in self.missing:

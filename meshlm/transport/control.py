@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -189,6 +190,7 @@ class ControlLeader:
         # Unproven connections held per host: every worker of a cluster on one machine, and a few more
         self._per_host = min(MAX_CANDIDATES, world_size + 3)
         self.worker_times: dict[int, tuple[float, ...]] = {}  # rank -> its seconds by phase, from its last ACK
+        self.worker_sums: dict[int, tuple[int, float, float]] = {}  # rank -> its shared-memory sums (Ack.sums)
 
     # -- handshake ------------------------------------------------------------------
 
@@ -578,6 +580,11 @@ class ControlLeader:
             if problem is not None:
                 raise ProtocolError(f"rank {rank} acked step {step_id} with {problem}")
             self.worker_times[rank] = ack.times
+        if ack.sums:
+            if len(ack.sums) != 3 or not all(math.isfinite(x) and x >= 0 for x in ack.sums) or ack.sums[2] > ack.sums[1]:
+                raise ProtocolError(f"rank {rank} acked step {step_id} with sums {ack.sums[:4]}: expected a count, "
+                                    "seconds and seconds waiting (finite, >= 0, waiting within the seconds)")
+            self.worker_sums[rank] = (int(ack.sums[0]), ack.sums[1], ack.sums[2])
         return ack
 
     def _frame(self, rank: int) -> Frame | None:
@@ -865,11 +872,12 @@ class ControlWorker:
             wire.decode_empty(frame.payload, "HEARTBEAT")
 
     def ack(self, step_id: int, fingerprint: int, error: str = "", times: tuple[float, ...] = (),
-            missing: tuple[bytes, ...] = ()) -> None:
+            missing: tuple[bytes, ...] = (), sums: tuple[float, ...] = ()) -> None:
         """Report plan `step_id` applied (`error` non-empty: it failed, and this rank is about to exit);
         `times`: this rank's seconds by phase so far (meshlm/step_times.py); `missing`: keys of blocks the
-        plan loads that this rank could not read."""
-        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times), tuple(missing))))
+        plan loads that this rank could not read; `sums`: its shared-memory sums so far (Ack.sums)."""
+        self._send(Kind.ACK, wire.encode(Ack(step_id, fingerprint, error, tuple(times), tuple(missing),
+                                             tuple(float(x) for x in sums))))
 
     def leave(self, reason: str) -> None:
         """Before this rank exits on its own: tell the leader why, best effort (it names the rank and the

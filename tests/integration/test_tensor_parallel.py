@@ -81,8 +81,12 @@ def test_tp_greedy_parity_with_single_process(tp_model, single_reference, tmp_pa
         scores = asyncio.run(score_all(srv.url, scored_prompts()))
         shared = sums == "auto" and native_module()[0] is not None
         assert ("tensor-parallel sums: shared memory" in srv.log.read_text()) == shared
-        if shared:  # rank 0 took part in every sum: two per layer per step
-            assert srv.metric("meshlm_all_reduce_total") >= 2 * 2 * 16
+        if shared:  # every rank took part in every sum (two per layer per step), the workers' in their acks
+            counts = [srv.metric(f'meshlm_all_reduce_total{{rank="{r}"}}') for r in range(tp)]
+            assert counts[0] >= 2 * 2 * 16 and all(c > 0 for c in counts), counts
+            for r in range(tp):
+                waiting = srv.metric(f'meshlm_all_reduce_seconds_total{{part="waiting",rank="{r}"}}')
+                assert 0 <= waiting <= srv.metric(f'meshlm_all_reduce_seconds_total{{part="total",rank="{r}"}}')
     finally:
         srv.stop()
     assert [g["choices"][0]["text"] for g in got] == [r["choices"][0]["text"] for r in single_reference]

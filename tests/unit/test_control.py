@@ -502,6 +502,22 @@ def test_acks_with_impossible_times_are_a_protocol_error(times, message):
         with pytest.raises(ProtocolError, match=f"rank 1 acked step 0 with .*{message}"):
             leader.collect_acks(0)
 
+
+def test_acks_carry_each_workers_shared_memory_sums():
+    """Only rank 0's sums were reported, so a worker's waits at them (the ranks' skew) were unseen."""
+    with cluster(3, on_plan=lambda w, p: w.ack(p.step_id, 0, sums=(32, 0.5 * w.rank, 0.25))) as (leader, _):
+        leader.broadcast(plan(0))
+        leader.collect_acks(0)
+        assert leader.worker_sums == {1: (32, 0.5, 0.25), 2: (32, 1.0, 0.25)}
+
+
+@pytest.mark.parametrize("sums", [(1.0, 2.0), (1.0, float("nan"), 0.0), (1.0, -1.0, 0.0), (1.0, 1.0, 2.0)])
+def test_acks_with_impossible_sums_are_a_protocol_error(sums):
+    with cluster(2, on_plan=lambda w, p: w.ack(p.step_id, 0, sums=sums)) as (leader, _):
+        leader.broadcast(plan(0))
+        with pytest.raises(ProtocolError, match="rank 1 acked step 0 with sums"):
+            leader.collect_acks(0)
+
 # -- handshake -------------------------------------------------------------------------
 
 
