@@ -95,6 +95,8 @@ class _Request(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     use_beam_search: Any = None
     skip_special_tokens: StrictBool = True  # vLLM's extension: false shows special tokens in the text
+    # vLLM's extension: only requests giving the same salt share cached prefix blocks
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # vLLM's extensions: the prompt's and the output's token ids beside the text (RL rollouts); logprob
     # tokens named `token_id:N` instead of their text.
     return_token_ids: StrictBool = False

@@ -155,7 +155,7 @@ class Serving:
                 logit_bias=bias, allowed_token_ids=only, bad_words=bad_words, logprobs=req.logprob_count(),
                 prompt_logprobs=req.prompt_logprob_count(), stop=req.stop_list(), stop_token_ids=stop_ids,
                 include_stop_str=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-                min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
+                min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
                 speculative=req.speculative, grammar=grammar, reasoning=reasoning if grammar else None,
             )
         except ValueError as exc:

@@ -323,7 +323,8 @@ class Engine:
     def _plan_handoff(self, seq: Sequence):
         """Under the lock: a handoff for this prompt, or None to prefill it here. A handoff takes a place
         in the waiting queue from now on (QueueFull when there is none)."""
-        if self.handoff is None or seq.params.prompt_logprobs is not None:  # a prefill server scores nothing
+        # A prefill server scores nothing, and keys blocks without a request's cache_salt
+        if self.handoff is None or seq.params.prompt_logprobs is not None or seq.params.cache_salt is not None:
             return None
         handoff = self.handoff.plan(seq.prompt_ids, self.scheduler.blocks.cached_prefix)
         waiting = self._num_queued

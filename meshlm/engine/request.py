@@ -48,6 +48,7 @@ class SamplingParams:
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a matched stop string ends the text
     skip_special_tokens: bool = True  # False: the text shows special tokens (EOS too, when it is shown)
     keep_token_ids: tuple[int, ...] = ()  # special tokens shown even so (a thinking model's think tags)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefix blocks
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     ignore_eos: bool = False
     speculative: bool = True  # False: this request never speculates, whatever the server does

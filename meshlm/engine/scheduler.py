@@ -250,7 +250,7 @@ class Scheduler:
             # The last token is always computed: its logits give the next token. A prompt whose logprobs
             # are asked for is computed whole (vLLM does the same): a cached position has no logits.
             lookup = seq.token_slice(0, seq.num_tokens - 1) if not seq.scoring else []
-            m = self.blocks.match(seq.uid, lookup, seq.num_tokens, reach)
+            m = self.blocks.match(seq.uid, lookup, seq.num_tokens, reach, seq.params.cache_salt)
             want = min(seq.num_tokens - m.tokens, budget, SCORING_ROWS if seq.scoring else budget)
             if self.blocks.allocate(seq.uid, m.tokens + want) is None:
                 # The check above counted blocks the match then pinned (a partial hit's lender): it waits.

@@ -90,6 +90,7 @@ class Match:
 class _Seq:
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # keys of its committed (full, final) blocks
+    root: bytes = b""  # its chain's first parent (the salt's root, or its request's cache_salt's)
 
 
 class _Children:
@@ -308,7 +309,8 @@ class BlockManager:
             n += 1
         return n
 
-    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None) -> Match:
+    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None,
+              cache_salt: str | None = None) -> Match:
         """Map the longest cached prefix of `token_ids` into a new sequence's table.
 
         Whole blocks come from RAM (shared, no copy) or, failing that, from the
@@ -316,14 +318,16 @@ class BlockManager:
         misses, the committed RAM block under the same parent sharing the most
         leading tokens lends them (copied into a fresh block). Call `end_step`
         once the step's plan is built (lenders stay held until then). `length`, `reach`: the sequence's
-        tokens now and at most (kv/context_blocks.py places by them)."""
+        tokens now and at most (kv/context_blocks.py places by them); `cache_salt`: the request's (its
+        blocks form a chain of their own)."""
         if uid in self._seqs:
             raise ValueError(f"uid {uid} already holds blocks")
         seq = self._seqs[uid] = _Seq()
         m = Match()
         if self.salt is None:
             return m
-        bs, parent = self.block_size, self.salt.root()
+        seq.root = self.salt.root(cache_salt)
+        bs, parent = self.block_size, seq.root
         for start in range(0, len(token_ids) - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
             key = chain_key(parent, tokens)
@@ -413,7 +417,7 @@ class BlockManager:
         if seq is None or self.salt is None:
             return []
         bs = self.block_size
-        parent = seq.keys[-1] if seq.keys else self.salt.root()
+        parent = seq.keys[-1] if seq.keys else (seq.root or self.salt.root())
         saves = []
         while (len(seq.keys) + 1) * bs <= computed and len(seq.keys) < len(seq.blocks):
             i = len(seq.keys)

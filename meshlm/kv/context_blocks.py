@@ -148,14 +148,15 @@ class ContextBlocks:
             return self.inner.cover(uid)
         return (len(w.table) + self._free_on(w.holder)) * self.rank_block
 
-    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None) -> Match:
+    def match(self, uid: int, token_ids: list[int], length: int | None = None, reach: int | None = None,
+              cache_salt: str | None = None) -> Match:
         """A sequence of `length` tokens (None: split) shorter than --cp-min-tokens, which can grow to at
         most `reach` tokens (None: unbounded) that one rank's pools hold, is placed whole, with no prefix
         lookup; any other goes to the block manager's."""
         if not self._wants_whole(length, reach):
             # length and reach too: the partial-match guard needs them (without, a lender that left too few
             # blocks was held every step and the sequence never admitted)
-            return self.inner.match(uid, token_ids, length, reach)
+            return self.inner.match(uid, token_ids, length, reach, cache_salt)
         if uid in self:
             raise ValueError(f"uid {uid} already holds blocks")
         holder = self._place()

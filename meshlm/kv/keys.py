@@ -29,9 +29,15 @@ class CacheSalt:
         so another block size or dtype keeps its own files instead of finding ours foreign."""
         return f"{self.layout}-{self.kv_dtype}-b{self.block_size}"
 
-    def root(self) -> bytes:
+    def root(self, cache_salt: str | None = None) -> bytes:
+        """The chain's first parent; `cache_salt` (a request's, vLLM's): another chain, so only requests
+        giving the same salt share blocks (a tenant cannot tell from timing what another one asked)."""
         text = f"meshlm-kv/1|{self.model_fingerprint}|{self.kv_dtype}|{self.layout}|{self.block_size}"
-        return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+        root = hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+        if cache_salt is None:
+            return root
+        return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass"), key=root,
+                               digest_size=KEY_BYTES).digest()
 
 
 def chain_key(parent: bytes, tokens) -> bytes:

@@ -357,6 +357,18 @@ def test_n_choices_share_one_transfer(cluster):
     assert sent > 0 and sent == metric(decode, 'meshlm_disagg_kv_bytes_total{direction="received"}') - received
 
 
+def test_a_salted_prompt_is_prefilled_here(cluster):
+    """A prefill server keys its blocks without a request's cache_salt: such a prompt is not handed off
+    (its blocks would land in the unsalted chain)."""
+    _, decode, single, relay = cluster
+    body = {"prompt": words(500, 4242), "max_tokens": 6, "temperature": 0, "cache_salt": "tenant-a"}
+    jobs = relay.jobs
+    got = httpx.post(decode.url + "/v1/completions", json=body, timeout=120)
+    assert got.status_code == 200, got.text
+    want = httpx.post(single.url + "/v1/completions", json=body, timeout=120).json()
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"] and relay.jobs == jobs
+
+
 def test_prefill_server_killed_mid_transfer(cluster):
     prefill, decode, single, relay = cluster
     prompts = [words(900, 500 + i) for i in range(3)]

@@ -160,6 +160,25 @@ def test_repeated_prompt_hits_every_full_block(warm, reference):
     assert warm.metric(RAM) > 0
 
 
+def test_a_cache_salt_shares_prefix_blocks_only_among_requests_giving_it(warm, reference):
+    """vLLM's cache_salt was ignored as an unknown field: every tenant's prompts shared one prefix cache,
+    so one could tell from another's time to first token what it had asked."""
+    prompt = ids(4 * BS + 5, seed=77)
+
+    def salted(salt: str | None) -> dict:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+        r = httpx.post(warm.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first, again, other, plain = salted("tenant-a"), salted("tenant-a"), salted("tenant-b"), salted(None)
+    assert [cached(b) for b in (first, again, other, plain)] == [0, 4 * BS, 0, 0]
+    assert cached(salted(None)) == 4 * BS  # the unsalted chain is a tenant of its own
+    assert {text(b) for b in (first, again, other, plain)} == {reference(prompt)}
+    r = httpx.post(warm.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 def test_exact_block_multiple_recomputes_only_the_last_token(warm, reference):
     prompt = ids(4 * BS, seed=2)
     complete(warm, prompt)
