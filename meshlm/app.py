@@ -179,7 +179,7 @@ def run_http(config: ServeConfig, loaded: LoadedModel, engine: Engine, fatal: Fa
     defaults = SamplingDefaults.resolve(loaded.generation_defaults, s.default_temperature, s.default_top_p)
     log.info("sampling defaults for requests that omit them: %s", defaults.describe())
     prompts = PromptBuilder(loaded.tokenizer, loaded.vocab_size, engine.max_model_len, s.chat_template,
-                            s.chat_template_kwargs)
+                            s.chat_template_kwargs, s.tool_call_parser)
     serving = Serving(engine, prompts, loaded.name, s.max_tokens_default, defaults, s.reasoning_parser)
     app = create_app(serving, limits=BodyLimits(s.max_request_bytes, stall_seconds=s.client_timeout),
                      allowed_origins=s.allowed_origins, api_key=s.api_key)

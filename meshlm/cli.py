@@ -84,6 +84,12 @@ def _serve_parser(sub) -> None:
                         "(CORS), or *; none by default")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) replacing the model's own")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="the syntax tool calls are read in, whatever the chat template suggests: vLLM's names "
+                        "(hermes, mistral, llama3_json, pythonic, qwen3_coder, ...) or an mlx-lm tool parser's; "
+                        "auto (default): inferred from the template")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on here")
     p.add_argument("--default-chat-template-kwargs", "--chat-template-args", dest="chat_template_kwargs",
                    default=None, help="a JSON object of chat template variables for every request, e.g. "
                                       "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
@@ -322,7 +328,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             args.default_temperature, args.default_top_p, args.client_timeout,
                             tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
                             args.reasoning_parser, args.api_key, _chat_template(args.chat_template),
-                            _template_kwargs(args.chat_template_kwargs), args.shutdown_timeout),
+                            _template_kwargs(args.chat_template_kwargs), args.shutdown_timeout,
+                            args.tool_call_parser),
         speculative=SpeculativeConfig(args.speculative or ("draft" if args.draft_model else "off"),
                                       args.num_speculative_tokens, args.draft_model,
                                       args.speculative_max_batch_size, args.ngram_min, args.ngram_max,

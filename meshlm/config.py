@@ -314,6 +314,7 @@ class ServerConfig:
     # Template variables for every chat request; a request's own chat_template_kwargs win.
     chat_template_kwargs: dict = field(default_factory=dict)
     shutdown_timeout: float = 2.0  # seconds a drain gives running requests (--shutdown-timeout)
+    tool_call_parser: str = "auto"  # the syntax tool calls are read in (vLLM's names); auto: from the template
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()
@@ -321,6 +322,9 @@ class ServerConfig:
             raise ValueError("--api-key (or MESHLM_API_KEY) must be printable ASCII, without spaces around it")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        from meshlm.model.chat_templates import check_tool_call_parser  # mlx-lm's parsers, listed lazily
+
+        check_tool_call_parser(self.tool_call_parser)
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", origin):
                 raise ValueError(f"--allowed-origins: {origin[:80]!r} is not an origin (scheme://host[:port]) or *")

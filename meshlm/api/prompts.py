@@ -21,7 +21,7 @@ from meshlm.api import llama3_calls
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
 from meshlm.api.tools import ToolPlan, template_messages
-from meshlm.model.chat_templates import rendering_template, set_tool_syntax, tool_use_template
+from meshlm.model.chat_templates import force_tool_syntax, rendering_template, set_tool_syntax, tool_use_template
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,17 @@ def _render_a_message(tokenizer, kwargs: dict, within: float) -> str | Exception
 
 class PromptBuilder:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None,
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, tool_call_parser: str = "auto") -> None:
         """`chat_template`: replaces the model's; `template_kwargs`: variables for every chat's template (a
-        request's own chat_template_kwargs win)."""
+        request's own chat_template_kwargs win); `tool_call_parser`: the syntax tool calls are read in
+        (vLLM's names), "auto" to infer it from the template."""
         self.template_kwargs = dict(template_kwargs or {})
         if chat_template is not None:
             use_template(tokenizer, chat_template, self.template_kwargs)
         else:
             check_own_template(tokenizer, self.template_kwargs, vocab_size)
+        if tool_call_parser != "auto":
+            log.info("tool calls: %s (--tool-call-parser)", force_tool_syntax(tokenizer, tool_call_parser))
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

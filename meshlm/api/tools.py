@@ -274,6 +274,9 @@ def native_syntax(tokenizer, with_tools: bool) -> str | None:
     template = rendering_template(tokenizer, with_tools)
     if template is None or "tools" not in template:
         return None
+    forced = getattr(tokenizer, "_meshlm_tool_syntax", None)  # --tool-call-parser
+    if forced is not None:
+        return forced
     if getattr(tokenizer, "tool_parser", None) is not None:
         return "mlx-lm"
     return "llama3" if llama3_calls.asks_for_it(template) else None

@@ -45,6 +45,41 @@ def rendering_template(tokenizer, with_tools: bool) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# vLLM's --tool-call-parser names, and what each is here: an mlx-lm parser module, or "llama3" (meshlm's,
+# api/llama3_calls.py). Any mlx-lm parser module's own name is taken too.
+TOOL_CALL_PARSERS = {"hermes": "json_tools", "mistral": "mistral", "llama3_json": "llama3", "llama4_json": "llama3",
+                     "pythonic": "pythonic", "qwen3_coder": "qwen3_coder", "kimi_k2": "kimi_k2",
+                     "minimax_m2": "minimax_m2", "glm45": "glm47"}
+
+
+def check_tool_call_parser(name: str) -> None:
+    """ValueError unless `name` is "auto" or a parser `force_tool_syntax` knows (before a model loads)."""
+    if name != "auto" and TOOL_CALL_PARSERS.get(name, name) not in ("llama3", *_mlx_lm_parsers()):
+        known = ", ".join(sorted({*TOOL_CALL_PARSERS, *_mlx_lm_parsers()}))
+        raise ValueError(f"--tool-call-parser {name!r}: no such parser (known: auto, {known})")
+
+
+def force_tool_syntax(tokenizer, name: str) -> str:
+    """--tool-call-parser: read calls in the syntax `name` says whatever the template (which still renders
+    the tools when it shows any); a description for the log. ValueError for a name nothing knows."""
+    module_name = TOOL_CALL_PARSERS.get(name, name)
+    if module_name == "llama3":
+        _adopt(tokenizer, None)
+        tokenizer._meshlm_tool_syntax = "llama3"
+        return "Llama 3 JSON (meshlm's parser)"
+    check_tool_call_parser(name)
+    _adopt(tokenizer, import_mlx_lm(f"mlx_lm.tool_parsers.{module_name}"))
+    tokenizer._meshlm_tool_syntax = "mlx-lm"
+    return f"mlx-lm's {module_name}"
+
+
+def _mlx_lm_parsers() -> list[str]:
+    import pkgutil
+
+    package = import_mlx_lm("mlx_lm.tool_parsers")
+    return [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
+
+
 def set_tool_syntax(tokenizer, template: str) -> str | None:
     """Give mlx-lm's wrapper the tool parser `template` implies, or none when it implies none (its calls
     are then read in meshlm's fallback syntax); the parser's name, or None."""
@@ -56,17 +91,22 @@ def set_tool_syntax(tokenizer, template: str) -> str | None:
         log.warning("cannot tell the chat template's tool-call syntax (%s: %s): tools get meshlm's fallback "
                     "prompt", type(exc).__name__, exc)
         name = module = None
-    # The wrapper (mlx_lm.tokenizer_utils.TokenizerWrapper) reads these in its tool_* properties.
+    _adopt(tokenizer, module)
+    return name
+
+
+def _adopt(tokenizer, module) -> None:
+    """Give mlx-lm's wrapper (mlx_lm.tokenizer_utils.TokenizerWrapper, which reads these in its tool_*
+    properties) `module`'s parser and markers, or none."""
     if module is None:
         tokenizer._tool_parser = tokenizer._tool_call_start = tokenizer._tool_call_end = None
         tokenizer._tool_call_start_tokens = tokenizer._tool_call_end_tokens = None
-        return None
+        return
     tokenizer._tool_parser = module.parse_tool_call
     tokenizer._tool_call_start, tokenizer._tool_call_end = module.tool_call_start, module.tool_call_end
     inner = tokenizer._tokenizer
     tokenizer._tool_call_start_tokens = tuple(inner.encode(module.tool_call_start, add_special_tokens=False))
     tokenizer._tool_call_end_tokens = tuple(inner.encode(module.tool_call_end, add_special_tokens=False))
-    return name
 
 
 def adopt_tool_parser(tokenizer) -> str | None:

@@ -98,6 +98,9 @@ def servers(tiny_model, tmp_path_factory):
     common = ("--max-model-len", "1024")
     out = {"llama31": ServerProcess(llama, *common, log_dir=logs),
            "unread": ServerProcess(unread, *common, log_dir=logs),
+           # vLLM's command line: the template's tools shown, its calls read as Hermes's
+           "forced": ServerProcess(unread, *common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                   log_dir=logs),
            "mistral": ServerProcess(mistral, *common, log_dir=logs),
            # the Mistral model told to speak Hermes: its own parser must not read the calls
            "override": ServerProcess(mistral, *common, "--chat-template", HERMES, log_dir=logs)}
@@ -152,6 +155,18 @@ def test_a_template_with_tools_but_no_parser_gets_the_fallback_syntax(servers):
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt_text(
         unread, {"messages": history, "tools": [WEATHER]})
+
+
+def test_tool_call_parser_names_the_syntax_whatever_the_template(servers):
+    """vLLM's --tool-call-parser (and --enable-auto-tool-choice) were unknown flags: a template whose syntax
+    nothing infers could only get the fallback prompt."""
+    forced = servers["forced"]
+    assert "tool calls: mlx-lm's json_tools (--tool-call-parser)" in forced.log.read_text()
+    text = prompt_text(forced, {"messages": ASK, "tools": [WEATHER]})
+    assert "<<name(arguments)>>" in text and FALLBACK_WORDS not in text  # the template's own tools
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    got = answer(forced, {"regex": re.escape(call)})
+    assert got["finish"] == "tool_calls" and [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris"})]
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

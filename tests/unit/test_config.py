@@ -66,6 +66,9 @@ def test_a_draft_model_alone_speculates_with_it_as_mlx_lm_servers_does():
     (("--default-chat-template-kwargs", "{"), "--default-chat-template-kwargs is not JSON"),
     (("--default-chat-template-kwargs", "[1]"), "must be a JSON object"),
     (("--chat-template-args", '{"tools": []}'), "may not set tools"),
+    # before the model loads, naming the parsers there are
+    (("--tool-call-parser", "bogus"), "--tool-call-parser 'bogus': no such parser .*llama3_json"),
+    (("--tool-call-parser", "../json_tools"), "--tool-call-parser '../json_tools': no such parser"),
     (("--client-timeout", "0"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "nan"), r"--client-timeout must be in \(0, 86400\] seconds"),
     (("--client-timeout", "inf"), r"--client-timeout must be in \(0, 86400\] seconds"),
