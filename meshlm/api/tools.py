@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from meshlm.api import llama3_calls
+from meshlm.api import llama3_calls, pythonic_calls
 from meshlm.api.schemas import ChatCompletionRequest, NamedToolChoice
 from meshlm.model.chat_templates import rendering_template, template_texts
 from meshlm.platform import import_mlx_lm
@@ -47,6 +47,10 @@ FALLBACK_PROMPT = (
 )
 
 
+# meshlm's readers of syntaxes without markers, by the name native_syntax gives them
+LEADING = {"llama3": llama3_calls, "pythonic": pythonic_calls}
+
+
 def _any_object() -> dict:
     return {"type": "object"}
 
@@ -61,7 +65,9 @@ class ToolPlan:
     end: str | None = None
     parser: Callable | None = field(default=None, compare=False)
     short_ids: bool = False  # call ids of 9 letters and digits, which Mistral's templates require back
-    leading: bool = False  # no markers: a call is the answer itself, JSON at its start (Llama 3)
+    # No markers: a call is the answer itself (llama3_calls: Llama 3's JSON; pythonic_calls: a Python list),
+    # read by this module's call_body, may_start_a_call and parse_calls
+    leading: object | None = field(default=None, compare=False)
 
     @property
     def schema(self) -> dict | None:
@@ -133,12 +139,12 @@ class ToolPlan:
         return "".join(outside) + rest or None, self._at_most_one(calls)
 
     def _leading_calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """Llama 3's syntax: the answer is wholly calls (content None, as vLLM), or it is all content."""
-        body = llama3_calls.call_body(text)
+        """A syntax without markers: the answer is wholly calls (content None, as vLLM), or all content."""
+        body = self.leading.call_body(text)
         if body is None:
             return text, []
         try:
-            parsed = llama3_calls.parse_calls(body, _DECODER)
+            parsed = self.leading.parse_calls(body, _DECODER)
         except (ValueError, RecursionError) as exc:
             log.info("tool call left as text (%s: %.200s)", type(exc).__name__, exc)
             return text, []
@@ -209,7 +215,7 @@ def _usable(parsed: object, names: frozenset[str], short_ids: bool = False) -> d
     if not isinstance(args, str):
         try:  # arguments are a JSON string: NaN and Infinity (or 1e999, parsed to inf) are not JSON
             args = json.dumps(args, ensure_ascii=False, allow_nan=False)
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: a parser's value JSON has no form for
             return None
     call = _call(parsed["name"], args, short_ids)
     own = parsed.get("id")
@@ -259,8 +265,8 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
     if syntax == "mlx-lm":
         return ToolPlan("auto", tools, parallel=parallel, start=tokenizer.tool_call_start,
                         end=tokenizer.tool_call_end, parser=tokenizer.tool_parser, short_ids=short_ids)
-    if syntax == "llama3":
-        return ToolPlan("auto", tools, parallel=parallel, leading=True, short_ids=short_ids)
+    if syntax in LEADING:
+        return ToolPlan("auto", tools, parallel=parallel, leading=LEADING[syntax], short_ids=short_ids)
     return ToolPlan("auto", tools, parallel=parallel, start=FALLBACK_START, end=FALLBACK_END,
                     parser=json_tools.parse_tool_call, short_ids=short_ids)
 
@@ -268,7 +274,8 @@ def plan_tools(req: ChatCompletionRequest, tokenizer) -> ToolPlan | None:
 def native_syntax(tokenizer, with_tools: bool) -> str | None:
     """How tools and past calls reach the model: through its template, the one that renders this request
     (`tool_use` of a named set when tools are passed), when it describes tools and their syntax is read
-    by mlx-lm's parser ("mlx-lm") or meshlm's for Llama 3's JSON ("llama3"). Otherwise (None) meshlm's
+    by mlx-lm's parser ("mlx-lm") or one of meshlm's without markers ("llama3", "pythonic"; --tool-call-parser
+    names one whatever the template). Otherwise (None) meshlm's
     fallback prompt and syntax: a template showing tools in a syntax nothing reads had the model's calls
     come back as text, and a named set's `default` dropped past calls."""
     template = rendering_template(tokenizer, with_tools)
@@ -279,7 +286,7 @@ def native_syntax(tokenizer, with_tools: bool) -> str | None:
         return forced
     if getattr(tokenizer, "tool_parser", None) is not None:
         return "mlx-lm"
-    return "llama3" if llama3_calls.asks_for_it(template) else None
+    return next((name for name, reader in LEADING.items() if reader.asks_for_it(template)), None)
 
 
 def _mistral(tokenizer) -> bool:
@@ -408,7 +415,7 @@ class ToolStream:
     def _leading(self) -> list[dict]:
         """A syntax whose call is the answer itself: held back while the answer may still start with one."""
         if not self.text_only:
-            starts = llama3_calls.may_start_a_call(self.buffer)
+            starts = self.plan.leading.may_start_a_call(self.buffer)
             if starts is None:
                 return []
             if starts:

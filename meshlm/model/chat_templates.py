@@ -47,14 +47,18 @@ def rendering_template(tokenizer, with_tools: bool) -> str | None:
 
 # vLLM's --tool-call-parser names, and what each is here: an mlx-lm parser module, or "llama3" (meshlm's,
 # api/llama3_calls.py). Any mlx-lm parser module's own name is taken too.
+# vLLM's `pythonic` reads a bare list; mlx-lm's module of that name wants LFM2's markers (inferred from
+# their templates), so the name means meshlm's reader here.
 TOOL_CALL_PARSERS = {"hermes": "json_tools", "mistral": "mistral", "llama3_json": "llama3", "llama4_json": "llama3",
-                     "pythonic": "pythonic", "qwen3_coder": "qwen3_coder", "kimi_k2": "kimi_k2",
-                     "minimax_m2": "minimax_m2", "glm45": "glm47"}
+                     "pythonic": "pythonic-bare", "llama4_pythonic": "pythonic-bare", "qwen3_coder": "qwen3_coder",
+                     "kimi_k2": "kimi_k2", "minimax_m2": "minimax_m2", "glm45": "glm47"}
+_MESHLM_READERS = {"llama3": ("llama3", "Llama 3 JSON (meshlm's parser)"),
+                   "pythonic-bare": ("pythonic", "a bare pythonic list (meshlm's parser)")}
 
 
 def check_tool_call_parser(name: str) -> None:
     """ValueError unless `name` is "auto" or a parser `force_tool_syntax` knows (before a model loads)."""
-    if name != "auto" and TOOL_CALL_PARSERS.get(name, name) not in ("llama3", *_mlx_lm_parsers()):
+    if name != "auto" and TOOL_CALL_PARSERS.get(name, name) not in (*_MESHLM_READERS, *_mlx_lm_parsers()):
         known = ", ".join(sorted({*TOOL_CALL_PARSERS, *_mlx_lm_parsers()}))
         raise ValueError(f"--tool-call-parser {name!r}: no such parser (known: auto, {known})")
 
@@ -63,10 +67,10 @@ def force_tool_syntax(tokenizer, name: str) -> str:
     """--tool-call-parser: read calls in the syntax `name` says whatever the template (which still renders
     the tools when it shows any); a description for the log. ValueError for a name nothing knows."""
     module_name = TOOL_CALL_PARSERS.get(name, name)
-    if module_name == "llama3":
+    if module_name in _MESHLM_READERS:
         _adopt(tokenizer, None)
-        tokenizer._meshlm_tool_syntax = "llama3"
-        return "Llama 3 JSON (meshlm's parser)"
+        tokenizer._meshlm_tool_syntax, described = _MESHLM_READERS[module_name]
+        return described
     check_tool_call_parser(name)
     _adopt(tokenizer, import_mlx_lm(f"mlx_lm.tool_parsers.{module_name}"))
     tokenizer._meshlm_tool_syntax = "mlx-lm"

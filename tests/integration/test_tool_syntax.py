@@ -37,6 +37,15 @@ LLAMA31 = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
+# The pythonic shape (Llama 3.2's and 4's pythonic templates, vLLM's examples): a bare list of calls.
+PYTHONIC = (
+    "{%- if tools %}{{- '<|im_start|>system\\nIf you decide to invoke any of the function(s), you MUST put it in the "
+    "format of [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]. ' }}"
+    "{{- tools | tojson }}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{{- message.content if message.content is string else '' }}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # A template that shows tools in a syntax neither mlx-lm nor meshlm reads.
 UNREAD = (
     "{%- if tools %}{{- 'Tools: ' }}{{- tools | tojson }}{{- ' Call one as <<name(arguments)>>.' }}{%- endif %}"
@@ -94,10 +103,12 @@ def servers(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     llama = model_with(tiny_model, root / "llama31", LLAMA31)
     unread = model_with(tiny_model, root / "unread", UNREAD)
+    pythonic = model_with(tiny_model, root / "pythonic", PYTHONIC)
     mistral = model_with(tiny_model, root / "mistral", MISTRAL, special_tool_calls=True)
     common = ("--max-model-len", "1024")
     out = {"llama31": ServerProcess(llama, *common, log_dir=logs),
            "unread": ServerProcess(unread, *common, log_dir=logs),
+           "pythonic": ServerProcess(pythonic, *common, log_dir=logs),
            # vLLM's command line: the template's tools shown, its calls read as Hermes's
            "forced": ServerProcess(unread, *common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                    log_dir=logs),
@@ -169,6 +180,21 @@ def test_tool_call_parser_names_the_syntax_whatever_the_template(servers):
     assert got["finish"] == "tool_calls" and [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris"})]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pythonic_template_gets_its_tools_and_its_bare_list_is_read(servers, stream):
+    """Templates asking for a bare `[f(a=1)]` list (vLLM's `pythonic`) were shown the fallback prompt:
+    mlx-lm reads that list only between LFM2's markers."""
+    pythonic = servers["pythonic"]
+    assert "the pythonic syntax of the model's chat template" in pythonic.log.read_text()
+    text = prompt_text(pythonic, {"messages": ASK, "tools": [WEATHER]})
+    assert "you MUST put it in the format of [func_name1" in text and FALLBACK_WORDS not in text
+    got = answer(pythonic, {"regex": re.escape('[get_weather(city="Paris", days=2)]')}, stream)
+    assert got["finish"] == "tool_calls" and got["content"] is None, got
+    assert [c[1:] for c in got["calls"]] == [("get_weather", {"city": "Paris", "days": 2})]
+    got = answer(pythonic, {"regex": re.escape('Sunny [get_weather(city="Paris")]')}, stream)
+    assert got["calls"] == [] and got["content"] == 'Sunny [get_weather(city="Paris")]'
+
+
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
@@ -177,7 +203,7 @@ def test_llama3_models_get_their_own_template_and_their_json_calls_are_read(serv
     """Llama 3.1-3.3's templates ask for a bare {"name", "parameters"} object, which mlx-lm has no parser
     for: such models were shown meshlm's fallback prompt instead of the tools as they were trained on."""
     llama = servers["llama31"]
-    assert "the Llama 3 JSON syntax of the model's chat template" in llama.log.read_text()
+    assert "the llama3 syntax of the model's chat template" in llama.log.read_text()
     text = prompt_text(llama, {"messages": ASK, "tools": [WEATHER]})
     assert FALLBACK_WORDS not in text and "Respond in the format" in text and '"get_weather"' in text
     got = answer(llama, {"regex": re.escape(LLAMA_CALL)}, stream)

@@ -212,7 +212,40 @@ def test_past_calls_arguments_and_mistral_ids_as_templates_take_them():
 
 
 def llama3_plan(**kw) -> ToolPlan:
-    return ToolPlan("auto", (F, G), leading=True, **kw)
+    from meshlm.api import llama3_calls
+
+    return ToolPlan("auto", (F, G), leading=llama3_calls, **kw)
+
+
+def pythonic_plan(**kw) -> ToolPlan:
+    from meshlm.api import pythonic_calls
+
+    return ToolPlan("auto", (F, G), leading=pythonic_calls, **kw)
+
+
+@pytest.mark.parametrize("text, want", [
+    ('[f(a="x")]', [("f", '{"a": "x"}')]),
+    (' \n[f(a="x"), g()]\n', [("f", '{"a": "x"}'), ("g", "{}")]),
+    ("[f(a=true, b=null, c=[1, {'k': 2.5}], d=-3)]", [("f", '{"a": true, "b": null, "c": [1, {"k": 2.5}], "d": -3}')]),
+])
+def test_pythonic_calls_are_the_whole_answer(text, want):
+    """vLLM's `pythonic` (Llama 3.2's and 4's pythonic templates): a bare list of calls, which mlx-lm reads
+    only between LFM2's markers."""
+    for step in (1, 3, len(text)):
+        streamed = stream_all(pythonic_plan(), [text[i:i + step] for i in range(0, len(text), step)])
+        assert (streamed[0], names_and_arguments(streamed[1])) == (None, want)
+    assert names_and_arguments(pythonic_plan().calls(text)[1]) == want
+
+
+@pytest.mark.parametrize("text", [
+    "Sunny.", 'Call [f(a="x")]', '[f(a="x")] then text', "[f(1)]", "[f(**kw)]", "[]", "[1, 2]", "[zzz()]",
+    "[f(a=__import__('os').system('true'))]",  # parsed, never evaluated: not a literal
+    "[f(a={1, 2})]", "[f(a=b'x')]", "[f(a=1e999)]", "[f(a=[" + "[" * 5000 + "]))]", "[f(a=",
+])
+def test_pythonic_answers_that_are_not_wholly_calls_are_content(text):
+    plan = pythonic_plan()
+    assert plan.calls(text) == (text, [])
+    assert stream_all(plan, [text[i:i + 4] for i in range(0, len(text), 4)]) == (text, [])
 
 
 LLAMA_CALL = '{"name": "f", "parameters": {"a": "x"}}'
