@@ -38,13 +38,20 @@ def may_start_a_call(text: str) -> bool | None:
 def parse_calls(body: str, decoder=None) -> list[dict]:
     """The calls in `body` (from `call_body`) as `{"name", "arguments"}` objects; ValueError when it is not
     wholly a list of calls with literal keyword arguments. (`decoder`: unused, as llama3_calls takes one.)"""
+    source = body.strip()
     try:
-        tree = ast.parse(body.strip(), mode="eval").body
+        tree = ast.parse(source, mode="eval").body
     except (SyntaxError, MemoryError, RecursionError) as exc:
         raise ValueError(f"not a Python list of calls ({type(exc).__name__})") from None
     if not isinstance(tree, ast.List) or not tree.elts:
         raise ValueError("not a non-empty list")
-    calls = [_call(node) for node in tree.elts]
+    lines = source.splitlines()
+    if (tree.end_lineno, tree.end_col_offset) != (len(lines), len(lines[-1].encode("utf-8"))):
+        raise ValueError("text after the list (a comment)")  # Python's parser skips comments: words all the same
+    try:
+        calls = [_call(node) for node in tree.elts]
+    except TypeError as exc:  # a list or dict as a dict key: unhashable
+        raise ValueError(f"an argument that is not JSON ({exc})") from None
     for call in calls:
         try:  # a set, bytes, a tuple key: Python literals JSON has no form for
             json.dumps(call["arguments"], allow_nan=False)

@@ -30,7 +30,7 @@ _ROLES = ("user", "assistant", "system", "developer")
 _CHAT_FIELDS = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
                 "stop_token_ids", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens", "speculative", "top_k", "min_p", "repetition_penalty", "seed",
-                "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+                "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "cache_salt")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _RESPONSES_NAME = {  # what a response request says instead of a chat parameter
     "n": "a response has one output: send one request per answer",

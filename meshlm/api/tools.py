@@ -145,7 +145,7 @@ class ToolPlan:
             return text, []
         try:
             parsed = self.leading.parse_calls(body, _DECODER)
-        except (ValueError, RecursionError) as exc:
+        except (ValueError, RecursionError, TypeError) as exc:  # the model's own text: anything can be wrong
             log.info("tool call left as text (%s: %.200s)", type(exc).__name__, exc)
             return text, []
         found = self._usable_all(parsed, body)

@@ -241,6 +241,8 @@ def test_pythonic_calls_are_the_whole_answer(text, want):
     "Sunny.", 'Call [f(a="x")]', '[f(a="x")] then text', "[f(1)]", "[f(**kw)]", "[]", "[1, 2]", "[zzz()]",
     "[f(a=__import__('os').system('true'))]",  # parsed, never evaluated: not a literal
     "[f(a={1, 2})]", "[f(a=b'x')]", "[f(a=1e999)]", "[f(a=[" + "[" * 5000 + "]))]", "[f(a=",
+    "[f(a={[1]: 2})]",  # an unhashable key: a TypeError, which was a 500
+    "[f(a=1)]  # then words", "[f(a=1)]\n# I have called f",  # Python's parser skips comments: words all the same
 ])
 def test_pythonic_answers_that_are_not_wholly_calls_are_content(text):
     plan = pythonic_plan()
