@@ -19,7 +19,7 @@ from typing import Sequence
 
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, CompletionRequest
-from meshlm.api.tools import LEADING, ToolPlan, template_messages
+from meshlm.api.tools import ToolPlan, leading_syntax, template_messages
 from meshlm.model.chat_templates import force_tool_syntax, rendering_template, set_tool_syntax, tool_use_template
 
 log = logging.getLogger(__name__)
@@ -59,14 +59,9 @@ def use_template(tokenizer, template: str, kwargs: dict, within: float = TEMPLAT
     # The model's own template's tool parser would read calls in a syntax this template never shows
     parser = set_tool_syntax(tokenizer, template)
     if parser is None:
-        parser = _leading_syntax(template)
+        parser = leading_syntax(template)
     log.info("tool calls: %s", f"the {parser} syntax of --chat-template" if parser else
              "meshlm's fallback syntax (--chat-template names none mlx-lm or meshlm parses)")
-
-
-def _leading_syntax(template: str | None) -> str | None:
-    """The name of meshlm's marker-less syntax `template` asks for (Llama 3's JSON, a pythonic list), if any."""
-    return next((name for name, reader in LEADING.items() if reader.asks_for_it(template)), None)
 
 
 def check_own_template(tokenizer, kwargs: dict, vocab_size: int, within: float = TEMPLATE_CHECK_SECONDS) -> None:
@@ -76,7 +71,7 @@ def check_own_template(tokenizer, kwargs: dict, vocab_size: int, within: float =
     embedding lacks, is served (completions work) with a warning: every chat request will be a 400."""
     if not getattr(tokenizer, "chat_template", None):
         return  # a base model: chat requests are 400s that say so
-    leading = _leading_syntax(rendering_template(tokenizer, with_tools=True))
+    leading = leading_syntax(rendering_template(tokenizer, with_tools=True))
     if getattr(tokenizer, "tool_parser", None) is None and leading is not None:
         log.info("tool calls: the %s syntax of the model's chat template", leading)
     cases = [("chat template", "chat request", kwargs)]

@@ -4,9 +4,10 @@
 - `none` (or no tools): plain chat; the tools are not rendered.
 - `auto` (the default when tools are given): the tools go through the model's chat template and the
   model's own tool-call syntax is parsed out of its text with mlx-lm's parser for that template
-  (`mlx_lm.tool_parsers`), or meshlm's for Llama 3's bare JSON (`llama3_calls`). A template that
-  cannot render tools, or asks for a syntax neither reads, gets the FALLBACK_PROMPT as a system
-  message instead, and its calls are read in that prompt's `<tool_call>{json}</tool_call>` syntax.
+  (`mlx_lm.tool_parsers`), or meshlm's for syntaxes without markers (`llama3_calls`: Llama 3's bare
+  JSON; `pythonic_calls`: a bare list of calls). A template that cannot render tools, or asks for a
+  syntax none of them reads, gets the FALLBACK_PROMPT as a system message instead, and its calls are
+  read in that prompt's `<tool_call>{json}</tool_call>` syntax.
 - `required`: the output is grammar-constrained to a JSON array of calls
   `[{"name": ..., "arguments": {...}}]`, each valid against its function's parameters (one call
   unless `parallel_tool_calls`), as vLLM does.
@@ -286,6 +287,11 @@ def native_syntax(tokenizer, with_tools: bool) -> str | None:
         return forced
     if getattr(tokenizer, "tool_parser", None) is not None:
         return "mlx-lm"
+    return leading_syntax(template)
+
+
+def leading_syntax(template: str | None) -> str | None:
+    """The name (a key of LEADING) of the marker-less syntax `template` asks for, if any."""
     return next((name for name, reader in LEADING.items() if reader.asks_for_it(template)), None)
 
 

@@ -45,10 +45,10 @@ def rendering_template(tokenizer, with_tools: bool) -> str | None:
     return template if isinstance(template, str) else None
 
 
-# vLLM's --tool-call-parser names, and what each is here: an mlx-lm parser module, or "llama3" (meshlm's,
-# api/llama3_calls.py). Any mlx-lm parser module's own name is taken too.
-# vLLM's `pythonic` reads a bare list; mlx-lm's module of that name wants LFM2's markers (inferred from
-# their templates), so the name means meshlm's reader here.
+# vLLM's --tool-call-parser names, and what each is here: an mlx-lm parser module, or one of meshlm's
+# readers (_MESHLM_READERS: api/llama3_calls.py, api/pythonic_calls.py). Any mlx-lm parser module's own
+# name is taken too. vLLM's `pythonic` reads a bare list; mlx-lm's module of that name wants LFM2's
+# markers (inferred from their templates), so the name means meshlm's reader here.
 TOOL_CALL_PARSERS = {"hermes": "json_tools", "mistral": "mistral", "llama3_json": "llama3", "llama4_json": "llama3",
                      "pythonic": "pythonic-bare", "llama4_pythonic": "pythonic-bare", "qwen3_coder": "qwen3_coder",
                      "kimi_k2": "kimi_k2", "minimax_m2": "minimax_m2", "glm45": "glm47"}
