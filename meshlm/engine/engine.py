@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -52,7 +53,9 @@ class Executor(Protocol):
     oldest submitted plan on the leader's stage; `send_ids(step_id, ids)` sends the sampled input ids of a
     plan submitted with `ids_follow` before they were known. An executor with `plans_ahead` true also takes
     `execute(plan, tokens)`: a decode plan whose input ids are the previous step's unread samples
-    (asynchronous scheduling)."""
+    (asynchronous scheduling). An executor with `host_work_meanwhile` true also takes
+    `execute(plan, meanwhile=f)`: it calls `f` (the leader's host work) once every other rank has the plan
+    and before this rank builds its share of the step."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -247,6 +250,11 @@ class Engine:
         # follow (`_plan_ids_ahead`). The earlier stages are idle then, so this is on unless turned off.
         self._ids_follow = (self._depth > 1 and hasattr(executor, "send_ids") and self.speculator is None
                             and config.async_scheduling != "off")
+        # A cluster whose leader returns from launching a step only near the forward's end (MLX's CPU
+        # stream) streams the last step's tokens between sending the workers the next plan and building
+        # its own share of it, while they build theirs: after the launch, they waited for that host work
+        # at the next step's first sums. Elsewhere it follows the launch and overlaps the forward.
+        self._emit_meanwhile = self._depth == 1 and getattr(executor, "host_work_meanwhile", False)
         # Greedy rows' argmax read on the host where the device is the CPU (engine/sampler.py, host_argmax).
         self._argmax_on_host = mx.default_device() == mx.cpu
 
@@ -391,8 +399,9 @@ class Engine:
     def _loop(self) -> None:
         """Double-buffered: while step t+1's forward runs (`mx.async_eval`), the
         host detokenizes and streams step t's tokens (a pipeline's leader: while
-        it waits for step t+1's activation). A stop string found then
-        ends its sequence one step late; the extra token is discarded. Any
+        it waits for step t+1's activation; a tensor-parallel leader on the CPU:
+        while the workers build step t+1, `_emit_meanwhile`). A stop string found
+        then ends its sequence one step late; the extra token is discarded. Any
         exception, wherever it arises in a step, goes to `_engine_failed`."""
         pending: _Pending | None = None
         while not self._stopping:
@@ -425,7 +434,10 @@ class Engine:
                 # 1.49-1.51x one core that way, 1.55-1.58x this way (docs/BENCHMARKS.md).
                 self._emit(pending)
                 pending = None
-        result = self._execute(plan) if plan is not None else None
+        meanwhile = None
+        if plan is not None and pending is not None and self._emit_meanwhile:
+            meanwhile, pending = functools.partial(self._emit, pending), None
+        result = self._execute(plan, meanwhile=meanwhile) if plan is not None else None
         if plan is not None:
             with self.times.timing("schedule"):
                 self._prefetch_masks(plan)
@@ -574,9 +586,13 @@ class Engine:
                 return self.scheduler.schedule(drafts, busy, max_rows=max(1, -(-active // self._depth)),
                                                max_tokens=share)
 
-    def _execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
+    def _execute(self, plan: StepPlan, tokens: mx.array | None = None,
+                 meanwhile: Callable[[], None] | None = None) -> StepResult:
         with self._deadline(f"step {plan.step_id}"):
-            result = self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
+            if meanwhile is not None:
+                result = self.executor.execute(plan, meanwhile=meanwhile)
+            else:
+                result = self.executor.execute(plan) if tokens is None else self.executor.execute(plan, tokens)
             result = self._check_loads(plan, result) if plan.loads else result
         if result.logits is None or all(c.logits != LOGITS_ALL for c in plan.chunks):
             return result

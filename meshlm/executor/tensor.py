@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 import mlx.core as mx
 
@@ -36,14 +37,22 @@ class TensorExecutor:
         self._unacked: collections.deque[int] = collections.deque()  # plans broadcast, acks not collected
         self.failure: str | None = None
         self._stopped = False  # reset told the workers to stop
+        # MLX's CPU stream returns from a launch only near the forward's end (runner `launch`), so host work
+        # after it is serial with the step: the engine does it between the broadcast and this rank's build
+        # instead, overlapping the workers' builds. A GPU's launch returns at once; work after it overlaps.
+        self.host_work_meanwhile = mx.default_device() == mx.cpu
 
-    def execute(self, plan: StepPlan, tokens: mx.array | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, tokens: mx.array | None = None,
+                meanwhile: Callable[[], None] | None = None) -> StepResult:
         """Run `plan` on every rank. `tokens`: a decode plan planned ahead (`plans_ahead`), whose input ids
         the previous step is still sampling on this rank's device: the workers get them (`_send_ids`) before
-        this rank launches the forward that takes them."""
+        this rank launches the forward that takes them. `meanwhile`: host work to do once the workers have
+        the plan, while they build their share of it (`host_work_meanwhile`)."""
         if tokens is not None and not plan.ids_follow:
             raise ValueError(f"step {plan.step_id}: planned ahead, so its ids must follow")
         self.announce(plan)
+        if meanwhile is not None:
+            meanwhile()
         if tokens is None:
             return self.rank.step(plan)
         return self.rank.step(plan, tokens=tokens, on_ids=lambda ids: self._send_ids(plan.step_id, ids))
