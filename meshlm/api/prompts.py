@@ -215,7 +215,7 @@ class PromptBuilder:
             # arguments, tool definitions, many short messages) is in it, and tokenizing megabytes of it
             # cost seconds of CPU before the same 400 (templating 200,000 messages: ~1 s).
             self._bound_chars(len(text), "messages")
-        return self._encode_many([text], getattr(req, "add_special_tokens", False))[0]
+        return self._encode_many([text], req.add_special_tokens)[0]
 
     async def text(self, text: str, special: bool) -> list[int]:
         """A text's ids (vLLM's /tokenize), refused only when its length alone proves it cannot fit."""

@@ -13,9 +13,11 @@ naming it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
+                      model_validator)
 
 from meshlm.api.schemas import MAX_TOOLS, ChatCompletionRequest, _refuse
 
@@ -25,12 +27,21 @@ MAX_METADATA = 16  # OpenAI's limit: pairs, keys up to 64 characters, values up 
 LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = frozenset({"reasoning.encrypted_content", LOGPROBS})
 _ROLES = ("user", "assistant", "system", "developer")
-# Chat completion fields a response request may carry too (vLLM's extensions and OpenAI's older sampling
-# parameters), passed on as they are: the chat request validates them.
-_CHAT_FIELDS = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
-                "stop_token_ids", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
-                "skip_special_tokens", "speculative", "top_k", "min_p", "repetition_penalty", "seed",
-                "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "cache_salt")
+# Every other field a response request carries (vLLM's extensions, OpenAI's older sampling parameters) is
+# passed on to the chat request, which honours, refuses or ignores it as it would its own: only the 20 kept
+# by name once were, and the rest gave 200s without a word, `use_beam_search` and `truncate_prompt_tokens`
+# alike. These few chat parameters shape a chat answer that a response has no place for, so they are refused.
+_CHAT_SHAPE = {
+    "logprobs": "include `message.output_text.logprobs` (and give `top_logprobs`)",
+    "echo": "a response does not repeat its input",
+    "prompt_logprobs": "a response carries no prompt logprobs",
+    "return_token_ids": "a response carries no token ids",
+    "return_tokens_as_token_ids": "a response carries no token ids",
+    "suffix": "send it to /v1/completions, which refuses it too",
+}
+# Names the chat request gets from the response's own fields; a client's copies are not passed on.
+_SET_HERE = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+                       "parallel_tool_calls", "user", "top_logprobs", "tools", "tool_choice", "response_format"})
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _RESPONSES_NAME = {  # what a response request says instead of a chat parameter
     "n": "a response has one output: send one request per answer",
@@ -44,7 +55,7 @@ _RESPONSES_NAME = {  # what a response request says instead of a chat parameter
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept for `_CHAT_FIELDS`; other unknown fields are ignored
+    model_config = ConfigDict(extra="allow")  # passed on to the chat request (`chat_body`)
 
     model: str | None = None
     input: Union[str, list[dict[str, Any]]]
@@ -83,6 +94,14 @@ class ResponsesRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_stream_is_default(cls, data: Any) -> Any:
+        """`stream: null` is OpenAI's nullable default (its SDK sends None as null), as on chat."""
+        if isinstance(data, dict) and "stream" in data and data["stream"] is None:
+            return {k: v for k, v in data.items() if k != "stream"}
+        return data
 
     @field_validator("conversation")
     @classmethod
@@ -153,9 +172,12 @@ class ResponsesRequest(BaseModel):
         """The chat completion request this response amounts to (validated as one by the caller), after the
         conversation `history` (previous_response_id's). Raises ValueError naming what cannot be."""
         extra = self.model_extra or {}
+        for name, instead in _CHAT_SHAPE.items():
+            if extra.get(name) not in (None, False):
+                raise ValueError(f"`{name}` is a chat completions parameter, not a Responses one: {instead}")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         body: dict[str, Any] = {
-            **{k: extra[k] for k in _CHAT_FIELDS if k in extra},
+            **{k: v for k, v in extra.items() if k not in _SET_HERE and k not in _CHAT_SHAPE},
             "model": self.model, "messages": system + list(history) + self.input_messages(),
             "stream": self.stream,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -268,6 +290,16 @@ def _response_format(fmt: Any) -> dict[str, Any]:
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise ValueError("text.format.type must be text, json_object or json_schema")
+
+
+def named_field(req: ResponsesRequest, message: str) -> str | None:
+    """The field a `chat_body` refusal names first (`text.verbosity: ...`, `` `echo` is ...``), for the
+    error's `param`; None where it names none the request has."""
+    m = re.match(r"`?([A-Za-z_]\w*(?:\.\w+)*)`?[: ]", message)
+    if m is None:
+        return None
+    top = m.group(1).split(".")[0]
+    return m.group(1) if top in req.model_fields_set or top in (req.model_extra or {}) else None
 
 
 def chat_request(req: ResponsesRequest, history: tuple[dict, ...] = ()) -> tuple[ChatCompletionRequest, list[dict]]:

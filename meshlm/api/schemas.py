@@ -29,9 +29,11 @@ MAX_DOCUMENTS = 1024  # chat `documents`
 # OpenAI parameters that change the output and are not implemented (yet): refusing them beats a wrong 200.
 _UNSUPPORTED = ("functions", "function_call", "audio", "web_search_options", "reasoning_effort")
 # vLLM's extensions of the same kind, refused unless given their default (`_VLLM_DEFAULTS`).
+# `priority` is vLLM's for its priority scheduling policy; under first-come-first-served it refuses any other
+# value too.
 _UNSUPPORTED_VLLM = ("use_beam_search", "spaces_between_special_tokens", "chat_template", "guided_whitespace_pattern",
-                     "logits_processors", "structural_tag")
-_VLLM_DEFAULTS = {"use_beam_search": False, "spaces_between_special_tokens": True}
+                     "logits_processors", "structural_tag", "priority")
+_VLLM_DEFAULTS = {"use_beam_search": False, "spaces_between_special_tokens": True, "priority": 0}
 # Parameters OpenAI's API (and its SDKs, which send `None` as null) types as nullable, meaning the default.
 _NULL_MEANS_DEFAULT = frozenset({"n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo"})
 # What meshlm passes to the chat template itself, or what changes how it is called: not a template variable
@@ -63,6 +65,7 @@ class _Request(BaseModel):
     seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)  # vLLM's, both endpoints: only n
     presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     # vLLM's extension. At least 1e-6: a logit divided by ~1e-38 is inf in float32, and the row NaN.
@@ -110,6 +113,14 @@ class _Request(BaseModel):
     guided_whitespace_pattern: Any = None  # structured_outputs has no whitespace_pattern here either
     logits_processors: Any = None  # vLLM's: server-side code by name (it refuses them too, unless allowed)
     structural_tag: Any = None  # vLLM's: tagged regions held to schemas
+    priority: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -341,6 +352,8 @@ class ChatCompletionRequest(_Request):
     # retrieval documents for templates that render them.
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # vLLM's: true adds the tokenizer's special tokens (a BOS) on top of what the template writes
+    add_special_tokens: StrictBool = False
     echo: Any = None  # vLLM's extension (the last message prepended to the reply): refused unless false
     # vLLM's extensions: the template's assistant header after the messages (default); or none, the last
     # message left open for the model to continue (an assistant reply's start given by the client).
@@ -409,7 +422,6 @@ class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False  # the prompt leads the text (and its tokens the logprobs, the first's null)
-    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     # With echo, 0 returns the prompt alone: how OpenAI's legacy API scores a text (lm-eval's loglikelihood).
     max_tokens: StrictInt | None = Field(None, ge=0)
@@ -434,13 +446,6 @@ class CompletionRequest(_Request):
     def _no_suffix(cls, value: str | None) -> str | None:
         return _refuse("suffix", value or None)
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, value: int | None, info) -> int | None:
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of other than n is not supported by this server")
-        return value
-
     def logprob_count(self) -> int | None:
         return self.logprobs
 
@@ -458,7 +463,6 @@ class TokenizeRequest(BaseModel):
 class TokenizeChatRequest(ChatCompletionRequest):
     """vLLM's /tokenize of chat messages: the prompt a chat completion would get (template, tools)."""
 
-    add_special_tokens: StrictBool = False  # the template writes them
     return_token_strs: StrictBool = False
 
 

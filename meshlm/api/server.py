@@ -23,7 +23,7 @@ from meshlm.api.schemas import (ChatCompletionRequest, CompletionRequest, Detoke
                                 TokenizeRequest)
 from meshlm.api.response_store import ResponseStore, item_page
 from meshlm.api.responses import ResponseRun, input_items
-from meshlm.api.responses_request import ResponsesRequest, chat_request
+from meshlm.api.responses_request import ResponsesRequest, chat_request, named_field
 from meshlm.api.serving import Serving, now
 from meshlm.api.streaming import Completion, watch_disconnect
 from meshlm.api.structured import request_grammar
@@ -229,7 +229,7 @@ def _as_chat(req: ResponsesRequest, history: tuple[dict, ...]):
     except ValidationError as exc:  # what the chat path refuses, named by its fields
         raise _validation_error(exc.errors())
     except ValueError as exc:
-        raise bad_request(str(exc))
+        raise bad_request(str(exc), param=named_field(req, str(exc)))
 
 
 def _validated(model, data):

@@ -416,6 +416,9 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"logits_processors": ["my_module.Proc"]}, "logits_processors"),  # was ignored: a 200 unprocessed
     ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag"),  # was ignored: unconstrained
+    ({"best_of": 3}, "best_of"),  # was ignored on chat (helper-53)
+    ({"priority": 5}, "priority"),  # was ignored: first come, first served (vLLM refuses it so too)
+    ({"add_special_tokens": "yes"}, "add_special_tokens"),
 ])
 def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
@@ -439,6 +442,7 @@ def test_nullable_openai_parameters_sent_as_null_mean_their_default(server, path
 
 @pytest.mark.parametrize("extra, param", [
     ({"best_of": 3}, "best_of"),
+    ({"priority": -1}, "priority"),
     ({"suffix": "tail"}, "suffix"),
     ({"echo": 1}, "echo"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat's: was silently ignored

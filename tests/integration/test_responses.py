@@ -228,6 +228,16 @@ def test_a_thinking_model_answers_with_a_reasoning_item(tmp_path):
     ({"input": "x", "response_format": {"type": "json_object"}}, "use `text.format`"),
     ({"input": "x", "n": 3}, "one output"),
     ({"input": "x", "max_tokens": 3}, "use `max_output_tokens`"),
+    # chat's parameters a response has no place for, and ones chat itself refuses: passed on by name only
+    # (20 of them), every other field was dropped, a 200 without a word (review helper-53)
+    ({"input": "x", "logprobs": True}, "include `message.output_text.logprobs`"),
+    ({"input": "x", "prompt_logprobs": 2}, "no prompt logprobs"),
+    ({"input": "x", "return_token_ids": True}, "no token ids"),
+    ({"input": "x", "echo": True}, "`echo` is a chat"),
+    ({"input": "x", "use_beam_search": True}, "`use_beam_search` is not supported"),
+    ({"input": "x", "priority": 5}, "`priority` is not supported"),
+    ({"input": "x", "best_of": 3}, "best_of other than n"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "x", "model": "gpt-9"}, "does not exist"),
     ({"input": "w " * 3000}, "context length"),
     ({"input": "w " * 2100}, "context length"),  # counted in tokens, not refused by its length alone
@@ -238,6 +248,33 @@ def test_what_cannot_be_done_is_a_400_naming_it(server, body, words):
     if words == "context length":  # chat's name for the prompt was given ("messages")
         assert r.json()["error"]["param"] == "input", r.text
     assert (r.status_code == 404) == ("model" in body or "previous_response_id" in body)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
+    ({"input": "x", "logprobs": True}, "logprobs"),
+    ({"input": "x", "use_beam_search": True}, "use_beam_search"),
+])
+def test_a_refusal_names_its_param(server, body, param):
+    """Refusals made while the response became a chat request had `param: null` (review helper-53)."""
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chats_other_parameters_pass_on_and_a_null_stream_is_the_default(server, model):
+    """`truncate_prompt_tokens` and `documents` reached the chat request only if named in a list of 20, so
+    a response ignored them; `stream: null` was a 400 (review helper-53)."""
+    def usage(**extra) -> int:
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": model, "input": "the cat sat on the mat", "max_output_tokens": 2, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    whole = usage(stream=None)
+    assert whole > 3 and usage(truncate_prompt_tokens=3) == 3
+    assert usage(service_tier="auto", prompt_cache_key="k") == whole  # unknown to chat too: ignored there
 
 
 def test_a_stored_response_is_continued_fetched_and_deleted(client, model):

@@ -222,14 +222,11 @@ def test_an_assistant_refusal_part_in_the_history_is_its_text():
     assert req.messages[1].text() == "I can't. Sorry."
 
 
-def test_a_completions_add_special_tokens_false_leaves_out_the_bos(tmp_path):
-    """vLLM's add_special_tokens on completions was dropped as an unknown field: a prompt that already
-    began with the BOS got it twice (review helper-42)."""
-    from mlx_lm.tokenizer_utils import load
-
+def _bos_model(path):
+    """A tiny model whose tokenizer puts a BOS (id 0) before every text, as Llama's tokenizers do."""
     from meshlm.model.demo import make_tiny
 
-    model = make_tiny(tmp_path / "m", "llama", layers=1, hidden=32, heads=2, kv_heads=1)
+    model = make_tiny(path, "llama", layers=1, hidden=32, heads=2, kv_heads=1)
     tok_json = json.loads((model / "tokenizer.json").read_text())
     tok_json["post_processor"] = {  # a BOS before every text, as Llama's tokenizers add one
         "type": "TemplateProcessing",
@@ -237,7 +234,30 @@ def test_a_completions_add_special_tokens_false_leaves_out_the_bos(tmp_path):
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
     (model / "tokenizer.json").write_text(json.dumps(tok_json))
-    b = PromptBuilder(load(model), vocab_size=512, max_model_len=4096)
+    return model
+
+
+def test_a_completions_add_special_tokens_false_leaves_out_the_bos(tmp_path):
+    """vLLM's add_special_tokens on completions was dropped as an unknown field: a prompt that already
+    began with the BOS got it twice (review helper-42)."""
+    from mlx_lm.tokenizer_utils import load
+
+    b = PromptBuilder(load(_bos_model(tmp_path / "m")), vocab_size=512, max_model_len=4096)
     (with_bos,) = asyncio.run(b.completion(CompletionRequest(prompt="hi")))
     (without,) = asyncio.run(b.completion(CompletionRequest(prompt="hi", add_special_tokens=False)))
     assert with_bos[0] == 0 and with_bos[1:] == without and 0 not in without
+
+
+def test_a_chats_add_special_tokens_true_adds_the_bos_on_top_of_the_template(tmp_path):
+    """vLLM's add_special_tokens on chat (default false: the template writes them) was ignored as an
+    unknown field, while /tokenize of the same messages honoured it (review helper-53)."""
+    from mlx_lm.tokenizer_utils import load
+
+    from meshlm.api.schemas import ChatCompletionRequest, TokenizeChatRequest
+
+    b = PromptBuilder(load(_bos_model(tmp_path / "m")), vocab_size=512, max_model_len=4096)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = asyncio.run(b.chat(ChatCompletionRequest(messages=messages)))
+    special = asyncio.run(b.chat(ChatCompletionRequest(messages=messages, add_special_tokens=True)))
+    assert special[0] == 0 and special[1:] == plain and plain[0] != 0
+    assert asyncio.run(b.chat(TokenizeChatRequest(messages=messages, add_special_tokens=True))) == special
