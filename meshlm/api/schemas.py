@@ -114,6 +114,9 @@ class _Request(BaseModel):
     logits_processors: Any = None  # vLLM's: server-side code by name (it refuses them too, unless allowed)
     structural_tag: Any = None  # vLLM's: tagged regions held to schemas
     priority: Any = None
+    # vLLM's: the response's id is `chatcmpl-<request_id>` (`cmpl-` for completions), for the client to
+    # correlate; printable ASCII without spaces, as it may be logged and echoed.
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$")
 
     @field_validator("best_of")
     @classmethod

@@ -27,7 +27,8 @@ class Completion:
     def __init__(self, serving: Serving, req: _Request, prompts: list[list[int]], chat: bool,
                  grammar: str | None = None, tools: ToolPlan | None = None) -> None:
         self.serving, self.req, self.prompts, self.chat, self.tools = serving, req, prompts, chat, tools
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        prefix = "chatcmpl" if chat else "cmpl"
+        self.id = f"{prefix}-{req.request_id}" if req.request_id is not None else new_id(prefix)
         self.object = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.finished = False

@@ -419,11 +419,23 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"best_of": 3}, "best_of"),  # was ignored on chat (helper-53)
     ({"priority": 5}, "priority"),  # was ignored: first come, first served (vLLM refuses it so too)
     ({"add_special_tokens": "yes"}, "add_special_tokens"),
+    ({"request_id": "a b"}, "request_id"),
+    ({"request_id": "x" * 257}, "request_id"),
 ])
 def test_parameters_out_of_range_or_unsupported_name_the_param(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
     error_of(r, 400, param)
     still_serving(server)
+
+
+def test_a_request_id_names_the_response_whole_and_streamed(server):
+    """vLLM's request_id was ignored: the id was random, and a client could not correlate (helper-53)."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2, "request_id": "job-42"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-job-42", r.text
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 2, "stream": True, "request_id": "job-43"}) as s:
+        ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
+    assert ids == {"cmpl-job-43"}
 
 
 @pytest.mark.parametrize("path, body", [
