@@ -114,9 +114,23 @@ class _Request(BaseModel):
     logits_processors: Any = None  # vLLM's: server-side code by name (it refuses them too, unless allowed)
     structural_tag: Any = None  # vLLM's: tagged regions held to schemas
     priority: Any = None
+    # The Responses API's names, dropped as unknown fields here, gave an answer without the instructions, the
+    # cap or the conversation asked for (review helper-53).
+    instructions: Any = None
+    max_output_tokens: Any = None
+    previous_response_id: Any = None
+    input: Any = None
+    text: Any = None
     # vLLM's: the response's id is `chatcmpl-<request_id>` (`cmpl-` for completions), for the client to
     # correlate; printable ASCII without spaces, as it may be logged and echoed.
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$")
+
+    @field_validator("instructions", "max_output_tokens", "previous_response_id", "input", "text")
+    @classmethod
+    def _responses_only(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(f"`{info.field_name}` is a Responses API parameter (/v1/responses)")
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -431,8 +445,14 @@ class CompletionRequest(_Request):
     add_special_tokens: StrictBool = True  # vLLM's: false leaves out the BOS a prompt's text would get
     tools: Any = None  # chat's: refused here rather than ignored
     tool_choice: Any = None
+    messages: Any = None
+    documents: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
 
-    @field_validator("tools", "tool_choice")
+    @field_validator("tools", "tool_choice", "messages", "documents", "chat_template_kwargs", "add_generation_prompt",
+                     "continue_final_message")
     @classmethod
     def _chat_only(cls, value: Any, info) -> Any:
         if value is not None:

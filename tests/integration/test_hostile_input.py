@@ -419,6 +419,8 @@ def test_a_20_mb_prompt_is_answered_at_once(server):
     ({"best_of": 3}, "best_of"),  # was ignored on chat (helper-53)
     ({"priority": 5}, "priority"),  # was ignored: first come, first served (vLLM refuses it so too)
     ({"add_special_tokens": "yes"}, "add_special_tokens"),
+    ({"instructions": "be a pirate"}, "instructions"),  # the Responses API's: were dropped, a plain answer
+    ({"max_output_tokens": 1}, "max_output_tokens"),
     ({"request_id": "a b"}, "request_id"),
     ({"request_id": "x" * 257}, "request_id"),
 ])
@@ -455,6 +457,9 @@ def test_nullable_openai_parameters_sent_as_null_mean_their_default(server, path
 @pytest.mark.parametrize("extra, param", [
     ({"best_of": 3}, "best_of"),
     ({"priority": -1}, "priority"),
+    ({"documents": [{"title": "t", "text": "x"}]}, "documents"),  # chat's: were dropped
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"suffix": "tail"}, "suffix"),
     ({"echo": 1}, "echo"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat's: was silently ignored
