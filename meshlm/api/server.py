@@ -218,7 +218,8 @@ async def _parse(request: Request, model, limits: BodyLimits):
     """The body parsed and validated on a worker thread: a 16 MiB body of 200,000 messages takes the
     validator ~1 s, which on the event loop stalled every stream."""
     body = await read_body(request, limits.max_bytes, limits.stall_seconds)
-    return await asyncio.to_thread(lambda: _validated(model, parse_json_sync(body, limits)))
+    header_id = request.headers.get("x-request-id")
+    return await asyncio.to_thread(lambda: _validated(model, parse_json_sync(body, limits), header_id))
 
 
 def _as_chat(req: ResponsesRequest, history: tuple[dict, ...]):
@@ -232,7 +233,10 @@ def _as_chat(req: ResponsesRequest, history: tuple[dict, ...]):
         raise bad_request(str(exc), param=named_field(req, str(exc)))
 
 
-def _validated(model, data):
+def _validated(model, data, header_id: str | None = None):
+    """`header_id`: an `X-Request-Id` header, which names the response over a body's `request_id` (vLLM)."""
+    if header_id is not None and isinstance(data, dict) and "request_id" in model.model_fields:
+        data = {**data, "request_id": header_id}
     try:
         return model.model_validate(data)
     except ValidationError as exc:

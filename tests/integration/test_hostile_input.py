@@ -438,6 +438,9 @@ def test_a_request_id_names_the_response_whole_and_streamed(server):
             "prompt": "hi", "max_tokens": 2, "stream": True, "request_id": "job-43"}) as s:
         ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
     assert ids == {"cmpl-job-43"}
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "hdr-1"},
+                   json={**CHAT, "max_tokens": 2, "request_id": "body-1"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-hdr-1", r.text  # the header wins, as in vLLM
 
 
 @pytest.mark.parametrize("path, body", [
