@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A token or a step of a small model on a fast machine takes well under 5 ms: every one fell in the lowest
@@ -12,6 +12,10 @@ _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)
 
 class Metrics:
     def __init__(self) -> None:
+        # prometheus_client adds a `_created` series (a start timestamp, typed gauge, with its parent's help)
+        # to every counter and histogram: in the text format it read as a second, unrelated gauge, and the
+        # collector-built counters have none (review helper-55). A switch of the library's, process-wide.
+        disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.requests = Counter("meshlm_requests", "Sequences by final status: each choice of a request "
                                 "(n) and each prompt of a batched completion counts once", ["status"], registry=r)

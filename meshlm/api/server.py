@@ -78,7 +78,7 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
+        return rejected(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"))
 
     # HEAD too: load balancers' probes use it (its answer is GET's status, with no body).
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -249,7 +249,12 @@ class Serving:
     def usage(self, choices: list[Choice], prompts: list[list[int]]) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
         completion = sum(c.completion_tokens for c in choices)
-        cached = max((c.cached_tokens for c in choices), default=0)
+        # Per prompt, as its tokens count once whatever its n choices (the most any of them found cached);
+        # summed over a batched completion's prompts, as their tokens are.
+        by_prompt: dict[int, int] = {}
+        for c in choices:
+            by_prompt[c.prompt] = max(by_prompt.get(c.prompt, 0), c.cached_tokens)
+        cached = sum(by_prompt.values())
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,

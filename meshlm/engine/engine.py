@@ -891,6 +891,8 @@ class Engine:
                 seqs.append(seq)
             for seq in seqs:
                 self._finish(seq.uid, FinishReason.ERROR, error=message)
+            with self._lock:  # else the gauges showed the failed batch until a restart (or the exit) updated them
+                self._update_gauges()
             if recover and not self._given_up:
                 self._recover_or_give_up(message)
 

@@ -67,6 +67,9 @@ def test_failure_fails_in_flight_requests_then_the_engine_restarts(tiny_model, t
         assert "error" in last and "injected" in last["error"]["message"]
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503 and "injected" in health.json()["error"]
+        # Every request has ended: the gauges say so during the restart's backoff too (they showed the failed
+        # batch until the restart, and under TP until the exit: review helper-55)
+        assert srv.metric("meshlm_batch_size") == 0 and srv.metric("meshlm_kv_blocks_used") == 0
         t0 = time.monotonic()
         refused = httpx.post(srv.url + "/v1/completions", json=NORMAL, timeout=10)
         assert refused.status_code == 503 and time.monotonic() - t0 < 1

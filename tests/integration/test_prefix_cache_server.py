@@ -245,6 +245,18 @@ def test_multi_turn_chat_reuses_the_first_turn(warm, reference):
     assert streamed == reference(turn3)
 
 
+def test_a_batched_completions_cached_tokens_are_the_sum_over_its_prompts(warm):
+    """usage's cached_tokens took the largest of all choices: a batch of two cached prompts reported one's
+    (review helper-55). Per prompt the most of its n choices, summed over prompts, as prompt_tokens is."""
+    a, b = ids(3 * BS + 1, seed=901), ids(2 * BS + 5, seed=902)
+    complete(warm, a), complete(warm, b)
+    r = httpx.post(warm.url + "/v1/completions", timeout=120, json={
+        "prompt": [a, b], "n": 2, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(a) + len(b)
+    assert cached(r.json()) == 3 * BS + 2 * BS
+
+
 def test_concurrent_requests_sharing_a_prefix(warm, reference):
     system = ids(4 * BS + 2, seed=4)
     prompts = [system + ids(3 + i, seed=40 + i) for i in range(8)]
