@@ -11,7 +11,8 @@ a slow cluster shows which rank waits for what (benchmarks/scaling.py, `meshlm_r
   updating the sequences, detokenising and streaming;
 - `control`: the control plane (the leader's plan broadcast and ack checks, a worker's acks);
 - `wait`: a worker waiting for its next plan (the leader's host work and the control plane, seen
-  from a worker);
+  from a worker), not while the leader idles: it heartbeats then, and once more before the plan that
+  ends its idling, and a worker counts only the time since the last heartbeat;
 - `link`: a pipeline stage waiting for, or sending, activations.
 
 Workers send their totals in every ACK (control protocol version 5), so the leader reports every

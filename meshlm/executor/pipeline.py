@@ -45,6 +45,7 @@ class PipelineExecutor(TensorExecutor):
 
     def submit(self, plan: StepPlan) -> None:
         with self.times.timing("control"), self._naming_stages():
+            self.wake_workers()
             self.control.broadcast(plan)
 
     def send_ids(self, step_id: int, ids: list[int]) -> None:

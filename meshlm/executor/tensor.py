@@ -20,7 +20,7 @@ import mlx.core as mx
 from meshlm.engine.plan import StepPlan
 from meshlm.executor.rank import RankState
 from meshlm.model.runner import StepResult
-from meshlm.step_times import StepTimes
+from meshlm.step_times import PHASES, StepTimes
 from meshlm.transport.codec import ProtocolError
 from meshlm.transport.control import ControlError, ControlLeader
 from meshlm.transport.local_reduce import is_peer_lost
@@ -41,6 +41,7 @@ class TensorExecutor:
         # after it is serial with the step: the engine does it between the broadcast and this rank's build
         # instead, overlapping the workers' builds. A GPU's launch returns at once; work after it overlaps.
         self.host_work_meanwhile = mx.default_device() == mx.cpu
+        self._idled = True  # the engine had nothing to run since the last plan (`wake_workers`)
 
     def execute(self, plan: StepPlan, tokens: mx.array | None = None,
                 meanwhile: Callable[[], None] | None = None) -> StepResult:
@@ -68,6 +69,7 @@ class TensorExecutor:
         sent while the step before it still runs: that step's acks are collected by `settle`."""
         with self.times.timing("control"):
             self._collect_acks(keep=1 if plan.ids_follow else 0)
+            self.wake_workers()
             self.control.broadcast(plan)
             self._unacked.append(plan.step_id)
         self._remove_joined_file()
@@ -114,10 +116,21 @@ class TensorExecutor:
         return self.rank.times
 
     def rank_times(self) -> dict[int, tuple[float, ...]]:
-        return {0: self.times.totals(), **self.control.worker_times}
+        # Zeros for a worker that has not acked a step yet: its series exist from the start, so a dashboard
+        # can tell a worker without traffic from no worker.
+        zeros = {r: (0.0,) * len(PHASES) for r in range(1, self.control.world_size)}
+        return {0: self.times.totals(), **zeros, **self.control.worker_times}
+
+    def wake_workers(self) -> None:
+        """Before the first plan after idling: a heartbeat, from which the workers count their wait for the
+        plan (`meshlm_rank_seconds{phase="wait"}` is step time, not idle time)."""
+        if self._idled:
+            self._idled = False
+            self.control.heartbeat()
 
     def idle(self) -> None:
         """Between steps with nothing to do: collect the last acks, heartbeat, notice dead workers."""
+        self._idled = True
         self._collect_acks()
         self.control.maybe_heartbeat()
         self._remove_joined_file()
@@ -173,7 +186,10 @@ class TensorExecutor:
     def all_reduce_stats(self) -> dict[int, tuple[int, float, float]] | None:
         """Every rank's shared-memory sums, {rank: (count, seconds, seconds waiting for the others)}: rank
         0's own now, each worker's as of its last ack; None where the ranks sum with MLX's backend."""
-        return {0: self.sums.stats(), **self.control.worker_sums} if self.sums is not None else None
+        if self.sums is None:
+            return None
+        zeros = {r: (0, 0.0, 0.0) for r in range(1, self.control.world_size)}
+        return {0: self.sums.stats(), **zeros, **self.control.worker_sums}
 
     def close(self) -> None:
         self.control.shutdown(reason="leader shutting down", linger=1.0)

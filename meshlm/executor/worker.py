@@ -153,8 +153,11 @@ def _serve_plans(control: ControlWorker, rank: RankState, watchdog: Watchdog, io
     times = rank.times
     while True:
         try:
-            with times.timing("wait"):
-                plan = control.next_plan()
+            asked = time.perf_counter()
+            plan = control.next_plan()
+            # An idle leader heartbeats, and sends one more before the plan that ends its idling: only the
+            # time since is waiting for the leader's step work (an idle cluster's hours were counted here).
+            times.add("wait", time.perf_counter() - max(asked, control.heard_at))
         except LeaderLost as exc:
             log.error("%s; exiting", exc)
             return EXIT_LEADER_LOST

@@ -738,6 +738,9 @@ class ControlWorker:
         self._seq = 0  # worker -> leader sequence number
         self._send_lock = threading.Lock()  # the heartbeat thread sends too (`beat`)
         self._last_send = time.monotonic()
+        # When the last heartbeat arrived (time.perf_counter): the leader sends one before the first plan after
+        # it idled, so a worker counts as waiting for a plan only the time since (`_serve_plans`).
+        self.heard_at = 0.0
         self._beating = threading.Event()  # set: heartbeats stop
         self.shutdown_reason: str | None = None  # set when the leader sent SHUTDOWN
 
@@ -870,6 +873,7 @@ class ControlWorker:
                 self.close()
                 return None
             wire.decode_empty(frame.payload, "HEARTBEAT")
+            self.heard_at = time.perf_counter()
 
     def ack(self, step_id: int, fingerprint: int, error: str = "", times: tuple[float, ...] = (),
             missing: tuple[bytes, ...] = (), sums: tuple[float, ...] = ()) -> None:

@@ -155,7 +155,15 @@ def tp2(tp_model, tmp_path):
         os.kill(pid, signal.SIGKILL)
 
 
+def _rank_seconds(srv) -> dict[tuple[str, str], float]:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return {(m.group(2), m.group(1)): float(m.group(3)) for m in re.finditer(
+        r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\} (\S+)$', text, re.M)}
+
+
 def test_endurance_sequential_concurrent_and_no_kv_growth(tp2):
+    # The worker's series exist before its first step (they appeared with its first ACK: review helper-55)
+    assert _rank_seconds(tp2)[("1", "wait")] == 0
     with httpx.Client(base_url=tp2.url, timeout=120) as c:
         for i in range(100):
             r = c.post("/v1/completions", json={"prompt": f"seq {i}", "max_tokens": 3, "temperature": 0})
@@ -164,12 +172,15 @@ def test_endurance_sequential_concurrent_and_no_kv_growth(tp2):
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
     assert wait_until(lambda: tp2.metric("meshlm_kv_blocks_used") == 0, 10)
     # Every rank's step time by phase reaches rank 0's /metrics, the worker's through its ACKs.
-    text = httpx.get(tp2.url + "/metrics", timeout=10).text
-    seconds = {(m.group(2), m.group(1)): float(m.group(3)) for m in re.finditer(
-        r'^meshlm_rank_seconds_total\{phase="(\w+)",rank="(\d+)"\} (\S+)$', text, re.M)}
+    seconds = _rank_seconds(tp2)
     for rank in ("0", "1"):
         assert seconds[(rank, "build")] > 0 and seconds[(rank, "device")] > 0, seconds
     assert seconds[("0", "sample")] > 0 and seconds[("1", "wait")] > 0, seconds
+    # An idle leader is no step work to wait for: 2.5 s idle, then one request, adds well under 1 s to the
+    # worker's wait (it counted every idle second there: review helper-55)
+    time.sleep(2.5)
+    assert httpx.post(tp2.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
+    assert _rank_seconds(tp2)[("1", "wait")] - seconds[("1", "wait")] < 1.0
 
 
 def test_cancel_mid_stream_cleans_every_rank(tp2):
