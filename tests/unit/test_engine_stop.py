@@ -27,6 +27,9 @@ class ClusterExecutor:
     def known_failure(self, exc: BaseException) -> bool:
         return True
 
+    def kv_bytes(self) -> int:
+        return 0
+
 
 def new_engine(executor, on_fatal=None) -> Engine:
     return Engine(executor, None, SchedulerConfig(), 64, lambda: BlockManager(8, 4), frozenset(), on_fatal=on_fatal)

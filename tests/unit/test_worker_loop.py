@@ -16,6 +16,8 @@ from meshlm.transport.control import LeaderLost
 
 
 class _Control:
+    heard_at = 0.0  # no heartbeat heard (ControlWorker's)
+
     def __init__(self, exc: Exception | None) -> None:
         self.exc = exc
         self.shutdown_reason = "leader shutting down"
@@ -42,6 +44,7 @@ class _StepControl:
     """One plan with nothing to compute, whose ACK finds the leader gone."""
 
     shutdown_reason = ""
+    heard_at = 0.0
 
     def __init__(self) -> None:
         self.plans = [SimpleNamespace(step_id=3, ids_follow=False)]
