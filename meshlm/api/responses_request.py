@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
 
-from meshlm.api.schemas import MAX_TOOLS, ChatCompletionRequest, _refuse
+from meshlm.api.schemas import MAX_TOOLS, ChatCompletionRequest, _refuse, nulls_as_defaults
 
 MAX_METADATA = 16  # OpenAI's limit: pairs, keys up to 64 characters, values up to 512
 # `include` values this server gives: encrypted reasoning needs nothing (it only matters to a server that
@@ -39,9 +39,10 @@ _CHAT_SHAPE = {
     "return_tokens_as_token_ids": "a response carries no token ids",
     "suffix": "send it to /v1/completions, which refuses it too",
 }
-# Names the chat request gets from the response's own fields; a client's copies are not passed on.
-_SET_HERE = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-                       "parallel_tool_calls", "user", "top_logprobs", "tools", "tool_choice", "response_format"})
+# The one chat name a response's own fields do not declare but `chat_body` sets itself (streaming needs the
+# usage); OpenAI's Responses `stream_options` (include_obfuscation) means nothing to chat.
+_STREAM_OPTIONS = "stream_options"
+_NULL_STREAM = frozenset({"stream"})
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _RESPONSES_NAME = {  # what a response request says instead of a chat parameter
     "n": "a response has one output: send one request per answer",
@@ -99,9 +100,7 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _null_stream_is_default(cls, data: Any) -> Any:
         """`stream: null` is OpenAI's nullable default (its SDK sends None as null), as on chat."""
-        if isinstance(data, dict) and "stream" in data and data["stream"] is None:
-            return {k: v for k, v in data.items() if k != "stream"}
-        return data
+        return nulls_as_defaults(data, _NULL_STREAM)
 
     @field_validator("conversation")
     @classmethod
@@ -177,7 +176,7 @@ class ResponsesRequest(BaseModel):
                 raise ValueError(f"`{name}` is a chat completions parameter, not a Responses one: {instead}")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         body: dict[str, Any] = {
-            **{k: v for k, v in extra.items() if k not in _SET_HERE and k not in _CHAT_SHAPE},
+            **{k: v for k, v in extra.items() if k != _STREAM_OPTIONS and k not in _CHAT_SHAPE},
             "model": self.model, "messages": system + list(history) + self.input_messages(),
             "stream": self.stream,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,

@@ -46,6 +46,13 @@ _TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def nulls_as_defaults(data: Any, names: frozenset[str]) -> Any:
+    """A body without the `names` sent as null (OpenAI types them nullable, meaning the default)."""
+    if isinstance(data, dict) and any(data.get(k, 0) is None for k in names):
+        return {k: v for k, v in data.items() if v is not None or k not in names}
+    return data
+
+
 def _refuse(name: str, value: Any) -> Any:
     if value is not None:
         raise ValueError(f"`{name}` is not supported by this server")
@@ -142,9 +149,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_MEANS_DEFAULT):
-            return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
-        return data
+        return nulls_as_defaults(data, _NULL_MEANS_DEFAULT)
 
     @field_validator(*_UNSUPPORTED)
     @classmethod
