@@ -395,6 +395,10 @@ def log_format(rank: int | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    from meshlm import transformers_index
+    from meshlm.platform import cache_root
+
+    transformers_index.install(cache_root() / "transformers-index")  # before anything imports transformers
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format=log_format(getattr(args, "rank", 0)))
     from meshlm.cluster.bootstrap import ClusterError
 

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ GLIBC_MALLOC_TUNING = {
 
 # What mlx-lm raises the soft open-file limit to when imported (a model with many weight files).
 MLX_LM_OPEN_FILES = 2048
+
+
+def cache_root() -> Path:
+    """Where meshlm keeps what it can make again: the demo model's export, weight digests, transformers'
+    module index (MESHLM_CACHE_DIR, else ~/.cache/meshlm)."""
+    env = os.environ.get("MESHLM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "meshlm"
 
 
 def import_mlx_lm(name: str = "mlx_lm.utils") -> ModuleType:

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.model.gguf import DTYPES, export_gguf, gguf_path, write_hf_tokenizer, write_json
-from meshlm.platform import import_mlx_lm
+from meshlm.platform import cache_root, import_mlx_lm
 
 DEMO_NAME = "smollm2-135m-instruct"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
@@ -110,11 +110,6 @@ def _is_complete(path: Path) -> bool:
         return "temperature" in json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError):
         return False
-
-
-def cache_root() -> Path:
-    env = os.environ.get("MESHLM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "meshlm"
 
 
 def demo_model_dir(dtype: str = "float32") -> Path:

@@ -21,7 +21,7 @@ from meshlm.model.adapt import check_supported
 from meshlm.model.adapters import FILES as ADAPTER_FILES, apply_adapter
 from meshlm.model.chat_templates import adopt_tool_parser
 from meshlm.model.vocab_parallel import shard_vocab_head
-from meshlm.platform import default_device_is_gpu, import_mlx_lm, resolve_dtype
+from meshlm.platform import cache_root, default_device_is_gpu, import_mlx_lm, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,6 @@ def model_fingerprint(path: Path, digest_cache: Path | None = None) -> str:
 
 
 def default_digest_cache() -> Path:
-    from meshlm.model.demo import cache_root
-
     return cache_root() / DIGEST_CACHE_FILE
 
 
