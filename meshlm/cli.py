@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     from meshlm import transformers_index
-    from meshlm.platform import cache_root
+    from meshlm.platform import cache_root, sigterm_as_interrupt
 
     transformers_index.install(cache_root() / "transformers-index")  # before anything imports transformers
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format=log_format(getattr(args, "rank", 0)))
@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if args.command == "serve":
+            sigterm_as_interrupt()
             config = serve_config(args)
             if config.parallel.distributed and config.parallel.hostfile is None:
                 # All local ranks share this machine's cores, rank 0 included (set before the re-exec).

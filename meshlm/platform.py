@@ -132,6 +132,24 @@ def interrupt_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def sigterm_as_interrupt() -> None:
+    """Until serving begins, SIGTERM (a service manager's stop, `kill`) does what Ctrl-C does at that moment:
+    whatever handles SIGINT then (interrupt_deferred's, the join watcher's, or Python's KeyboardInterrupt,
+    which the CLI reports as 'interrupted', status 130, after a local cluster's ranks and directory are
+    gone). Its default ended the process on the spot: silent, the cluster's directory left in the temporary
+    directory and its other ranks left to find rank 0 gone. Serving installs its own handler (a drain)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def as_interrupt(signum, frame) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored (a shell's background job): SIGTERM still stops
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    signal.signal(signal.SIGTERM, as_interrupt)
+
+
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
     """Restart this process with Debian's OpenBLAS preloaded, if present on Linux.
 

@@ -286,6 +286,30 @@ def test_ctrl_c_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model
     assert not list(tmp.iterdir())
 
 
+@pytest.mark.parametrize("to_group", [False, True], ids=["rank-0", "group"])
+def test_sigterm_while_the_cluster_starts_is_ctrl_c(tp_model, tmp_path, to_group):
+    """SIGTERM before serving began (a service manager's stop: to rank 0 alone, or to the group) ended each
+    process it reached on the spot: nothing said, the local cluster's directory left behind, and a rank 0
+    killed alone left its worker to find it gone. It now does what Ctrl-C does then."""
+    log, tmp = tmp_path / "start.log", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(free_port()),
+           "--kv-cache-dir", str(tmp_path / "kv"), "--tensor-parallel", "2"]
+    with process_group(cmd, log, TMPDIR=str(tmp)) as proc:
+        assert wait_until(lambda: log.read_text().count("OpenBLAS") == 2, 60, step=0.01), log.read_text()
+        workers = children(proc.pid)
+        assert workers and list(tmp.iterdir())  # the worker runs, the cluster's directory exists
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 130, log.read_text()[-3000:]
+        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
+    assert not list(tmp.iterdir())
+
+
 def test_sigterm_on_leader_stops_every_rank_within_5s(tp2):
     workers = children(tp2.proc.pid)
     stream = subprocess.Popen(["curl", "-sN", tp2.url + "/v1/completions", "-d",
