@@ -58,6 +58,7 @@ class JoinWatch:
         self.rank, self.peers, self.during, self.cleanup = rank, peers, during, cleanup or []
         self._child: subprocess.Popen | None = None
         self._done: int | None = None  # the write end of the child's pipe
+        self._sigterm = None  # this rank's SIGTERM handler before the watched part, restored after it
 
     def __enter__(self) -> JoinWatch:
         if not self.peers:
@@ -89,9 +90,17 @@ class JoinWatch:
             raise
         finally:
             os.close(ready)
+        # The child ends this rank with SIGTERM, which must act in the join, where no Python handler can run
+        # (the CLI's, which makes it a Ctrl-C until serving begins, would wait for the join to return):
+        # its default meanwhile.
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         if self._done is not None:
             with contextlib.suppress(OSError):  # a child already gone
                 os.write(self._done, DONE)  # what tells the child this rank got through, not died meanwhile
