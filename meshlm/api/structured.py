@@ -5,7 +5,8 @@ Sources, at most one per request (two is a 400: which should win is not ours to 
   the output is held to the schema either way);
 - `structured_outputs` (vLLM's extension): `json` (a schema), `regex`, `choice` (one of the strings),
   `grammar` (a Lark grammar in llguidance's dialect);
-- tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py).
+- tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py), which
+  win over `response_format` (it shapes a final answer, and this turn's answer is the call).
 
 Building and compiling run on a worker thread, so a slow grammar never stalls the event loop (a
 schema sent as a string is parsed there too, within the body's limits), and llguidance's fuel limits
@@ -51,7 +52,11 @@ def _build_and_check(grammars: Grammars, build) -> str:
 
 def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[tuple[str, object]]:
     out = []
-    rf = req.response_format
+    calls = tools.schema if isinstance(req, ChatCompletionRequest) and tools is not None else None
+    # A turn that must call a tool has no final answer for `response_format` to shape: that comes in a
+    # later turn, as OpenAI takes both (agent SDKs send their output type on every turn, with the tools).
+    # vLLM's extension `structured_outputs` is the client's own choice of grammar: with a forced call, a 400.
+    rf = req.response_format if calls is None else None
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", lambda g: g.from_json_schema({"type": "object"})))
     elif rf is not None and rf.type == "json_schema":
@@ -62,7 +67,6 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
         # Where a schema string sits in the body: its parse is held to the limits that place has.
         place = ("guided_json", 2) if req.guided_json is not None else ("structured_outputs.json", 3)
         out.append(("structured_outputs", lambda g: _structured(g, so, place, limits)))
-    calls = tools.schema if isinstance(req, ChatCompletionRequest) and tools is not None else None
     if calls is not None:
         out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
     return out

@@ -289,6 +289,27 @@ def test_forced_tool_calls_are_well_formed(server, stream, choice):
                 assert name == "get_weather"
 
 
+class GetWeather(BaseModel):
+    city: Word
+    days: int = Field(ge=1, le=7)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_wins_over_response_format_as_with_openai(server, choice):
+    """An agent SDK sends its output type with the tools on every turn (openai-agents: `output_type`). A turn
+    that must call a tool has no final answer for `response_format` to shape; OpenAI takes both, and the
+    call is made. It was a 400 ('both constrain the output')."""
+    c = openai_client(server.url)
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "GetWeather"}}
+    for seed in range(3):
+        r = c.chat.completions.parse(model=c.models.list().data[0].id, messages=ASK, response_format=Pet,
+                                     tools=[openai.pydantic_function_tool(GetWeather)], tool_choice=tool_choice,
+                                     parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=seed)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None and message.parsed is None
+        assert [type(t.function.parsed_arguments) for t in message.tool_calls] == [GetWeather]
+
+
 class Addr(BaseModel):
     city: Word
 
@@ -465,8 +486,7 @@ def test_a_model_written_call_reaches_the_openai_client(server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "nope"),
     ({"tool_choice": "required"}, None, "tools"),
     ({"tools": [WEATHER, WEATHER]}, None, "unique"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "both"),
+    ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice", "both"),
 ])
 def test_bad_constraints_are_400(client, body, param, words):
     r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
