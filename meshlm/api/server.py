@@ -250,15 +250,20 @@ def _validation_error(errors: list) -> APIError:
 
 
 async def _respond(request: Request, completion: Completion | ResponseRun):
+    # The answer's id, which OpenAI's client reads as its `_request_id` (OpenAI sends one; vLLM with
+    # --enable-request-id-headers)
+    named = {"X-Request-Id": completion.id}
     if completion.req.stream:
         return StreamingResponse(completion.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **named})
     task = asyncio.ensure_future(completion.whole())
     watcher = asyncio.ensure_future(watch_disconnect(request, completion, task))
     try:
-        return Response(await task, media_type="application/json")
+        return Response(await task, media_type="application/json", headers=named)
     except APIError as exc:  # its sequences ran and ended with an error: counted as requests, not rejections
-        return exc.response()
+        response = exc.response()
+        response.headers.update(named)
+        return response
     except asyncio.CancelledError:
         completion.close()
         return Response(status_code=499)

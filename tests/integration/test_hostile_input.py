@@ -444,6 +444,32 @@ def test_a_request_id_names_the_response_whole_and_streamed(server):
 
 
 @pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2, "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True}),
+])
+def test_the_answer_names_its_id_in_a_header(server, path, body):
+    """OpenAI's client reads `x-request-id` as a response's `_request_id`; it was always None (helper-57)."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        text = r.read().decode()
+    assert r.status_code == 200, text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    ids = {e.get("id") or e.get("response", {}).get("id") for e in events or [json.loads(text)]} - {None}
+    assert ids == {r.headers.get("x-request-id")}, (r.headers, ids)
+
+
+def test_the_openai_client_sees_the_request_id(server):
+    import openai
+
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    r = c.chat.completions.create(model=c.models.list().data[0].id, messages=CHAT["messages"], max_tokens=2,
+                                  extra_body={"request_id": "x-9"})
+    assert r._request_id == r.id == "chatcmpl-x-9"
+
+
+@pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", {**CHAT, "max_tokens": 3}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "echo": None}),
 ])
