@@ -245,8 +245,18 @@ def _validated(model, data, header_id: str | None = None):
 
 def _validation_error(errors: list) -> APIError:
     first = errors[0] if errors else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _union_branch(x))
     return bad_request(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _union_branch(part: object) -> bool:
+    """pydantic's name for the branch of a union that failed ("str", "list[str]", "literal['auto']",
+    "NamedToolChoice"), which it puts in an error's location: not a field the client sent (the client's
+    `param` was `stop.str`). The request models' own fields are snake_case."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part[:1].isupper())
 
 
 async def _respond(request: Request, completion: Completion | ResponseRun):

@@ -645,3 +645,21 @@ def test_fuzzed_bodies_never_get_a_5xx(tiny_model, tmp_path):
         still_serving(srv)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "stop": 5}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": [5]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/completions", {"prompt": [[1, "a"]]}, "prompt"),
+])
+def test_a_refusal_names_the_clients_field_not_pydantics_union_branch(server, path, body, param):
+    """`param` was `stop.str`, `messages.0.content.list[union[TextPart,RefusalPart]]`, `tool_choice.literal[...]`
+    (helper-57): names of pydantic's own, which a client cannot map to what it sent."""
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ":"), err
