@@ -139,6 +139,14 @@ class _Request(BaseModel):
             raise ValueError(f"`{info.field_name}` is a Responses API parameter (/v1/responses)")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(cls, value, info):
+        # OpenAI and vLLM refuse them too: include_usage without a stream asked for what a whole answer has
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("only a stream takes stream_options (stream is false)")
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info) -> int | None:

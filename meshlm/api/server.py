@@ -158,8 +158,14 @@ def create_app(serving: Serving, health=None, limits: BodyLimits = BodyLimits(),
         return stored
 
     @app.get("/v1/responses/{response_id}")
-    async def _get_response(response_id: str):
-        return _stored(response_id).body
+    async def _get_response(response_id: str, request: Request):
+        stored = _stored(response_id)
+        if request.query_params.get("stream", "false").lower() != "false":  # OpenAI's client sends "true"
+            # OpenAI streams a background response's events again; a stored JSON body instead made the
+            # client's stream yield nothing, and its helper fail for want of response.completed
+            raise bad_request("only background responses can be retrieved as a stream, and this server runs "
+                              "none: retrieve it without stream", param="stream")
+        return stored.body
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def _input_items(response_id: str, request: Request):

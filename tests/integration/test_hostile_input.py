@@ -663,3 +663,11 @@ def test_a_refusal_names_the_clients_field_not_pydantics_union_branch(server, pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(param + ":"), err
+
+
+def test_stream_options_without_a_stream_are_refused_as_by_openai(server):
+    """They were taken, usage included (helper-57); OpenAI and vLLM answer 400. Null, or with a stream, is fine."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                           "stream_options": None}).status_code == 200

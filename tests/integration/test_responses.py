@@ -398,3 +398,13 @@ def test_a_response_that_fails_while_streaming_is_an_event_the_client_reads(serv
     assert failed.response.error.message.startswith("no_token_to_sample: ")
     assert failed.response.store is False
     assert httpx.get(f"{server.url}/v1/responses/{failed.response.id}").status_code == 404
+
+
+def test_retrieving_a_response_as_a_stream_is_a_clear_400(server):
+    """OpenAI streams only background responses again; the stored JSON made the client's
+    `responses.retrieve(id, stream=True)` yield nothing (helper-57)."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    made = c.responses.create(model=c.models.list().data[0].id, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        list(c.responses.retrieve(made.id, stream=True))
+    assert c.responses.retrieve(made.id).id == made.id
