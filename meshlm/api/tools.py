@@ -21,6 +21,7 @@ far (as OpenAI's API returns them), `required` no call and no content (as vLLM: 
 
 from __future__ import annotations
 
+import decimal
 import json
 import logging
 import math
@@ -100,8 +101,10 @@ class ToolPlan:
         either (the model was not free to write it). Named: the call, its arguments as far as they go."""
         if self.mode == "named":
             return [_call(self.named, text, self.short_ids)] if text else []
-        items = _json_or_text(text)
-        found = [_usable(c, self.names, self.short_ids) for c in items] if isinstance(items, list) else []
+        items = _grammar_json(text)
+        if not isinstance(items, list):
+            return []
+        found = [_usable(c, self.names, self.short_ids) for c in items]
         return found if found and None not in found else []
 
     def finish_reason(self, reason: str | None, calls: list[dict]) -> str | None:
@@ -110,7 +113,7 @@ class ToolPlan:
         end but the model's own)."""
         if self.mode == "auto":
             return "tool_calls" if reason == "stop" else reason
-        if self.mode == "named" and not _is_object(calls[0]["function"]["arguments"]):
+        if self.mode == "named" and not isinstance(_grammar_json(calls[0]["function"]["arguments"]), dict):
             return reason
         return "tool_calls"  # whole: `required` calls are returned only then
 
@@ -215,7 +218,7 @@ def _usable(parsed: object, names: frozenset[str], short_ids: bool = False) -> d
         return None
     if not isinstance(args, str):
         try:  # arguments are a JSON string: NaN and Infinity (or 1e999, parsed to inf) are not JSON
-            args = json.dumps(args, ensure_ascii=False, allow_nan=False)
+            args = _dumps_exact(args)
         except (ValueError, TypeError):  # TypeError: a parser's value JSON has no form for
             return None
     call = _call(parsed["name"], args, short_ids)
@@ -370,6 +373,30 @@ def _not_json(constant: str) -> None:
 
 
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
+# What a forced call's grammar wrote: JSON by construction, where a number may still be past a double
+# (1e999 is JSON's syntax; the grammar bounds no exponent), which _DECODER would refuse and so drop the
+# calls: its numbers are kept exact instead, and written back as numbers (_dumps_exact).
+_EXACT = json.JSONDecoder(parse_float=decimal.Decimal, parse_int=decimal.Decimal, parse_constant=_not_json)
+
+
+def _grammar_json(text: str) -> object:
+    try:
+        return _EXACT.decode(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _dumps_exact(value: object) -> str:
+    """JSON as json.dumps writes it (", " and ": "), numbers exactly as parsed: 1.4E+425 stays a number
+    (json.dumps has no form for it but Infinity, which is not JSON)."""
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, dict):  # a key that is not a string as json.dumps writes it: 1 -> "1", None -> "null"
+        return "{" + ", ".join(f"{json.dumps(k if isinstance(k, str) else json.dumps(k), ensure_ascii=False)}: "
+                               f"{_dumps_exact(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_dumps_exact(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _json_or_text(text: str) -> object:
