@@ -2,7 +2,8 @@
 
 Sources, at most one per request (two is a 400: which should win is not ours to guess):
 - `response_format`: `json_object` (any JSON object) or `json_schema` (OpenAI's, `strict` or not:
-  the output is held to the schema either way);
+  the output is held to the schema either way); with `auto` tools whose syntax is JSON between markers,
+  the schema's answer or calls (api/tools.py, `ToolPlan.answer_or_calls`);
 - `structured_outputs` (vLLM's extension): `json` (a schema), `regex`, `choice` (one of the strings),
   `grammar` (a Lark grammar in llguidance's dialect);
 - tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py), which
@@ -23,7 +24,7 @@ from meshlm.api.body import BodyLimits, parse_json_string
 from meshlm.api.errors import bad_request
 from meshlm.api.schemas import ChatCompletionRequest, StructuredOutputs, _Request
 from meshlm.api.tools import ToolPlan
-from meshlm.engine.grammar import GrammarError, Grammars
+from meshlm.engine.grammar import JSON_OPTIONS, GrammarError, Grammars
 
 
 async def request_grammar(grammars: Grammars | None, req: _Request, limits: BodyLimits,
@@ -57,11 +58,14 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
     # later turn, as OpenAI takes both (agent SDKs send their output type on every turn, with the tools).
     # vLLM's extension `structured_outputs` is the client's own choice of grammar: with a forced call, a 400.
     rf = req.response_format if calls is None else None
+    answer = None
     if rf is not None and rf.type == "json_object":
-        out.append(("response_format", lambda g: g.from_json_schema({"type": "object"})))
+        answer = {"type": "object"}
     elif rf is not None and rf.type == "json_schema":
-        schema = rf.json_schema.schema_
-        out.append(("response_format", lambda g: g.from_json_schema(_object_schema(schema))))
+        answer = rf.json_schema.schema_
+    if answer is not None:
+        auto = tools if isinstance(req, ChatCompletionRequest) and tools is not None else None
+        out.append(("response_format", lambda g: _answer(g, _object_schema(answer), auto)))
     so = req.structured_outputs
     if so is not None:
         # Where a schema string sits in the body: its parse is held to the limits that place has.
@@ -70,6 +74,13 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
     if calls is not None:
         out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
     return out
+
+
+def _answer(g: Grammars, schema: dict, tools: ToolPlan | None) -> str:
+    """The schema's answer; with `auto` tools, that or calls to them in the model's syntax, as OpenAI allows
+    (the schema alone would hold the output from its first token: no call could ever start)."""
+    union = tools.answer_or_calls(schema, JSON_OPTIONS) if tools is not None else None
+    return g.from_lark(union) if union is not None else g.from_json_schema(schema)
 
 
 def _object_schema(schema: object) -> object:

@@ -79,14 +79,42 @@ class ToolPlan:
             return params[self.named]
         if self.mode != "required":
             return None
+        call, defs = self._one_call()
+        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "$defs": defs}
+
+    def _one_call(self) -> tuple[dict, dict]:
+        """One call to any of the tools, `{"name": ..., "arguments": ...}`, and the `$defs` its refs need."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or _any_object() for t in self.tools}
         # Each function's parameters sit in the root's `$defs`, their local refs rebased there: nested in
         # place, a `#/$defs/...` (or `#`) ref inside them would point into the combined schema instead.
         defs = {f"tool-{n}": _rebase(p, f"/$defs/tool-{n}") for n, p in params.items()}
         call = {"anyOf": [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
                            "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/tool-{n}"}}}
                           for n in params]}
-        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                "$defs": defs}
+        return call, defs
+
+    def answer_or_calls(self, answer: dict, json_options: dict) -> str | None:
+        """`auto` tools with a `response_format`: a Lark grammar (llguidance's) for either the answer the
+        schema `answer` describes or calls in the model's syntax, each held to its function's `parameters`
+        (what OpenAI allows). Only for a syntax of JSON calls between text markers (the fallback prompt's
+        and mlx-lm's json_tools, Hermes' and Qwen's); None for any other, whose calls this cannot spell."""
+        if self.mode != "auto" or self.parser is not json_tools.parse_tool_call or not self.start or not self.end:
+            return None
+        call, defs = self._one_call()
+
+        def embedded(schema: dict) -> str:  # the request's own x-guidance options win, as for a plain schema
+            return json.dumps({**schema, "x-guidance": {**json_options, **schema.get("x-guidance", {})}},
+                              ensure_ascii=False)
+
+        calls = "call+" if self.parallel else "call"
+        return "\n".join([
+            "start: answer | calls",
+            f"answer: %json {embedded(answer)}",
+            f"calls: {calls}",
+            f'call: {json.dumps(self.start)} "\\n"? body "\\n"? {json.dumps(self.end)}',
+            f"body: %json {embedded({**call, '$defs': defs})}",
+        ])
 
     # -- reading calls back ------------------------------------------------
     def calls(self, text: str) -> tuple[str | None, list[dict]]:

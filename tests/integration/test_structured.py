@@ -437,6 +437,29 @@ ANY_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "o
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_auto_tools_with_response_format_give_the_schemas_answer_or_calls(client, stream):
+    """OpenAI allows either with `auto` tools. The schema held the output from its first token, so the
+    model could never start its tool-call syntax: tools were silently never called (helper-57; agent SDKs
+    send their output type with the tools on every turn). Now every answer is one or the other, and a
+    random model writes both over a few seeds."""
+    kinds = set()
+    for seed in range(24):
+        body = {"messages": ASK, "tools": [WEATHER, NOOP], "response_format": json_schema_format(PET_SCHEMA),
+                "max_tokens": 160, "temperature": 1.0, "seed": seed, "parallel_tool_calls": False}
+        got = chat_answer(client, body, stream)
+        if got["calls"]:
+            assert got["finish"] == "tool_calls" and got["content"] is None, got
+            for name, arguments in got["calls"]:
+                jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "noop": NOOP}[name]
+                                    ["function"]["parameters"])
+            kinds.add("calls")
+        elif got["finish"] == "stop":
+            Pet.model_validate_json(got["content"])
+            kinds.add("answer")
+    assert kinds == {"answer", "calls"}, kinds
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("body", ["[1,2]", "5", '"x"', '{"name":"zzz"}', '{"arguments":1}',
                                   '{"name":"f","arguments":"[1]"}'])
 def test_model_text_that_is_not_a_call_to_a_requested_tool_stays_content(client, stream, body):

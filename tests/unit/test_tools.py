@@ -323,3 +323,20 @@ def test_a_llama3_template_is_rendered_with_its_tools_and_read_in_its_syntax():
     assert native_syntax(llama, with_tools=True) == "llama3" and plan_tools(req, llama).leading
     other = SimpleNamespace(chat_template="{% if tools %}call <fn>{% endif %}", tool_parser=None)
     assert native_syntax(other, with_tools=True) is None and not plan_tools(req, other).leading
+
+
+def test_answer_or_calls_only_for_json_calls_between_markers():
+    """The grammar spells calls only in a syntax it knows: JSON between text markers (the fallback's,
+    mlx-lm's json_tools). Any other syntax, and forced modes, keep the schema alone."""
+    import llguidance
+
+    from meshlm.engine.grammar import JSON_OPTIONS
+
+    answer = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    lark = auto_plan().answer_or_calls(answer, JSON_OPTIONS)
+    assert "start: answer | calls" in lark and "calls: call+" in lark
+    assert "calls: call\n" in dataclasses.replace(auto_plan(), parallel=False).answer_or_calls(answer, JSON_OPTIONS)
+    llguidance.LLMatcher.grammar_from_lark(lark)  # well-formed
+    assert dataclasses.replace(auto_plan(), parser=lambda text, tools: None).answer_or_calls(answer, {}) is None
+    assert dataclasses.replace(auto_plan(), start=None, leading=object()).answer_or_calls(answer, {}) is None
+    assert REQUIRED.answer_or_calls(answer, {}) is None and NAMED.answer_or_calls(answer, {}) is None
