@@ -4,6 +4,8 @@ Sources, at most one per request (two is a 400: which should win is not ours to 
 - `response_format`: `json_object` (any JSON object) or `json_schema` (OpenAI's, `strict` or not:
   the output is held to the schema either way); with `auto` tools whose syntax is JSON between markers,
   the schema's answer or calls (api/tools.py, `ToolPlan.answer_or_calls`);
+- `auto` tools of which one is `strict` (and nothing above): free text, or text then calls held to their
+  functions' schemas (`ToolPlan.text_or_calls`);
 - `structured_outputs` (vLLM's extension): `json` (a schema), `regex`, `choice` (one of the strings),
   `grammar` (a Lark grammar in llguidance's dialect);
 - tool calls that must happen (`tool_choice` `required` or a named function: api/tools.py), which
@@ -73,6 +75,12 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
         out.append(("structured_outputs", lambda g: _structured(g, so, place, limits)))
     if calls is not None:
         out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
+    if not out and isinstance(req, ChatCompletionRequest) and tools is not None:
+        # `auto` with a strict function: its calls held to their schemas; any constraint the client gave
+        # wins over that (with response_format, the union above holds the calls already)
+        strict = tools.text_or_calls(JSON_OPTIONS)
+        if strict is not None:
+            out.append(("tools", lambda g: g.from_lark(strict)))
     return out
 
 

@@ -99,22 +99,43 @@ class ToolPlan:
         schema `answer` describes or calls in the model's syntax, each held to its function's `parameters`
         (what OpenAI allows). Only for a syntax of JSON calls between text markers (the fallback prompt's
         and mlx-lm's json_tools, Hermes' and Qwen's); None for any other, whose calls this cannot spell."""
-        if self.mode != "auto" or self.parser is not json_tools.parse_tool_call or not self.start or not self.end:
+        if not self._spells_calls():
             return None
-        call, defs = self._one_call()
-
-        def embedded(schema: dict) -> str:  # the request's own x-guidance options win, as for a plain schema
-            return json.dumps({**schema, "x-guidance": {**json_options, **schema.get("x-guidance", {})}},
-                              ensure_ascii=False)
-
         calls = "call+" if self.parallel else "call"
         return "\n".join([
             "start: answer | calls",
-            f"answer: %json {embedded(answer)}",
+            f"answer: %json {_embedded(answer, json_options)}",
             f"calls: {calls}",
-            f'call: {json.dumps(self.start)} "\\n"? body "\\n"? {json.dumps(self.end)}',
-            f"body: %json {embedded({**call, '$defs': defs})}",
+            f"call: {json.dumps(self.start)} call_rest",
+            *self._call_rules(json_options),
         ])
+
+    def text_or_calls(self, json_options: dict) -> str | None:
+        """`auto` tools of which one is `strict`: a Lark grammar for free text, or text then calls in the
+        model's syntax held to their functions' `parameters`, so that a strict function's arguments match
+        its schema (OpenAI's promise; its client parses them into the function's model). None where
+        `answer_or_calls` would be None, or where no function is strict (free text as before)."""
+        if not self._spells_calls() or not any(t["function"].get("strict") for t in self.tools):
+            return None
+        more = " more*" if self.parallel else ""
+        return "\n".join([
+            f"start: prose | lead call_rest{more}",
+            "prose: /(?s:.*)/",
+            # ends at the first start marker, which it takes: a marker in the text always begins a call
+            f"lead[stop={json.dumps(self.start)}]: /(?s:.*)/",
+            f"more: {json.dumps(self.start)} call_rest",
+            *self._call_rules(json_options),
+        ])
+
+    def _spells_calls(self) -> bool:
+        """A syntax these grammars can spell: JSON calls between text markers."""
+        return self.mode == "auto" and self.parser is json_tools.parse_tool_call and bool(self.start and self.end)
+
+    def _call_rules(self, json_options: dict) -> list[str]:
+        """One call after its start marker: optional newlines around the JSON, then the end marker."""
+        call, defs = self._one_call()
+        return [f'call_rest: "\\n"? body "\\n"? {json.dumps(self.end)}',
+                f"body: %json {_embedded({**call, '$defs': defs}, json_options)}"]
 
     # -- reading calls back ------------------------------------------------
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
@@ -200,6 +221,12 @@ class ToolPlan:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools)
+
+
+def _embedded(schema: dict, json_options: dict) -> str:
+    """A schema inlined in a Lark grammar (`%json`), with JSON's layout options; the schema's own
+    x-guidance options win, as for a schema compiled alone."""
+    return json.dumps({**schema, "x-guidance": {**json_options, **schema.get("x-guidance", {})}}, ensure_ascii=False)
 
 
 # JSON Schema keywords whose value is a schema or a list of schemas, and those whose value maps names to

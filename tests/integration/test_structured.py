@@ -310,6 +310,18 @@ def test_a_forced_call_wins_over_response_format_as_with_openai(server, choice):
         assert [type(t.function.parsed_arguments) for t in message.tool_calls] == [GetWeather]
 
 
+def test_auto_with_a_strict_function_still_answers_freely(client):
+    """`strict` functions in `auto` are held to their schemas by a grammar that leaves text free
+    (tests/unit/test_tools.py checks what it allows); a random model, which writes no call, answers in
+    text through it, the same whole and streamed."""
+    tool = openai.pydantic_function_tool(GetWeather)  # strict, as OpenAI's client sends it
+    assert tool["function"]["strict"] is True
+    for seed in range(4):
+        body = {"messages": ASK, "tools": [tool], "max_tokens": 12, "temperature": 1.0, "seed": seed}
+        whole, streamed = chat_answer(client, body, False), chat_answer(client, body, True)
+        assert whole == streamed and whole["content"] and not whole["calls"], (whole, streamed)
+
+
 class Addr(BaseModel):
     city: Word
 

@@ -340,3 +340,38 @@ def test_answer_or_calls_only_for_json_calls_between_markers():
     assert dataclasses.replace(auto_plan(), parser=lambda text, tools: None).answer_or_calls(answer, {}) is None
     assert dataclasses.replace(auto_plan(), start=None, leading=object()).answer_or_calls(answer, {}) is None
     assert REQUIRED.answer_or_calls(answer, {}) is None and NAMED.answer_or_calls(answer, {}) is None
+
+
+def test_text_or_calls_holds_strict_calls_to_their_schemas_and_leaves_text_free():
+    """`strict: true` in `auto` was not enforced: a call missing a required field reached OpenAI's client,
+    whose parse raised pydantic's ValidationError (helper-57). Checked token by token with llguidance on a
+    real tokenizer (the demo-model exporter's tiny one)."""
+    import llguidance
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    from meshlm.engine.grammar import JSON_OPTIONS
+    from meshlm.model.demo import tiny_tokenizer
+
+    strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}}}
+    assert auto_plan(F, G).text_or_calls(JSON_OPTIONS) is None  # no strict function: free text as before
+    assert REQUIRED.text_or_calls(JSON_OPTIONS) is None
+    tok = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())
+    ll = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+
+    def allowed(plan: ToolPlan, text: str) -> bool:
+        m = llguidance.LLMatcher(ll, plan.text_or_calls(JSON_OPTIONS), log_level=0)
+        return all(m.consume_token(i) for i in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    plan = auto_plan(strict, G)
+    one = '{"name": "f", "arguments": {"a": "x"}}'
+    assert allowed(plan, "Just an answer, no call.") and allowed(plan, "x < y, and <tool> or <tool_cal is text")
+    assert allowed(plan, f"Let me look. {FALLBACK_START}{one}{FALLBACK_END}")
+    assert allowed(plan, f"{FALLBACK_START}\n{one}\n{FALLBACK_END}{FALLBACK_START}" + '{"name": "g", "arguments": {}}'
+                   + FALLBACK_END)
+    assert not allowed(plan, f"{FALLBACK_START}" + '{"name": "f", "arguments": {"b": 1}}' + FALLBACK_END)
+    assert not allowed(plan, f"{FALLBACK_START}" + '{"name": "h", "arguments": {}}' + FALLBACK_END)
+    assert not allowed(plan, f"{FALLBACK_START}{one}{FALLBACK_END} and more text")
+    single = dataclasses.replace(plan, parallel=False)
+    assert not allowed(single, f"{FALLBACK_START}{one}{FALLBACK_END}{FALLBACK_START}{one}{FALLBACK_END}")
