@@ -264,49 +264,36 @@ def test_a_signal_to_the_whole_process_group_is_an_orderly_stop(tp_model, tmp_pa
     assert f"rank 1: {sig.name}: rank 0 stops the cluster" in text, text[-3000:]
 
 
-def test_ctrl_c_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model, tmp_path):
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["ctrl-c", "sigterm-rank-0", "sigterm-group"])
+def test_a_stop_while_the_cluster_starts_is_one_line_and_leaves_nothing(tp_model, tmp_path, sig, to_group):
     """Ctrl-C before serving began (here while both ranks import: rank 0 starts its worker first) used to
     print a KeyboardInterrupt traceback from every rank. Each says 'interrupted' and exits 130, and the
     local cluster's directory goes with them. (Inside the MLX join the join watcher ends the ranks instead:
-    test_join_watch.py.)"""
+    test_join_watch.py.) SIGTERM then (a service manager's stop: to rank 0 alone, or to the group) ended
+    each process it reached on the spot: nothing said, the directory left behind, and a rank 0 stopped
+    alone left its worker to find it gone. It now does what Ctrl-C does."""
     log, tmp = tmp_path / "start.log", tmp_path / "tmp"
     tmp.mkdir()
     cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(free_port()),
            "--kv-cache-dir", str(tmp_path / "kv"), "--tensor-parallel", "2"]
     with process_group(cmd, log, TMPDIR=str(tmp)) as proc:
-        # Each rank logs its BLAS (found or not) before it imports mlx-lm; rank 0 then imports for ~1.3 s
+        # Each rank logs its BLAS (found or not) before it imports mlx-lm; rank 0 then imports for ~1 s
         # before its roll call, and the join comes after that.
         assert wait_until(lambda: log.read_text().count("OpenBLAS") == 2, 60, step=0.01), log.read_text()
-        assert signal_group(proc, signal.SIGINT) == 130, log.read_text()[-3000:]
+        workers = children(proc.pid)
+        assert workers and list(tmp.iterdir())  # the worker runs, the cluster's directory exists
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        assert proc.wait(20) == 130, log.read_text()[-3000:]
+        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
     text = log.read_text()
     assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
     # the ranks share the terminal: a worker's lines say which rank wrote them, rank 0's stay as one server's
     assert re.search(r"^\S+ \S+ rank 1 INFO meshlm\.platform: using OpenBLAS", text, re.M), text[-3000:]
     assert re.search(r"^\S+ \S+ INFO meshlm\.platform: using OpenBLAS", text, re.M), text[-3000:]
-    assert not list(tmp.iterdir())
-
-
-@pytest.mark.parametrize("to_group", [False, True], ids=["rank-0", "group"])
-def test_sigterm_while_the_cluster_starts_is_ctrl_c(tp_model, tmp_path, to_group):
-    """SIGTERM before serving began (a service manager's stop: to rank 0 alone, or to the group) ended each
-    process it reached on the spot: nothing said, the local cluster's directory left behind, and a rank 0
-    killed alone left its worker to find it gone. It now does what Ctrl-C does then."""
-    log, tmp = tmp_path / "start.log", tmp_path / "tmp"
-    tmp.mkdir()
-    cmd = [sys.executable, "-m", "meshlm", "serve", "--model", str(tp_model), "--port", str(free_port()),
-           "--kv-cache-dir", str(tmp_path / "kv"), "--tensor-parallel", "2"]
-    with process_group(cmd, log, TMPDIR=str(tmp)) as proc:
-        assert wait_until(lambda: log.read_text().count("OpenBLAS") == 2, 60, step=0.01), log.read_text()
-        workers = children(proc.pid)
-        assert workers and list(tmp.iterdir())  # the worker runs, the cluster's directory exists
-        if to_group:
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 130, log.read_text()[-3000:]
-        assert all(wait_until(lambda: not alive(w), 10) for w in workers)
-    text = log.read_text()
-    assert "Traceback" not in text and "ERROR meshlm: interrupted" in text, text[-3000:]
     assert not list(tmp.iterdir())
 
 
