@@ -215,11 +215,14 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_budget_bytes(scheduler) -> int:
-    """--kv-cache-memory (SchedulerConfig.kv_cache_memory), else a quarter of RAM up to 8 GiB. A budget
-    above this machine's RAM is refused: it could never be honoured, only fail later."""
+def kv_budget_bytes(scheduler, ranks_here: int = 1) -> int:
+    """One rank's KV budget: --kv-cache-memory (SchedulerConfig.kv_cache_memory, a rank's), else a quarter
+    of RAM up to 8 GiB shared by the `ranks_here` ranks of a cluster on this machine (a local cluster's: each
+    took the whole default, 4 ranks 100 % of RAM here). Budgets above this machine's RAM together are
+    refused: they could never be honoured, only fail later (the pools fill as blocks are written)."""
     ram = physical_memory()
-    if scheduler.kv_cache_memory and scheduler.kv_cache_memory > ram:
-        raise ValueError(f"--kv-cache-memory {scheduler.kv_cache_memory / 2**30:.1f} GiB is more than this "
-                         f"machine's RAM ({ram / 2**30:.1f} GiB)")
-    return scheduler.kv_cache_memory or min(int(ram * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
+    if scheduler.kv_cache_memory and scheduler.kv_cache_memory * ranks_here > ram:
+        each = f" a rank, {ranks_here} ranks on this machine," if ranks_here > 1 else ""
+        raise ValueError(f"--kv-cache-memory {scheduler.kv_cache_memory / 2**30:.1f} GiB{each} is more than "
+                         f"this machine's RAM ({ram / 2**30:.1f} GiB)")
+    return scheduler.kv_cache_memory or min(int(ram * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP) // ranks_here

@@ -66,6 +66,7 @@ class Topology:
     # written any earlier, every start that failed before the join left a directory in /tmp.
     ring_hosts: list[list[str]] | None = None
     leader_gone: Callable[[], str | None] | None = None  # a local worker's watch on rank 0, its parent
+    ranks_here: int = 1  # this cluster's ranks on this machine, which share its default KV budget
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:
@@ -80,13 +81,13 @@ def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, 
         # A ring file given on the command line is a local cluster's: rank 0 started this process.
         watch = local_leader_gone(ring) if ring is not None else None
         return Topology(p, ring, split_addr(p.control_addr)[0], cluster_secret(os.environ, hostfile),
-                        leader_gone=watch), None
+                        leader_gone=watch, ranks_here=p.world_size if ring is not None else 1), None
     if p.hostfile is None:
         if p.rank != 0:
             raise ClusterError("a rank other than 0 needs --hostfile (or is started by rank 0 itself)")
         local = LocalCluster.create(p.world_size)
         replaced = dataclasses.replace(p, control_addr=local.control_addr, stage_addrs=local.stage_addrs)
-        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate()), local
+        return Topology(replaced, local.hostfile, "127.0.0.1", ClusterSecret.generate(), ranks_here=p.world_size), local
     hostfile = load_hostfile(p.hostfile)
     secret = cluster_secret(os.environ, hostfile)
     hosts = hostfile.hosts
@@ -310,7 +311,7 @@ def _load_share(config: ServeConfig, topo: Topology, group, sums):
 
     p = topo.parallel
     spec = RankSpec(layout=p.layout, rank=p.rank)
-    budget = kv_budget_bytes(config.scheduler)
+    budget = kv_budget_bytes(config.scheduler, topo.ranks_here)
     if p.context:
         from meshlm.kv.context_split import ContextSplit
         from meshlm.model.ring_attention import RingContext

@@ -118,6 +118,20 @@ def test_a_kv_budget_above_the_machines_ram_is_refused():
     assert kv_budget_bytes(SchedulerConfig(kv_cache_memory=2**30)) == 2**30
 
 
+def test_a_local_clusters_ranks_share_the_default_budget_and_their_sum_is_checked():
+    """Each rank of a local cluster took the whole default (a quarter of RAM): `--context-parallel 4` reserved
+    100 % of this machine's RAM in KV pools, and `--kv-cache-memory 20GB` 86 GB, without a word (helper-58)."""
+    from meshlm.config import SchedulerConfig
+    from meshlm.platform import kv_budget_bytes, physical_memory
+
+    whole = kv_budget_bytes(SchedulerConfig())
+    assert kv_budget_bytes(SchedulerConfig(), ranks_here=4) == whole // 4
+    per_rank = physical_memory() // 3
+    assert kv_budget_bytes(SchedulerConfig(kv_cache_memory=per_rank), ranks_here=3) == per_rank  # a rank's, as given
+    with pytest.raises(ValueError, match="a rank, 4 ranks on this machine, is more than this machine's RAM"):
+        kv_budget_bytes(SchedulerConfig(kv_cache_memory=per_rank), ranks_here=4)
+
+
 @needs_native
 def test_kv_write_updates_in_place_and_never_changes_a_pool_someone_holds():
     rng = np.random.default_rng(1)
