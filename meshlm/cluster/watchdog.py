@@ -48,7 +48,10 @@ class Watchdog:
             with self._lock:
                 started, label = self._started, self._label
             if started is not None and time.monotonic() - started > self.deadline:
-                self._expire(f"{label} outlived its {self.deadline:.0f} s deadline")
+                # A hung peer, or a step this machine needs longer for (a long prompt's chunk against a long
+                # context): the message says which flags govern both
+                self._expire(f"{label} outlived its {self.deadline:.0f} s deadline (--step-timeout: a rank "
+                             f"hung, or the step was too large for it; --max-tokens-per-step bounds a step)")
             elif self.probe is not None:
                 try:
                     self.probe()

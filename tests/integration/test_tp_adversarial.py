@@ -317,6 +317,8 @@ def test_hung_worker_is_ended_by_the_watchdogs(model, tmp_path):
         assert httpx.get(hc.url + "/health").status_code == 503
     finally:
         finish(procs)
+    # which flags govern it (helper-58: a long prompt's step ended a cluster with no word of them)
+    assert "--step-timeout" in hc.log(1).read_text() and "--max-tokens-per-step" in hc.log(1).read_text()
 
 
 def test_a_worker_whose_leader_is_killed_mid_step_leaves_at_once(model, tmp_path):
