@@ -55,7 +55,8 @@ def _build_and_check(grammars: Grammars, build) -> str:
 
 def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[tuple[str, object]]:
     out = []
-    calls = tools.schema if isinstance(req, ChatCompletionRequest) and tools is not None else None
+    tools = tools if isinstance(req, ChatCompletionRequest) else None  # only chat requests take tools
+    calls = tools.schema if tools is not None else None
     # A turn that must call a tool has no final answer for `response_format` to shape: that comes in a
     # later turn, as OpenAI takes both (agent SDKs send their output type on every turn, with the tools).
     # vLLM's extension `structured_outputs` is the client's own choice of grammar: with a forced call, a 400.
@@ -66,8 +67,7 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
     elif rf is not None and rf.type == "json_schema":
         answer = rf.json_schema.schema_
     if answer is not None:
-        auto = tools if isinstance(req, ChatCompletionRequest) and tools is not None else None
-        out.append(("response_format", lambda g: _answer(g, _object_schema(answer), auto)))
+        out.append(("response_format", lambda g: _answer(g, _object_schema(answer), tools)))
     so = req.structured_outputs
     if so is not None:
         # Where a schema string sits in the body: its parse is held to the limits that place has.
@@ -75,7 +75,7 @@ def _sources(req: _Request, limits: BodyLimits, tools: ToolPlan | None) -> list[
         out.append(("structured_outputs", lambda g: _structured(g, so, place, limits)))
     if calls is not None:
         out.append(("tool_choice", lambda g: g.from_json_schema(calls)))
-    if not out and isinstance(req, ChatCompletionRequest) and tools is not None:
+    if not out and tools is not None:
         # `auto` with a strict function: its calls held to their schemas; any constraint the client gave
         # wins over that (with response_format, the union above holds the calls already)
         strict = tools.text_or_calls(JSON_OPTIONS)

@@ -74,9 +74,8 @@ class ToolPlan:
     @property
     def schema(self) -> dict | None:
         """The JSON schema the output is held to (None: free text, `auto`)."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or _any_object() for t in self.tools}
         if self.mode == "named":
-            return params[self.named]
+            return self._parameters()[self.named]
         if self.mode != "required":
             return None
         call, defs = self._one_call()
@@ -85,7 +84,7 @@ class ToolPlan:
 
     def _one_call(self) -> tuple[dict, dict]:
         """One call to any of the tools, `{"name": ..., "arguments": ...}`, and the `$defs` its refs need."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or _any_object() for t in self.tools}
+        params = self._parameters()
         # Each function's parameters sit in the root's `$defs`, their local refs rebased there: nested in
         # place, a `#/$defs/...` (or `#`) ref inside them would point into the combined schema instead.
         defs = {f"tool-{n}": _rebase(p, f"/$defs/tool-{n}") for n, p in params.items()}
@@ -93,6 +92,10 @@ class ToolPlan:
                            "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/tool-{n}"}}}
                           for n in params]}
         return call, defs
+
+    def _parameters(self) -> dict[str, dict]:
+        """Each tool's `parameters` schema by name (a function without any takes any object)."""
+        return {t["function"]["name"]: t["function"].get("parameters") or _any_object() for t in self.tools}
 
     def answer_or_calls(self, answer: dict, json_options: dict) -> str | None:
         """`auto` tools with a `response_format`: a Lark grammar (llguidance's) for either the answer the
@@ -150,7 +153,7 @@ class ToolPlan:
         either (the model was not free to write it). Named: the call, its arguments as far as they go."""
         if self.mode == "named":
             return [_call(self.named, text, self.short_ids)] if text else []
-        items = _grammar_json(text)
+        items = _json_or_text(text, _EXACT)
         if not isinstance(items, list):
             return []
         found = [_usable(c, self.names, self.short_ids) for c in items]
@@ -162,7 +165,8 @@ class ToolPlan:
         end but the model's own)."""
         if self.mode == "auto":
             return "tool_calls" if reason == "stop" else reason
-        if self.mode == "named" and not isinstance(_grammar_json(calls[0]["function"]["arguments"]), dict):
+        if self.mode == "named" and not isinstance(_json_or_text(calls[0]["function"]["arguments"], _EXACT),
+                                                   dict):
             return reason
         return "tool_calls"  # whole: `required` calls are returned only then
 
@@ -434,13 +438,6 @@ _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
 _EXACT = json.JSONDecoder(parse_float=decimal.Decimal, parse_int=decimal.Decimal, parse_constant=_not_json)
 
 
-def _grammar_json(text: str) -> object:
-    try:
-        return _EXACT.decode(text)
-    except (ValueError, RecursionError):
-        return text
-
-
 def _dumps_exact(value: object) -> str:
     """JSON as json.dumps writes it (", " and ": "), numbers exactly as parsed: 1.4E+425 stays a number
     (json.dumps has no form for it but Infinity, which is not JSON)."""
@@ -454,13 +451,13 @@ def _dumps_exact(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
-def _json_or_text(text: str) -> object:
+def _json_or_text(text: str, decoder: json.JSONDecoder = _DECODER) -> object:
     """`text` parsed as JSON, or `text` itself where it is not JSON (a model's or a client's string: templates
     expect past calls' arguments as objects). Nested past the parser's stack is not JSON either, nor NaN,
-    Infinity or a number past a double, which Python's parser takes and clients' refuse: calls made of
-    them went out with arguments such as '{"a": Infinity}'."""
+    Infinity or, with `_DECODER`, a number past a double, which Python's parser takes as infinity: calls made
+    of them went out with arguments such as '{"a": Infinity}' (`_EXACT` keeps such numbers exact instead)."""
     try:
-        return _DECODER.decode(text)
+        return decoder.decode(text)
     except (ValueError, RecursionError):
         return text
 
