@@ -52,6 +52,10 @@ class AttentionBackend(Protocol):
         """q (n, H, D) are the last n of the S positions in keys/values (Hk, S, D); causal. (n, H, D)."""
         ...
 
+    def extend_paged(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, scale: float) -> mx.array:
+        """`extend` against the pools' rows at `slots` (S,), the row's every position in order. (n, H, D)."""
+        ...
+
     def extend_group(self, q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
         """Padded rows: q (B, H, L, D), keys/values (B, Hk, S, D), mask (B, 1, L, S). (B, H, L, D)."""
         ...
@@ -159,6 +163,9 @@ class PortableBackend:
                                                    scale=scale, mask="causal")
         return out.squeeze(0).transpose(1, 0, 2)
 
+    def extend_paged(self, q, pool_k, pool_v, slots, scale):
+        return self.extend(q, _gather(pool_k, slots), _gather(pool_v, slots), scale)
+
     def extend_group(self, q, keys, values, mask, scale):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
@@ -228,6 +235,11 @@ class CPUBackend:
             return self._causal(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale * LOG2E)
         out = cpu_kernels.attention(q.transpose(1, 0, 2)[None], keys[None], values[None], scale, self.native)
         return out.squeeze(0).transpose(1, 0, 2)
+
+    def extend_paged(self, q, pool_k, pool_v, slots, scale):
+        if q.dtype == mx.float32 and self._causal is not None:
+            return self.native.causal_attention_paged(q, pool_k, pool_v, slots, scale * LOG2E)
+        return self.extend(q, _gather(pool_k, slots), _gather(pool_v, slots), scale)
 
     def extend_group(self, q, keys, values, mask, scale):
         if q.dtype != mx.float32:
@@ -305,6 +317,8 @@ def _extend(q: mx.array, pool_k, pool_v, new_k, new_v, row: ExtendRow, backend: 
     if row.kv_slots is None:  # a fresh row: its keys are exactly this step's
         a, b = row.first, row.first + row.count
         keys, values = new_k[a:b].transpose(1, 0, 2), new_v[a:b].transpose(1, 0, 2)
+    elif row.q_positions is None:  # a prompt's next chunk: its context in place in the pools
+        return backend.extend_paged(q, pool_k, pool_v, row.kv_slots, scale)
     else:
         keys, values = _gather(pool_k, row.kv_slots), _gather(pool_v, row.kv_slots)
     if row.q_positions is None:

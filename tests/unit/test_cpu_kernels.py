@@ -1,5 +1,6 @@
 """The CPU kernels (attention, paged decode, SwiGLU, packed linears) agree with mlx's own to fp32 rounding."""
 
+import random
 import shutil
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 from meshlm.model import cpu_kernels
+from meshlm.model.attention import CPUBackend, PortableBackend
 from meshlm.model.cpu_kernels import LOG2E
 
 TOL = 5e-6  # outputs are O(1); the kernels differ only in exp vs power(2, .) rounding
@@ -126,6 +128,39 @@ def test_causal_attention_of_a_chunk_matches_mlx(T, S, H, Hk, D, kernel_width):
     got = NATIVE.causal_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), D**-0.5 * LOG2E)
     assert got.shape == (T, H, D)
     assert mx.abs(got - want).max().item() < TOL
+
+
+@NEEDS_PACKED_GEMM
+@pytest.mark.parametrize("T,S,H,Hk,D", [(1, 1, 2, 1, 64), (37, 650, 9, 3, 64), (300, 300, 9, 3, 64),
+                                       (20, 70, 16, 8, 128), (13, 50, 6, 2, 48)])
+def test_causal_attention_paged_reads_the_pools_in_place_as_the_gathered_keys(T, S, H, Hk, D, kernel_width):
+    """A prompt's next chunk against its context where the block tables put it (scattered blocks, the
+    pools larger): the same bits as gathering those rows first."""
+    mx.random.seed(S + D)
+    pool_k, pool_v = mx.random.normal((4 * S + 64, Hk, D)), mx.random.normal((4 * S + 64, Hk, D))
+    blocks = random.Random(S).sample(range((4 * S + 64) // 16), (S + 15) // 16)
+    slots = mx.array([blocks[p // 16] * 16 + p % 16 for p in range(S)])
+    q = mx.random.normal((T, H, D))
+    got = NATIVE.causal_attention_paged(q, pool_k, pool_v, slots, D**-0.5 * LOG2E)
+    want = NATIVE.causal_attention(q, pool_k[slots], pool_v[slots], D**-0.5 * LOG2E)
+    assert got.shape == (T, H, D) and mx.array_equal(got, want).item()
+    # and the backend's paged extend is the portable path's attention
+    ref = PortableBackend().extend_paged(q, pool_k, pool_v, slots, D**-0.5)
+    assert mx.abs(CPUBackend(NATIVE).extend_paged(q, pool_k, pool_v, slots, D**-0.5) - ref).max().item() < TOL
+
+
+@NEEDS_PACKED_GEMM
+def test_causal_attention_paged_reads_nothing_outside_the_pools():
+    pool = mx.random.normal((64, 1, 16))
+    q = mx.random.normal((2, 1, 16))
+    good = NATIVE.causal_attention_paged(q, pool, pool, mx.array([0, 1, 2]), 0.25)
+    assert mx.abs(good).max().item() > 0
+    for bad in ([0, 64, 2], [0, -1, 2]):
+        assert mx.abs(NATIVE.causal_attention_paged(q, pool, pool, mx.array(bad), 0.25)).max().item() == 0
+    with pytest.raises(ValueError, match="0 < T <= S"):
+        NATIVE.causal_attention_paged(mx.zeros((4, 1, 16)), pool, pool, mx.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="integers"):
+        NATIVE.causal_attention_paged(q, pool, pool, mx.array([0.0, 1.0]))
 
 
 @pytest.mark.skipif(NATIVE is None, reason=str(NATIVE_STATUS))
