@@ -1570,6 +1570,27 @@ void panels_gemm(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
 
 // `counts`: query t sees keys [0, counts[t]) (null: the causal chunk's S - T + t + 1); `lse`: (T, H) each
 // query's natural log-sum-exp, -inf (and a zero output) where it sees no key (null: not wanted).
+// The causal attention's packed keys and values, `floats` of them, uninitialised: the calling thread's
+// buffer, kept between calls (a fresh buffer of tens of MB is page faults on every call: ~20 % of the kernel's
+// time against 18,000 keys). It grows to the largest call's need and is returned once SHRINK_CALLS calls in a
+// row needed under a quarter of it: a step that alternates short rows with a long chunk keeps it, where
+// releasing it at the first short call re-took it on every layer (74 -> 223 ms a long call, 60K keys).
+constexpr int SHRINK_CALLS = 256;
+
+float* packed_scratch(size_t floats) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local size_t size = 0;
+  thread_local int small_calls = 0;
+  small_calls = floats < size / 4 ? small_calls + 1 : 0;
+  if (floats > size || small_calls >= SHRINK_CALLS) {
+    buffer.reset();  // returned before the next is taken
+    buffer = std::make_unique_for_overwrite<float[]>(floats);
+    size = floats;
+    small_calls = 0;
+  }
+  return buffer.get();
+}
+
 // `slots`: key s is row slots[s] of k and v (pools of `pool_rows` rows; null: row s); a slot outside the pools
 // (never, from meshlm's block tables) gives zeros, as the paged decode's bad tables do.
 void causal_attention_kernel(const CausalShape& sh, const float* q, const float* k, const float* v, float* out,
@@ -1590,17 +1611,9 @@ void causal_attention_kernel(const CausalShape& sh, const float* q, const float*
   // Packed, every KV head at once: kp[h][p][d][j] = key p * 16 + j, dimension d; vp[h][c][s][j] = value s,
   // dimension c * 16 + j. One pass over the keys reads each token's row of every head together: packed
   // head by head, each pass read an eighth of each row's lines at a stride the prefetchers missed, and a
-  // 1-query chunk against 18,000 keys spent ~85 ms a layer here (the 72M llama; now ~10 ms).
+  // 1-query chunk against 18,000 keys spent ~85 ms a layer packing here (the 72M llama; ~18 ms a call now).
   const int64_t k_head = S_pad * D, v_head = D_pad * S_pad;
-  // Kept by the thread between calls: a fresh buffer of tens of MB is page faults on every call (~20 % of
-  // this kernel's time against 18,000 keys). Released when a call needs under a quarter of it.
-  thread_local std::vector<float> packed;
-  const size_t need = static_cast<size_t>(sh.Hk * (k_head + v_head));
-  if (packed.size() < need || packed.size() > 4 * need) {
-    packed = std::vector<float>();  // its memory returned before the next is taken
-    packed.resize(need);
-  }
-  float* const kp_all = packed.data();
+  float* const kp_all = packed_scratch(static_cast<size_t>(sh.Hk * (k_head + v_head)));
   float* const vp_all = kp_all + sh.Hk * k_head;
   parallel_items(S_pad / PANEL, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -1721,15 +1734,19 @@ class CausalPartial : public CpuOnlyOutputs {
   bool is_equivalent(const mx::Primitive& other) const override {
     return q_scale_ == static_cast<const CausalPartial&>(other).q_scale_;
   }
+  // Inputs q, k, v, counts, and with a fifth (slots (S,) int32) k and v are pools read at those rows.
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     const auto &q = in[0], &k = in[1], &v = in[2];
     CausalShape sh = causal_shape(q, k, v, q_scale_);
+    const bool paged = in.size() == 5;
+    if (paged) sh.S = in[4].shape(0);
     for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([sh, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), ci = In<int32_t>(in[3]),
-                  o = outs[0].data<float>(), l = outs[1].data<float>()]() {
-      std::vector<int32_t> cs;
-      causal_attention_kernel(sh, qp, kp, vp, o, ci.get(cs), l);
+                  o = outs[0].data<float>(), l = outs[1].data<float>(), si = In<int32_t>(in[paged ? 4 : 3]), paged,
+                  rows = k.shape(0)]() {
+      std::vector<int32_t> cs, ss;
+      causal_attention_kernel(sh, qp, kp, vp, o, ci.get(cs), l, paged ? si.get(ss) : nullptr, rows);
     });
   }
 
@@ -2091,6 +2108,28 @@ std::vector<mx::array> causal_partial(const mx::array& q, const mx::array& k, co
 #endif
 }
 
+// causal_partial against rows slots[0..S) of the pools k, v (rows, Hk, D), read in place (no gather).
+std::vector<mx::array> causal_partial_paged(const mx::array& q, const mx::array& k, const mx::array& v,
+                                            const mx::array& slots, const mx::array& counts, float q_scale) {
+  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
+                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 && slots.ndim() == 1 &&
+                slots.shape(0) > 0 && mx::issubdtype(slots.dtype(), mx::integer) && counts.ndim() == 1 &&
+                counts.shape(0) == q.shape(0) && mx::issubdtype(counts.dtype(), mx::integer);
+  if (!shapes) {
+    throw std::invalid_argument("causal_partial_paged: q (T, H, D), pools k and v (rows, Hk, D), slots (S,) and "
+                                "counts (T,) of integers, T and S > 0, H a multiple of Hk");
+  }
+#if MESHLM_AVX2
+  auto s = current_stream();
+  std::vector<mx::array> inputs{require_float32(q), require_float32(k), require_float32(v),
+                                mx::astype(counts, mx::int32, s), mx::astype(slots, mx::int32, s)};
+  return mx::array::make_arrays({q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
+                                std::make_shared<CausalPartial>(s, q_scale), inputs);
+#else
+  throw std::runtime_error("causal_partial_paged: built without AVX2 (see the module's packed_gemm)");
+#endif
+}
+
 mx::array packed_linear(const mx::array& x, const mx::array& w, std::optional<mx::array> bias) {
   if (w.ndim() != 3 || w.shape(2) != PANEL || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument("packed_linear: x (..., K) and w (N/16, K, 16)");
@@ -2437,6 +2476,9 @@ NB_MODULE(_cpu_ops, m) {
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_scale") = 1.0f,
         "q (T, H, D) attending causally to k, v (S, Hk, D) as the last T of the S positions; q times q_scale "
         "is in base 2 (scale * log2(e) for a softmax scale)");
+  m.def("causal_partial_paged", &causal_partial_paged, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
+        nb::arg("slots"), nb::arg("counts"), nb::arg("q_scale") = 1.0f,
+        "causal_partial of q (T, H, D) to the pools' rows at slots (S,), read in place (no gather)");
   m.def("causal_attention_paged", &causal_attention_paged, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("slots"), nb::arg("q_scale") = 1.0f,
         "causal_attention of q (T, H, D) to the pools' rows at slots (S,), read in place (no gather)");

@@ -68,6 +68,11 @@ class AttentionBackend(Protocol):
         the mask's meaning (a causal mask over position-sorted keys is such a prefix)."""
         ...
 
+    def partial_paged(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, scale: float,
+                      counts: mx.array) -> tuple[mx.array, mx.array]:
+        """`partial` with counts against the pools' rows at `slots` (S,), read in place where it can."""
+        ...
+
     def decode_partial(self, q: mx.array, pool_k: mx.array, pool_v: mx.array, tables: mx.array,
                        lengths: mx.array, block_size: int, scale: float) -> tuple[mx.array, mx.array]:
         """One query per row against the first lengths[i] slots of its blocks (tables (R, max_blocks)),
@@ -172,6 +177,10 @@ class PortableBackend:
     def partial(self, q, keys, values, mask, scale, counts=None):
         return attend_exact(q, keys, values, scale, mask)
 
+    def partial_paged(self, q, pool_k, pool_v, slots, scale, counts):
+        mask = mx.arange(slots.shape[0])[None] < counts[:, None]
+        return self.partial(q, _gather(pool_k, slots), _gather(pool_v, slots), mask, scale, counts)
+
     def decode_partial(self, q, pool_k, pool_v, tables, lengths, block_size, scale):
         return paged_partial(q, pool_k, pool_v, tables, lengths, block_size, scale)
 
@@ -258,6 +267,11 @@ class CPUBackend:
                                      scale * LOG2E)
             return out, lse
         return cpu_kernels.partial_attention(q, keys, values, mask, scale, self.native)
+
+    def partial_paged(self, q, pool_k, pool_v, slots, scale, counts):
+        if q.dtype == mx.float32 and self._partial is not None and q.shape[0] > 1:
+            return self.native.causal_partial_paged(q, pool_k, pool_v, slots, counts, scale * LOG2E)
+        return PortableBackend.partial_paged(self, q, pool_k, pool_v, slots, scale, counts)
 
     def decode_partial(self, q, pool_k, pool_v, tables, lengths, block_size, scale):
         if q.dtype != mx.float32 or self.native is None:

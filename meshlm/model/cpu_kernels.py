@@ -155,7 +155,7 @@ def swiglu_for(native=None):
 NATIVE_API = ("swiglu", "softmax2", "softmax2_lse", "packed_linear", "packed_linear_split", "packed_swiglu",
               "set_software_prefetch", "set_gemm_threads", "untouched_zeros", "rms_norm", "rope", "kv_write",
               "paged_decode_attention", "paged_decode_partial", "decode_layer", "huge_pages", "causal_attention",
-              "causal_partial", "causal_attention_paged")
+              "causal_partial", "causal_attention_paged", "causal_partial_paged")
 
 
 @functools.cache

@@ -33,10 +33,11 @@ EVAL_SCORES = 1 << 22  # attention blocks with this many scores are evaluated as
 
 
 def attend_blocks(q: mx.array, keys: mx.array, values: mx.array, blocks, backend: AttentionBackend,
-                  scale: float) -> tuple[mx.array, mx.array]:
+                  scale: float, slots: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Causal attention of position-sorted queries q (n, H, D) to position-sorted keys/values (S, Hk, D),
     block by block (context_batch.query_blocks). Returns the output (n, H, D) and log-sum-exp (n, H);
-    a query with no key gets zeros and -inf, which merge as no contribution."""
+    a query with no key gets zeros and -inf, which merge as no contribution. `slots`: keys and values are
+    the pools, the row's keys their rows at `slots` (S,), read in place where the kernel can."""
     H, D = q.shape[1], q.shape[2]
     if backend.partial_counts and len(blocks) > 1 and q.dtype == mx.float32:
         # A kernel that takes each query's count of visible keys needs no blocks: one call reads each key
@@ -45,8 +46,12 @@ def attend_blocks(q: mx.array, keys: mx.array, values: mx.array, blocks, backend
         visible = max(blk.visible for blk in blocks)
         if visible > 0:
             counts = mx.concatenate([blk.counts for blk in blocks])
+            if slots is not None:
+                return backend.partial_paged(q, keys, values, slots[:visible], scale, counts)
             return backend.partial(q, keys[:visible].transpose(1, 0, 2), values[:visible].transpose(1, 0, 2),
                                    None, scale, counts)
+    if slots is not None:
+        keys, values = mx.take(keys, slots, axis=0), mx.take(values, slots, axis=0)
     # Head-major and contiguous once per row, so each block reads a prefix of it with no copy.
     keys, values = mx.contiguous(keys.transpose(1, 0, 2)), mx.contiguous(values.transpose(1, 0, 2))
     outs, lses = [], []
@@ -209,8 +214,7 @@ class RingLayerKV(LayerKV):
 
     def _attend_pools(self, q, row, blocks, pool_k, pool_v, scale) -> tuple[mx.array, mx.array]:
         """This rank's queries of `row` against the row's KV in this rank's own pools: output and lse."""
-        k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
-        return attend_blocks(q[row.own], k, v, blocks, self.backend, scale)
+        return attend_blocks(q[row.own], pool_k, pool_v, blocks, self.backend, scale, row.kv_slots)
 
     def _padded(self, outs: list[mx.array], q: mx.array) -> mx.array:
         """The rows' outputs in order, then zeros for the padding."""
@@ -227,8 +231,8 @@ class RingLayerKV(LayerKV):
         for row in b.rows:
             if row.paged:
                 continue
-            k, v = mx.take(pool_k, row.kv_slots, axis=0), mx.take(pool_v, row.kv_slots, axis=0)
-            o, lse = attend_blocks(mx.take(every_q, row.q_index, axis=0), k, v, row.blocks, self.backend, scale)
+            o, lse = attend_blocks(mx.take(every_q, row.q_index, axis=0), pool_k, pool_v, row.blocks, self.backend,
+                                   scale, row.kv_slots)
             outs.append(o.astype(mx.float32))
             lses.append(lse)
         if b.paged is not None:  # after the other rows' partials, where q_order looks for them

@@ -144,9 +144,18 @@ def test_causal_attention_paged_reads_the_pools_in_place_as_the_gathered_keys(T,
     got = NATIVE.causal_attention_paged(q, pool_k, pool_v, slots, D**-0.5 * LOG2E)
     want = NATIVE.causal_attention(q, pool_k[slots], pool_v[slots], D**-0.5 * LOG2E)
     assert got.shape == (T, H, D) and mx.array_equal(got, want).item()
-    # and the backend's paged extend is the portable path's attention
+    counts = mx.array(random.Random(T).choices(range(S + 1), k=T))  # as a ring step's rows see them
+    got_partial = NATIVE.causal_partial_paged(q, pool_k, pool_v, slots, counts, D**-0.5 * LOG2E)
+    want_partial = NATIVE.causal_partial(q, pool_k[slots], pool_v[slots], counts, D**-0.5 * LOG2E)
+    assert all(mx.array_equal(a, b, equal_nan=True).item() for a, b in zip(got_partial, want_partial))
+    # and the backends' paged calls are the portable path's attention
     ref = PortableBackend().extend_paged(q, pool_k, pool_v, slots, D**-0.5)
     assert mx.abs(CPUBackend(NATIVE).extend_paged(q, pool_k, pool_v, slots, D**-0.5) - ref).max().item() < TOL
+    if T > 1:
+        ref_o, ref_lse = PortableBackend().partial_paged(q, pool_k, pool_v, slots, D**-0.5, counts)
+        o, lse = CPUBackend(NATIVE).partial_paged(q, pool_k, pool_v, slots, D**-0.5, counts)
+        assert mx.abs(o - ref_o).max().item() < TOL
+        assert mx.allclose(lse, ref_lse, atol=1e-5, equal_nan=True).item()
 
 
 @NEEDS_PACKED_GEMM
@@ -157,6 +166,8 @@ def test_causal_attention_paged_reads_nothing_outside_the_pools():
     assert mx.abs(good).max().item() > 0
     for bad in ([0, 64, 2], [0, -1, 2]):
         assert mx.abs(NATIVE.causal_attention_paged(q, pool, pool, mx.array(bad), 0.25)).max().item() == 0
+        out, lse = NATIVE.causal_partial_paged(q, pool, pool, mx.array(bad), mx.array([3, 3]), 0.25)
+        assert mx.abs(out).max().item() == 0 and (lse == -mx.inf).all().item()
     with pytest.raises(ValueError, match="0 < T <= S"):
         NATIVE.causal_attention_paged(mx.zeros((4, 1, 16)), pool, pool, mx.array([0, 1, 2]))
     with pytest.raises(ValueError, match="integers"):
