@@ -22,6 +22,7 @@ from meshlm.api.serving import SamplingDefaults, Serving
 from meshlm.config import ServeConfig
 from meshlm.engine.engine import Engine
 from meshlm.engine.grammar import Grammars
+from meshlm.engine.step_work import StepWork, keys_per_token
 from meshlm.executor.local import LocalExecutor
 from meshlm.executor.rank import RankState, build_rank
 from meshlm.disagg import wiring as disagg
@@ -66,6 +67,21 @@ class FatalExit:
         """After the orderly shutdown: end the process with its status (EXIT_ENGINE_FAILED, else 0), without
         the interpreter's teardown, which a cluster's MLX backend does not survive (process_exit.py)."""
         end_process(self.code)
+
+
+def step_work(long_prefill_context: int, args) -> StepWork | None:
+    """How the scheduler bounds a long context's steps; None when asked not to, or the model's shapes do not
+    say what attention costs against its matrices (the token budget alone then)."""
+    keys = keys_per_token(args)
+    if not long_prefill_context:
+        return None
+    if keys is None:
+        log.warning("--long-prefill-context: the model's config does not say its attention's shape; a long "
+                    "prompt's chunks keep the token budget's size")
+        return None
+    log.info("prompt chunks past %d tokens of context are shortened to a whole chunk's work there "
+             "(--long-prefill-context; a query against %.0f keys costs a token's matrices)", long_prefill_context, keys)
+    return StepWork(keys, long_prefill_context)
 
 
 def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: RankState | None = None,
@@ -116,7 +132,8 @@ def build_engine(config: ServeConfig, loaded: LoadedModel, executor=None, rank: 
                            rank.block_size)
     engine = Engine(executor, loaded.tokenizer, config.scheduler, max_len, new_blocks, loaded.eos_token_ids,
                     watchdog=watchdog, vocab_size=loaded.vocab_size, on_fatal=on_fatal,
-                    speculative=config.speculative, draft=draft, grammars=load_grammars(loaded))
+                    speculative=config.speculative, draft=draft, grammars=load_grammars(loaded),
+                    work=step_work(config.scheduler.long_prefill_context, loaded.model.args))
     if rank.salt is not None:
         engine.metrics.registry.register(PrefixCacheCollector(lambda: engine.scheduler.blocks, rank))
     engine.metrics.registry.register(RankTimesCollector(executor.rank_times))

@@ -63,6 +63,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-step", type=int, default=1024,
                    help="prefill chunk + decode tokens per step (smaller: steadier streams, slower long prompts)")
+    p.add_argument("--long-prefill-context", type=int, default=8192,
+                   help="prompt chunks starting past this context are shortened so that a step does no more work "
+                        "than a whole --max-tokens-per-step chunk starting here (attention grows with the context): "
+                        "streams keep flowing and steps stay within --step-timeout while long prompts are read; "
+                        "0: chunks of the token budget at any context (default 8192)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--async-scheduling", choices=AUTO_ON_OFF, default="auto",
                    help="plan each decode step while the previous one runs, on its tokens still on the device "
@@ -311,7 +316,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                           args.native_kernels, args.half_weights, args.fused_decode, args.adapter_path,
                           args.huge_pages),
         scheduler=SchedulerConfig(args.max_batch_size, args.max_tokens_per_step, args.max_queue, args.kv_cache_memory,
-                                  args.async_scheduling),
+                                  args.async_scheduling, args.long_prefill_context),
         cache=CacheConfig(not args.no_prefix_cache, args.block_size, not args.no_ssd_cache, args.kv_cache_dir,
                           args.ssd_cache_gb, args.ssd_ttl_days),
         parallel=ParallelConfig(args.tensor_parallel, args.backend, args.hostfile, args.rank, args.control_addr,

@@ -87,8 +87,13 @@ class SchedulerConfig:
     # Plan decode steps while the previous one runs (engine.py, `_step_ahead`): on | off | auto (on when
     # the forward runs on a GPU; on a CPU the host's work competes with the forward for the same cores).
     async_scheduling: str = "auto"
+    # A step does at most the work of a whole chunk starting at this context: later prompt chunks are
+    # shorter (engine/step_work.py); 0: the token budget alone.
+    long_prefill_context: int = 8192
 
     def __post_init__(self) -> None:
+        if self.long_prefill_context < 0:
+            raise ValueError("--long-prefill-context must be >= 0 (0: no limit)")
         for name in ("max_batch_size", "max_tokens_per_step", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

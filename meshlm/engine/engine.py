@@ -29,6 +29,7 @@ from meshlm.engine.request import FinishReason, SamplingParams, Sequence, StepOu
 from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
 from meshlm.kv.blocks import BlockManager
 from meshlm.engine.stop import StopMatcher
+from meshlm.engine.step_work import StepWork
 from meshlm.metrics import Metrics
 from meshlm.model.runner import StepResult
 from meshlm.engine.sampler import Draw, SeqSampling, draw, sample, take
@@ -193,6 +194,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         grammars: Grammars | None = None,
+        work: StepWork | None = None,
     ) -> None:
         # A deadline on each forward (distributed runs): a hung collective cannot time out itself.
         self._deadline = watchdog.step if watchdog is not None else (lambda label: contextlib.nullcontext())
@@ -206,7 +208,7 @@ class Engine:
         self.output_batch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.metrics = metrics or Metrics()
         # A restart after a failure starts from fresh block accounting (every rank's sequences are gone too).
-        self._new_scheduler = lambda: Scheduler(config, new_blocks(), max_model_len, eos_token_ids)
+        self._new_scheduler = lambda: Scheduler(config, new_blocks(), max_model_len, eos_token_ids, work)
         self.scheduler = self._new_scheduler()
         self._tracked: dict[int, _Tracked] = {}
         self._uids = itertools.count()

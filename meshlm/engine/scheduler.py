@@ -4,7 +4,9 @@ Every sequence wants `num_tokens - num_computed_tokens` more tokens run. Each
 step the scheduler hands out a token budget: one token to every decoding
 sequence first (so running streams never stall behind a long prompt), then
 prefill chunks to sequences still reading their prompt, then admits waiting
-sequences while batch size and KV blocks allow. Blocks come from the block
+sequences while batch size and KV blocks allow. A prompt chunk against a long
+context is also held to the step's work (engine/step_work.py), so that no
+step grows with the context it attends to. Blocks come from the block
 manager (kv/blocks.py), so `--kv-cache-memory` is exact: a sequence holds
 ceil(positions / block_size) blocks, cached prefixes are shared, and nothing
 is padded. When blocks run out the most recently admitted sequence is
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from meshlm.config import SchedulerConfig
 from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, BlockCopy, BlockExport, BlockLoad, BlockSave,
                                 Chunk, NewSequence, StepPlan, TableUpdate, Trim, batch_fingerprint)
 from meshlm.engine.request import FinishReason, Sequence, SeqStatus
+from meshlm.engine.step_work import MIN_CHUNK, StepWork
 from meshlm.kv.blocks import BlockManager
 
 
@@ -53,12 +57,17 @@ class _Draft:
     tables: dict[int, list[int]] = field(default_factory=dict)
     copies: list[BlockCopy] = field(default_factory=list)
     loads: list[BlockLoad] = field(default_factory=list)
+    work: float = math.inf  # the step's work left (engine/step_work.py)
+    prompt_chunks: int = 0
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), work: StepWork | None = None) -> None:
+        """`work`: what tokens cost against their context, so a long context's prompt chunks are shortened
+        to keep a step's work bounded (None: the token budget alone)."""
         self.config = config
+        self.work = work
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -108,6 +117,11 @@ class Scheduler:
             budget = min(budget, max_tokens)
         rows = max_rows if max_rows is not None else self.config.max_batch_size
         plan_budget = budget
+        if self.work is not None:
+            # Decode rows first, whatever their place in the batch: a prompt's chunk takes what they leave
+            draft.work = self.work.limit(budget) - sum(
+                self.work.cost(seq.num_computed_tokens, 1) for seq in self.running
+                if seq.uid not in busy and seq.num_tokens - seq.num_computed_tokens == 1)
         # Decode and continuing prefill for running sequences, oldest first;
         # only newer sequences are preempted, so the oldest always progresses.
         for seq in list(self.running):
@@ -222,8 +236,11 @@ class Scheduler:
             if new is not None:  # else: no room for the drafts, decode plainly
                 draft.tables.setdefault(seq.uid, []).extend(new)
                 draft.chunks.append(Chunk(seq.uid, start, (*seq.token_slice(start, start + 1), *drafts), LOGITS_ALL))
+                self._spend(draft, start, 1 + len(drafts), 1)
                 return 1 + len(drafts)
-        want = min(left, budget, SCORING_ROWS if seq.scoring else left)
+        want = self._within_work(draft, start, min(left, budget, SCORING_ROWS if seq.scoring else left), left)
+        if want == 0:
+            return 0
         while (new := self.blocks.allocate(seq.uid, start + want)) is None:
             if not self._preempt_newer_than(seq):
                 break
@@ -236,12 +253,35 @@ class Scheduler:
             return 0
         draft.tables.setdefault(seq.uid, []).extend(new)
         draft.chunks.append(_chunk(seq, start, want))
+        self._spend(draft, start, want, left)
         return want
+
+    def _within_work(self, draft: _Draft, start: int, want: int, left: int) -> int:
+        """`want` tokens from `start`, fewer when a prompt chunk there would pass the step's work left."""
+        if self.work is None or left == 1:  # a decode row is one token whatever it costs
+            return want
+        fits = self.work.tokens_within(start, draft.work)
+        if draft.prompt_chunks == 0:
+            fits = max(fits, MIN_CHUNK)
+        return min(want, fits)
+
+    def _spend(self, draft: _Draft, start: int, n: int, left: int, counted: bool = True) -> None:
+        """Count a chunk's work; a running decode row's own token was counted when the step began (`counted`;
+        its drafts were not)."""
+        if self.work is None:
+            return
+        if left > 1:
+            draft.work -= self.work.cost(start, n)
+            draft.prompt_chunks += 1
+        else:
+            draft.work -= self.work.cost(start + counted, n - counted)
 
     def _admit(self, draft: _Draft, budget: int, rows: int) -> None:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size
                and len(draft.chunks) < rows):
             seq = self.waiting[0]
+            if self.work is not None and draft.prompt_chunks and self.work.tokens_within(0, draft.work) == 0:
+                break  # no prompt token fits the step's work left: no lookup either
             # Admit only when the whole prompt (+1 generated) fits, so a fresh sequence never
             # forces an older one out mid-prefill.
             reach = min(self.max_model_len, len(seq.prompt_ids) + seq.params.max_tokens)  # its longest
@@ -251,8 +291,9 @@ class Scheduler:
             # are asked for is computed whole (vLLM does the same): a cached position has no logits.
             lookup = seq.token_slice(0, seq.num_tokens - 1) if not seq.scoring else []
             m = self.blocks.match(seq.uid, lookup, seq.num_tokens, reach, seq.params.cache_salt)
-            want = min(seq.num_tokens - m.tokens, budget, SCORING_ROWS if seq.scoring else budget)
-            if self.blocks.allocate(seq.uid, m.tokens + want) is None:
+            left = seq.num_tokens - m.tokens
+            want = self._within_work(draft, m.tokens, min(left, budget, SCORING_ROWS if seq.scoring else budget), left)
+            if want == 0 or self.blocks.allocate(seq.uid, m.tokens + want) is None:
                 # The check above counted blocks the match then pinned (a partial hit's lender): it waits.
                 # Blocks the match found on SSD are findable already, so their loads still run.
                 draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
@@ -273,6 +314,7 @@ class Scheduler:
                 draft.copies.append(BlockCopy(*m.copy))
             draft.tables[seq.uid] = list(self.blocks.table(seq.uid))
             draft.chunks.append(_chunk(seq, seq.num_computed_tokens, want))
+            self._spend(draft, m.tokens, want, left, counted=False)
             budget -= want
 
     def _reap(self) -> list[Finished]:

@@ -182,6 +182,8 @@ class ContextBlocks:
         if w is None:
             self.inner.free(uid)
             return
+        if not w.table:  # placed, then not admitted after all (no room, or no work left in the step)
+            self.whole_stats.placed[w.holder] -= 1
         for block in reversed(w.table):
             self._give(w.holder, block)
 

@@ -29,6 +29,7 @@ def test_the_defaults_parse():
     config = parse()
     assert config.parallel.start_timeout == 180.0 and config.server.max_tokens_default >= 1
     assert config.server.allowed_origins == ()  # no browser page may call the API unless allowed
+    assert config.scheduler.long_prefill_context == 8192 and parse("--long-prefill-context", "0").scheduler.long_prefill_context == 0
     assert parse("--allowed-origins", "https://a.example:8443, http://[::1]:3000").server.allowed_origins == \
         ("https://a.example:8443", "http://[::1]:3000")
 
@@ -75,6 +76,7 @@ def test_a_draft_model_alone_speculates_with_it_as_mlx_lm_servers_does():
     (("--role", "prefill", "--prefill-port", "8000", "--port", "8000"), "--prefill-port and --port are both 8000"),
     (("--pipeline-parallel", str(10**30)), "must be <= 1024"),  # was an OverflowError laying out the stages
     (("--kv-cache-dir", ""), "--kv-cache-dir must not be empty"),  # was the working directory
+    (("--long-prefill-context", "-1"), r"--long-prefill-context must be >= 0 \(0: no limit\)"),
     # these ended in IndexError and OverflowError tracebacks as the cluster formed
     (("--control-addr", "garbage"), "--control-addr takes HOST:PORT, got 'garbage'"),
     (("--control-addr", "10.0.0.1:70000"), "--control-addr's port must be in 1..65535, got 70000"),

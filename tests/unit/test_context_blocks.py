@@ -36,6 +36,19 @@ def test_short_sequences_go_whole_to_the_least_loaded_rank_and_long_ones_split()
     assert cb.num_free == 16 - 3 - 5  # rank 1's whole blocks use the slots of rank 0's ids
 
 
+def test_a_placement_the_scheduler_backs_out_of_is_not_counted():
+    """A sequence placed but then not admitted (no block left, or no work left in the step) is freed holding
+    nothing: it was counted on every step it waited."""
+    cb = blocks(num=16, min_tokens=20)
+    for _ in range(3):
+        cb.match(1, list(range(9)), 10)
+        cb.free(1)
+    assert cb.whole_stats.placed == [0, 0]
+    admit(cb, 1, 10)
+    cb.free(1)  # a sequence that ran stays counted
+    assert cb.whole_stats.placed == [1, 0]
+
+
 def test_ranks_share_the_ids_they_lend_and_give_them_back_when_both_are_done():
     cb = blocks()
     t1 = admit(cb, 1, 10)  # rank 0: 3 ids taken from the block manager

@@ -19,6 +19,7 @@ from meshlm.engine.plan import (LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Chunk, New
                                 batch_fingerprint)
 from meshlm.engine.request import SamplingParams, Sequence
 from meshlm.engine.scheduler import Scheduler
+from meshlm.engine.step_work import StepWork, keys_per_token
 from meshlm.executor.local import LocalExecutor
 from meshlm.executor.rank import RankState, build_rank
 from meshlm.kv.blocks import BlockManager
@@ -107,12 +108,12 @@ class Run:
     blocks: BlockManager | None = None
 
 
-def drive(rank: RankState, w: Workload, *, step_tokens=16, batch=16, aborts=None) -> Run:
+def drive(rank: RankState, w: Workload, *, step_tokens=16, batch=16, aborts=None, work: StepWork | None = None) -> Run:
     """The engine loop in miniature: schedule, execute, greedy-sample, update."""
     aborts = aborts or {}
     blocks = BlockManager(rank.max_blocks, rank.block_size, rank.salt, rank.ssd)
     sched = Scheduler(SchedulerConfig(max_batch_size=batch, max_tokens_per_step=step_tokens), blocks,
-                      min(rank.max_blocks * rank.block_size, 4096))
+                      min(rank.max_blocks * rank.block_size, 4096), work=work)
     out = Run(rank=rank, blocks=blocks)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=m, temperature=0)) for i, (p, m)
             in enumerate(zip(w.prompts, w.max_tokens))]
@@ -219,6 +220,23 @@ def test_long_rows_across_many_blocks(path, reference):
     run = drive(make_rank(path), w, step_tokens=64, batch=8)
     for uid, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
         assert run.tokens[uid] == reference(prompt, n)[0], uid
+
+
+def test_prompt_chunks_shortened_for_their_context_give_the_same_tokens_and_logits(path, reference):
+    """Past --long-prefill-context (here 32 positions) a prompt's chunks shrink with the context, beside
+    decode rows and other prompts: each sequence's tokens and logits are still what it gets alone."""
+    rng = random.Random(5)
+    lengths = [300, 4, 280, 120]
+    w = Workload(prompts=[[rng.randrange(3, VOCAB) for _ in range(k)] for k in lengths],
+                 max_tokens=[10, 30, 12, 8], arrival=[0, 0, 2, 5])
+    work = StepWork(keys_per_token(load_model(ModelConfig(str(path))).model.args), 32)
+    run = drive(make_rank(path), w, step_tokens=64, batch=8, work=work)
+    sizes = {len(c.token_ids) for p in run.plans for c in p.chunks if c.start > 64 and not c.sample}
+    assert sizes and max(sizes) < 64 - 8  # shortened, not the budget's leftovers
+    for uid, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
+        tokens, logits = reference(prompt, n)
+        assert run.tokens[uid] == tokens, uid
+        assert max(mx.abs(a - b).max().item() for a, b in zip(run.logits[uid], logits)) < 1e-4
 
 
 def test_kv_memory_stays_within_the_budget_whatever_the_mix_of_lengths(path, reference):

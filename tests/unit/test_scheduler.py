@@ -15,6 +15,7 @@ from meshlm.config import SchedulerConfig
 from meshlm.engine.plan import StepPlan, batch_fingerprint
 from meshlm.engine.request import FinishReason, SamplingParams, Sequence, SeqStatus
 from meshlm.engine.scheduler import Finished, QueueFull, Scheduler
+from meshlm.engine.step_work import MIN_CHUNK, StepWork
 from meshlm.kv.blocks import BlockManager
 
 EOS = 2
@@ -28,12 +29,13 @@ def make_scheduler(
     kv_budget: int = 10_000,
     max_model_len: int = 1_000,
     eos: frozenset[int] = frozenset({EOS}),
+    work: StepWork | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step, max_waiting=max_waiting
     )
     # One-token blocks: the KV budget counts tokens exactly, as these tests reason in tokens.
-    return Scheduler(config, BlockManager(kv_budget, 1), max_model_len, eos)
+    return Scheduler(config, BlockManager(kv_budget, 1), max_model_len, eos, work)
 
 
 def make_seq(uid: int, prompt_len: int = 4, **params) -> Sequence:
@@ -692,3 +694,69 @@ def test_an_aborted_prompt_in_flight_is_not_read_further():
     sched.abort(1)
     second, ended = sched.schedule(busy=frozenset({1}), max_tokens=20)
     assert second.chunks == () and second.removed == (1,) and [f.seq.uid for f in ended] == [1]
+
+
+# -- a step's work against long contexts (engine/step_work.py) ----------------------------------------
+
+
+def test_prompt_chunks_past_the_reference_context_shrink_to_a_whole_chunks_work_there():
+    work = StepWork(keys_per_token=32, reference_context=128)
+    sched = make_scheduler(max_tokens_per_step=64, kv_budget=20_000, max_model_len=5_000, work=work)
+    seq = make_seq(0, prompt_len=3_000, max_tokens=2)
+    sched.add(seq)
+    plans = run_until_idle(sched)
+    chunks = [c for p in plans for c in p.chunks if c.start < 3_000]  # the prompt's
+    assert sum((c.token_ids for c in chunks), ()) == tuple(seq.prompt_ids)
+    # Whole chunks up to the reference context, then ever shorter ones within the limit, down to the least
+    assert all(len(c.token_ids) == 64 for c in chunks if c.start <= 128)
+    later = [len(c.token_ids) for c in chunks[:-1] if c.start > 128]
+    assert later == sorted(later, reverse=True) and 64 > later[0] and later[-1] == MIN_CHUNK
+    assert all(work.cost(c.start, len(c.token_ids)) <= work.limit(64) for c in chunks if len(c.token_ids) > MIN_CHUNK)
+    assert seq.output_ids == [TOKEN, TOKEN]
+
+
+def test_decode_rows_always_advance_and_a_prompt_still_gets_its_least_chunk_when_they_take_the_work():
+    """Decode rows at a long context can use the whole step's work: each still gets its token, and the first
+    prompt chunk MIN_CHUNK tokens (prompts always progress); a second prompt waits for a later step."""
+    work = StepWork(keys_per_token=2, reference_context=0)
+    sched = make_scheduler(max_tokens_per_step=64, kv_budget=20_000, max_model_len=5_000, work=work)
+    decoders = [make_seq(uid, prompt_len=1_200, max_tokens=100) for uid in (0, 1)]
+    for seq in decoders:
+        sched.add(seq)
+    while any(s.num_computed_tokens < 1_200 for s in decoders):
+        step(sched)
+    assert 2 * work.cost(1_200, 1) > work.limit(64)  # the decode rows alone pass the limit
+    sched.add(make_seq(2, prompt_len=200))
+    sched.add(make_seq(3, prompt_len=200))
+    for _ in range(3):
+        plan, _, _ = step(sched)
+        sizes = chunk_sizes(plan)
+        assert sizes[0] == sizes[1] == 1 and sizes[2] == MIN_CHUNK and 3 not in sizes
+
+
+def test_without_a_work_model_chunks_are_the_token_budgets_at_any_context():
+    sched = make_scheduler(max_tokens_per_step=64, kv_budget=20_000, max_model_len=5_000)
+    sched.add(make_seq(0, prompt_len=3_000, max_tokens=1))
+    plans = run_until_idle(sched)
+    assert [len(c.token_ids) for p in plans for c in p.chunks][:-1] == [64] * (3_000 // 64)
+
+
+def test_decode_rows_newer_than_a_prompt_in_progress_count_before_its_chunk():
+    """A sequence admitted beside a long prompt's shortened chunk decodes after it in the batch: its row's work
+    is counted first all the same, so the step stays within the limit (the step admitting it, with one
+    token to run, may pass it by that token: a row is never shortened, nor kept waiting for work)."""
+    work = StepWork(keys_per_token=512, reference_context=64)
+    sched = make_scheduler(max_tokens_per_step=64, kv_budget=20_000, max_model_len=5_000, work=work)
+    sched.add(make_seq(0, prompt_len=2_000, max_tokens=2))
+    while sched.running == [] or sched.running[0].num_computed_tokens < 600:
+        step(sched)
+    for uid in (1, 2, 3):
+        sched.add(make_seq(uid, prompt_len=1, max_tokens=500))
+    checked = 0
+    while sched.running[0].num_computed_tokens < 2_000 and sched.running[0].uid == 0:
+        plan, _, _ = step(sched)
+        chunk = plan.chunks[0]
+        if chunk.uid == 0 and len(chunk.token_ids) > MIN_CHUNK and not plan.new and len(plan.chunks) == 4:
+            assert sum(work.cost(c.start, len(c.token_ids)) for c in plan.chunks) <= work.limit(64)
+            checked += 1
+    assert checked
