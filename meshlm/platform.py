@@ -212,7 +212,48 @@ DEFAULT_KV_CAP = 8 * 2**30
 
 
 def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """This machine's RAM, or less when this process's cgroup is limited to less (a container's
+    `--memory`, a systemd unit's MemoryMax): a budget taken from the host's RAM is an OOM kill there."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit()
+    return min(ram, limit) if limit else ram
+
+
+# cgroup v1 reports "no limit" as the largest page-aligned int64; v2 as "max"
+_NO_LIMIT = 1 << 60
+
+
+def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The smallest memory limit on this process's cgroup and its ancestors (v2 `memory.max`, v1
+    `memory.limit_in_bytes`, a hybrid layout's v2 under `unified/`), None when there is none or it cannot be
+    read. A container sees its own cgroup as the root of the mount: the walk up from the path
+    /proc/self/cgroup names reaches it whether or not the path exists inside the container."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            places = [(root, "memory.max"), (root / "unified", "memory.max")]
+        elif "memory" in controllers.split(","):
+            places = [(root / "memory", "memory.limit_in_bytes")]
+        else:
+            continue
+        for base, name in places:
+            here = Path(path.strip() or "/")
+            for directory in (here, *here.parents):
+                try:
+                    text = (base / str(directory).lstrip("/") / name).read_text().strip()
+                except OSError:
+                    continue
+                if text.isdigit() and 0 < int(text) < _NO_LIMIT:
+                    limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def kv_budget_bytes(scheduler, ranks_here: int = 1) -> int:
@@ -224,5 +265,5 @@ def kv_budget_bytes(scheduler, ranks_here: int = 1) -> int:
     if scheduler.kv_cache_memory and scheduler.kv_cache_memory * ranks_here > ram:
         each = f" a rank, {ranks_here} ranks on this machine," if ranks_here > 1 else ""
         raise ValueError(f"--kv-cache-memory {scheduler.kv_cache_memory / 2**30:.1f} GiB{each} is more than "
-                         f"this machine's RAM ({ram / 2**30:.1f} GiB)")
+                         f"this machine's RAM ({ram / 2**30:.1f} GiB{', its cgroup limit' if cgroup_memory_limit() == ram else ''})")
     return scheduler.kv_cache_memory or min(int(ram * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP) // ranks_here
