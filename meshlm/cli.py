@@ -112,7 +112,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
     p.add_argument("--block-size", type=int, default=32, help="tokens per prefix-cache block (docs/BENCHMARKS.md)")
     p.add_argument("--kv-cache-dir", default="~/.cache/meshlm/kv", help="root of the SSD tier")
-    p.add_argument("--ssd-cache-gb", type=float, default=20.0)
+    p.add_argument("--ssd-cache-gb", type=float, default=None,
+                   help="GB of prefix blocks a rank keeps on disk (default 20, shared by a local cluster's ranks)")
     p.add_argument("--ssd-ttl-days", type=float, default=7.0)
     p.add_argument("--no-ssd-cache", action="store_true", help="keep prefix blocks in RAM only")
     g = p.add_argument_group("tensor parallelism (docs/DISTRIBUTED.md)")

@@ -105,6 +105,9 @@ class SchedulerConfig:
             raise ValueError(f"async_scheduling must be one of {', '.join(AUTO_ON_OFF)}")
 
 
+DEFAULT_SSD_GB = 20.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Prefix cache: RAM block pool (shares --kv-cache-memory with running sequences) and SSD tier."""
@@ -113,16 +116,24 @@ class CacheConfig:
     block_size: int = 32  # 32 vs 16: same RAM hit time, ~20% faster SSD hits (docs/BENCHMARKS.md)
     ssd: bool = True
     cache_dir: str = "~/.cache/meshlm/kv"
-    ssd_cache_gb: float = 20.0
+    ssd_cache_gb: float | None = None  # a rank's SSD tier; None: DEFAULT_SSD_GB shared by a cluster's ranks here
     ssd_ttl_days: float = 7.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        _check_positive("--ssd-cache-gb", self.ssd_cache_gb)
+        if self.ssd_cache_gb is not None:
+            _check_positive("--ssd-cache-gb", self.ssd_cache_gb)
         _check_positive("--ssd-ttl-days", self.ssd_ttl_days)
         if self.enabled and self.ssd and not self.cache_dir.strip():  # Path("") is the working directory
             raise ValueError("--kv-cache-dir must not be empty (--no-ssd-cache turns the SSD tier off)")
+
+    def ssd_bytes(self, ranks_here: int = 1) -> int:
+        """One rank's SSD tier: --ssd-cache-gb as given, else DEFAULT_SSD_GB shared by the `ranks_here` ranks of
+        a cluster on this machine, whose tiers fill one disk (each took the whole default: 80 GB for CP=4)."""
+        if self.ssd_cache_gb is not None:
+            return int(self.ssd_cache_gb * 2**30)
+        return int(DEFAULT_SSD_GB * 2**30) // ranks_here
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")

@@ -38,7 +38,7 @@ def _load_stage(config: ServeConfig, topo: Topology, layout: StageLayout):
     first, end = layout.layers(stage)
     loaded = load_model(config.model, stage=StageSlice(first, end, stage == 0, stage == layout.stages - 1))
     rank = build_rank(loaded, config.model, config.cache, kv_budget_bytes(config.scheduler, topo.ranks_here),
-                      RankSpec(layout=layout.name, rank=p.rank))
+                      RankSpec(layout=layout.name, rank=p.rank, ranks_here=topo.ranks_here))
     log.info("stage %d of %d (rank %d): layers %d..%d of %d", stage, layout.stages, p.rank, first, end - 1,
              layout.num_layers)
     spec = ActivationSpec(int(loaded.model.args.hidden_size), getattr(mx, loaded.dtype))

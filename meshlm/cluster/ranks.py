@@ -310,7 +310,7 @@ def _load_share(config: ServeConfig, topo: Topology, group, sums):
     from meshlm.model.loader import load_model
 
     p = topo.parallel
-    spec = RankSpec(layout=p.layout, rank=p.rank)
+    spec = RankSpec(layout=p.layout, rank=p.rank, ranks_here=topo.ranks_here)
     budget = kv_budget_bytes(config.scheduler, topo.ranks_here)
     if p.context:
         from meshlm.kv.context_split import ContextSplit

@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Where this rank sits: the layout names its SSD directory and salts the prefix cache's keys."""
+    """Where this rank sits: the layout names its SSD directory and salts the prefix cache's keys;
+    `ranks_here`: its cluster's ranks on this machine, which share the SSD tier's default size (one disk)."""
 
     layout: str = "tp1"
     rank: int = 0
+    ranks_here: int = 1
 
 
 class RankState:
@@ -118,7 +120,7 @@ def build_rank(loaded, model_cfg: ModelConfig, cache_cfg: CacheConfig, kv_budget
     salt = CacheSalt(loaded.fingerprint, loaded.dtype, spec.layout, cache_cfg.block_size) if cache_cfg.enabled else None
     ssd = None
     if salt is not None and cache_cfg.ssd:
-        ssd_config = SSDConfig(Path(cache_cfg.cache_dir).expanduser(), int(cache_cfg.ssd_cache_gb * 2**30),
+        ssd_config = SSDConfig(Path(cache_cfg.cache_dir).expanduser(), cache_cfg.ssd_bytes(spec.ranks_here),
                                cache_cfg.ssd_ttl_days)
         ssd = SSDTier(ssd_config, salt, spec.rank, shape)
     if ring is not None:

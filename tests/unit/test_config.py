@@ -105,3 +105,20 @@ def test_a_size_past_a_float_or_not_a_number_is_an_argument_error(text):
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         cli.parse_bytes(text)
     assert cli.parse_bytes("1.5KiB") == 1536 and cli.parse_bytes("1e3") == 1000
+
+
+def test_a_local_clusters_ranks_share_the_ssd_tiers_default_size(tmp_path):
+    """Each rank of a local cluster kept 20 GB of blocks on the one disk they share: 80 GB for CP=4."""
+    from meshlm.config import CacheConfig, ModelConfig
+    from meshlm.executor.rank import RankSpec, build_rank
+    from meshlm.model import demo
+    from meshlm.model.loader import load_model
+
+    assert parse().cache.ssd_cache_gb is None and CacheConfig().ssd_bytes() == 20 * 2**30
+    assert CacheConfig().ssd_bytes(ranks_here=4) == 5 * 2**30
+    assert parse("--ssd-cache-gb", "3").cache.ssd_bytes(ranks_here=4) == 3 * 2**30  # a rank's, as given
+    model = demo.make_tiny(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1)
+    cfg = ModelConfig(str(model))
+    rank = build_rank(load_model(cfg), cfg, CacheConfig(cache_dir=str(tmp_path / "kv")), 2**20,
+                      RankSpec("cp4", 2, ranks_here=4))
+    assert rank.ssd.config.capacity_bytes == 5 * 2**30
