@@ -249,11 +249,13 @@ class Serving:
     def usage(self, choices: list[Choice], prompts: list[list[int]]) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
         completion = sum(c.completion_tokens for c in choices)
-        # Per prompt, as its tokens count once whatever its n choices (the most any of them found cached);
-        # summed over a batched completion's prompts, as their tokens are.
+        # Per prompt, as its tokens count once whatever its n choices: what all of them found cached, i.e.
+        # what was cached before the request (a fresh prompt's later choices find the first one's blocks,
+        # which reported the prompt as cached though it was computed for this request); summed over a
+        # batched completion's prompts, as their tokens are.
         by_prompt: dict[int, int] = {}
         for c in choices:
-            by_prompt[c.prompt] = max(by_prompt.get(c.prompt, 0), c.cached_tokens)
+            by_prompt[c.prompt] = min(by_prompt.get(c.prompt, c.cached_tokens), c.cached_tokens)
         cached = sum(by_prompt.values())
         return {
             "prompt_tokens": prompt_tokens,

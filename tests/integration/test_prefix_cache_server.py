@@ -247,7 +247,9 @@ def test_multi_turn_chat_reuses_the_first_turn(warm, reference):
 
 def test_a_batched_completions_cached_tokens_are_the_sum_over_its_prompts(warm):
     """usage's cached_tokens took the largest of all choices: a batch of two cached prompts reported one's
-    (review helper-55). Per prompt the most of its n choices, summed over prompts, as prompt_tokens is."""
+    (review helper-55). Per prompt what all its n choices found, summed over prompts, as prompt_tokens is;
+    a fresh prompt's is 0, though its later choices found the blocks the first one wrote (it said the
+    prompt's length less one: helper-58)."""
     a, b = ids(3 * BS + 1, seed=901), ids(2 * BS + 5, seed=902)
     complete(warm, a), complete(warm, b)
     r = httpx.post(warm.url + "/v1/completions", timeout=120, json={
@@ -255,6 +257,19 @@ def test_a_batched_completions_cached_tokens_are_the_sum_over_its_prompts(warm):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(a) + len(b)
     assert cached(r.json()) == 3 * BS + 2 * BS
+    for stream in (False, True):
+        body = {"prompt": ids(4 * BS + 3, seed=903 + stream), "n": 3, "max_tokens": 2, "temperature": 1.0,
+                "ignore_eos": True}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", warm.url + "/v1/completions", timeout=120, json=body) as r:
+                usage = [json.loads(line[6:]) for line in r.iter_lines()
+                         if line.startswith("data: {")][-1]["usage"]
+        else:
+            r = httpx.post(warm.url + "/v1/completions", timeout=120, json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
 
 
 def test_concurrent_requests_sharing_a_prefix(warm, reference):
