@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[StepOutput], None]
 IDLE_POLL_SECONDS = 0.25
+PREEMPTION_LOG_SECONDS = 60.0  # the most often the log says sequences were preempted
 RESTART_BACKOFF_SECONDS = 1.0  # a failed single-process engine answers 503 this long, then serves again
 CRASH_LOOP_FAILURES, CRASH_LOOP_SECONDS = 3, 60.0  # this many failures this fast: exit for a supervisor
 
@@ -217,6 +219,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._preemptions_seen = 0
+        self._preempted_unlogged = 0
+        self._preemption_logged_at = -math.inf
         self.error: str | None = None  # set when the engine failed; /health reports it
         self._draining = False
         self._closed = False  # the drain's grace is over: nothing more is queued
@@ -978,7 +982,18 @@ class Engine:
         self.metrics.kv_bytes.set(self.executor.kv_bytes())
         self.metrics.kv_blocks_used.set(self.scheduler.blocks.num_used)
         self.metrics.kv_blocks_cached.set(self.scheduler.blocks.num_cached)
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - self._preemptions_seen)
+        new = self.scheduler.num_preemptions - self._preemptions_seen
+        if new:
+            self.metrics.preemptions.inc(new)
+            self._preempted_unlogged += new
+            now = time.monotonic()
+            if now - self._preemption_logged_at >= PREEMPTION_LOG_SECONDS:
+                # An operator sees the cause of a throughput drop in the log, not only in /metrics; at most one
+                # line a minute, as a server short of KV preempts on every step
+                log.warning("%d sequence(s) preempted for want of KV blocks since the last such line (they are "
+                            "recomputed: meshlm_preemptions_total); raise --kv-cache-memory, or lower "
+                            "--max-batch-size", self._preempted_unlogged)
+                self._preemption_logged_at, self._preempted_unlogged = now, 0
         self._preemptions_seen = self.scheduler.num_preemptions
 
 

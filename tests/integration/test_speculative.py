@@ -254,6 +254,8 @@ def test_preemption_during_speculation(tiny_model, tmp_path, reference):
         got = asyncio.run(_complete_all(srv.url, _prompts()))
         assert srv.metric("meshlm_preemptions_total") > 0
         assert srv.metric("meshlm_spec_accepted_tokens_total") > 0
+        # the operator hears of it once (a line a minute at most), not only from /metrics
+        assert srv.log.read_text().count("preempted for want of KV blocks") == 1
     finally:
         srv.stop()
     _assert_same(got, reference)
