@@ -365,6 +365,14 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"content parts of type {shown} are not supported: this server takes text only")
         return value
 
+    @model_validator(mode="after")
+    def _tool_answers_name_their_call(self) -> "ChatMessage":
+        """OpenAI refuses a tool message without the id of the call it answers (a 400), and templates that
+        pair answers with calls by id (Mistral's) need it."""
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role 'tool' needs tool_call_id: the id of the tool call it answers")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)

@@ -209,6 +209,22 @@ def test_a_content_part_that_is_not_text_is_refused_saying_so():
     assert ok.messages[0].text() == "what is this?"
 
 
+def test_a_tool_message_names_the_call_it_answers():
+    """A tool answer without tool_call_id was taken (OpenAI: 400 'Missing required parameter')."""
+    from pydantic import ValidationError
+
+    from meshlm.api.schemas import ChatCompletionRequest
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for missing in ({}, {"tool_call_id": ""}, {"tool_call_id": None}):
+        with pytest.raises(ValidationError, match="role 'tool' needs tool_call_id"):
+            ChatCompletionRequest.model_validate({"messages": [*history, {"role": "tool", "content": "1", **missing}]})
+    ok = ChatCompletionRequest.model_validate(
+        {"messages": [*history, {"role": "tool", "content": "1", "tool_call_id": "call_1"}]})
+    assert ok.messages[2].tool_call_id == "call_1"
+
+
 def test_an_assistant_refusal_part_in_the_history_is_its_text():
     """The client's own assistant-message type has refusal parts; chat refused them as 'not text' (the
     Responses API took them)."""
