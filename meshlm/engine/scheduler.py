@@ -290,6 +290,7 @@ class Scheduler:
             # The last token is always computed: its logits give the next token. A prompt whose logprobs
             # are asked for is computed whole (vLLM does the same): a cached position has no logits.
             lookup = seq.token_slice(0, seq.num_tokens - 1) if not seq.scoring else []
+            mark = self.blocks.stats.lookup_mark()
             m = self.blocks.match(seq.uid, lookup, seq.num_tokens, reach, seq.params.cache_salt)
             left = seq.num_tokens - m.tokens
             want = self._within_work(draft, m.tokens, min(left, budget, SCORING_ROWS if seq.scoring else budget), left)
@@ -298,6 +299,7 @@ class Scheduler:
                 # Blocks the match found on SSD are findable already, so their loads still run.
                 draft.loads.extend(BlockLoad(key, block) for key, block in m.loads)
                 self.blocks.free(seq.uid)
+                self.blocks.stats.forget_lookup(mark)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

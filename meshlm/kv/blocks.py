@@ -76,6 +76,19 @@ class CacheStats:
     committed: int = 0  # blocks that became findable
     evictions: int = 0  # cached blocks reused for something else
 
+    # What a lookup counts in RAM: a lookup that admits nothing (no room, or no work left in the step) is
+    # made again at the next step, and counted each time (a 100K-token cached prefix: 3,000 hits a step).
+    # The SSD tier's hits stay: those blocks were read, and the retry finds them in RAM.
+    LOOKUP = ("hits_ram", "hits_partial", "partial_tokens", "misses")
+
+    def lookup_mark(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.LOOKUP)
+
+    def forget_lookup(self, mark: tuple[int, ...]) -> None:
+        """Uncount the lookups since `mark` (lookup_mark), whose sequence was not admitted."""
+        for name, value in zip(self.LOOKUP, mark):
+            setattr(self, name, value)
+
 
 @dataclass
 class Match:

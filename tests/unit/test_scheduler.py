@@ -341,6 +341,30 @@ def test_cached_tokens_count_the_prompts_first_admission_not_a_recomputes_lookup
     assert seq.num_computed_tokens > 20 and seq.num_cached_tokens == 19
 
 
+def test_a_lookup_that_admits_nothing_is_not_counted_again_each_step():
+    """A prompt with a cached prefix waiting for the step's work (or for KV room) is looked up every step:
+    each lookup counted its RAM hits, so the hit counters grew while nothing was served from the cache."""
+    from meshlm.kv.keys import CacheSalt
+
+    blocks = BlockManager(512, 4, CacheSalt("f" * 24, "float32", "tp1", 4))
+    config = SchedulerConfig(max_batch_size=8, max_tokens_per_step=64, max_waiting=64)
+    sched = Scheduler(config, blocks, 4096, frozenset({EOS}), StepWork(keys_per_token=4, reference_context=0))
+    prefix = list(range(10, 410))
+    sched.add(Sequence(0, prefix + [7], SamplingParams(max_tokens=1)))
+    run_until_idle(sched)
+    sched.add(Sequence(1, [5] * 300, SamplingParams(max_tokens=1)))  # takes each step's prompt work first
+    step(sched)
+    waiting = Sequence(2, prefix + [8, 9], SamplingParams(max_tokens=1))  # 100 cached blocks
+    sched.add(waiting)
+    before = blocks.stats.hits_ram
+    for _ in range(5):
+        step(sched)
+        assert waiting in sched.waiting  # no work left for a chunk past its cached prefix
+    assert blocks.stats.hits_ram == before
+    run_until_idle(sched)
+    assert blocks.stats.hits_ram == before + 100 and waiting.num_cached_tokens == 400  # counted once, when admitted
+
+
 # -- finishing ----------------------------------------------------------------------------
 
 
