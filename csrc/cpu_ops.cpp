@@ -2047,12 +2047,16 @@ class DecodeMLP : public CpuOnlyOutputs {
 };
 #endif
 
+// q (T, H, D) and k, v (S or rows, Hk, D), T > 0, H a multiple of Hk: what every causal attention takes.
+bool attention_shapes(const mx::array& q, const mx::array& k, const mx::array& v) {
+  return q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0 &&
+         q.shape(2) == k.shape(2) && q.shape(0) > 0;
+}
+
 // q (T, H, D) against k, v (S, Hk, D), the queries the last T of the S positions (a prefill chunk); any
 // strides. Returns (T, H, D).
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v, float q_scale) {
-  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
-                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 &&
-                q.shape(0) <= k.shape(0);
+  bool shapes = attention_shapes(q, k, v) && q.shape(0) <= k.shape(0);
   if (!shapes) {
     throw std::invalid_argument("causal_attention: q (T, H, D), k and v (S, Hk, D), 0 < T <= S, H a multiple of Hk");
   }
@@ -2069,8 +2073,7 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
 // long context's keys first (a 1,024-token chunk against 18,000 of them gathered ~40 ms a layer).
 mx::array causal_attention_paged(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& slots,
                                  float q_scale) {
-  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
-                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 && slots.ndim() == 1 &&
+  bool shapes = attention_shapes(q, k, v) && slots.ndim() == 1 &&
                 q.shape(0) <= slots.shape(0) && mx::issubdtype(slots.dtype(), mx::integer);
   if (!shapes) {
     throw std::invalid_argument("causal_attention_paged: q (T, H, D), pools k and v (rows, Hk, D), slots (S,) of "
@@ -2090,8 +2093,7 @@ mx::array causal_attention_paged(const mx::array& q, const mx::array& k, const m
 // the output (T, H, D) and each query's natural log-sum-exp (T, H): zeros and -inf for a query seeing none.
 std::vector<mx::array> causal_partial(const mx::array& q, const mx::array& k, const mx::array& v,
                                       const mx::array& counts, float q_scale) {
-  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
-                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 && k.shape(0) > 0 &&
+  bool shapes = attention_shapes(q, k, v) && k.shape(0) > 0 &&
                 counts.ndim() == 1 && counts.shape(0) == q.shape(0) && mx::issubdtype(counts.dtype(), mx::integer);
   if (!shapes) {
     throw std::invalid_argument("causal_partial: q (T, H, D), k and v (S, Hk, D), counts (T,) of integers, "
@@ -2111,8 +2113,7 @@ std::vector<mx::array> causal_partial(const mx::array& q, const mx::array& k, co
 // causal_partial against rows slots[0..S) of the pools k, v (rows, Hk, D), read in place (no gather).
 std::vector<mx::array> causal_partial_paged(const mx::array& q, const mx::array& k, const mx::array& v,
                                             const mx::array& slots, const mx::array& counts, float q_scale) {
-  bool shapes = q.ndim() == 3 && k.ndim() == 3 && v.shape() == k.shape() && k.shape(1) > 0 &&
-                q.shape(1) % k.shape(1) == 0 && q.shape(2) == k.shape(2) && q.shape(0) > 0 && slots.ndim() == 1 &&
+  bool shapes = attention_shapes(q, k, v) && slots.ndim() == 1 &&
                 slots.shape(0) > 0 && mx::issubdtype(slots.dtype(), mx::integer) && counts.ndim() == 1 &&
                 counts.shape(0) == q.shape(0) && mx::issubdtype(counts.dtype(), mx::integer);
   if (!shapes) {
