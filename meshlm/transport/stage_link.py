@@ -100,6 +100,11 @@ class StageLink:
             _, (hidden, _mask) = stage_wire.read_packet(lambda n: self._recv_exactly(n, deadline), expect)
         except stage_wire.StageWireError as exc:
             raise StageLinkError(f"stage {self.peer} sent a bad activation packet: {exc}") from None
+        # A well-formed packet of NaN (a broken or hostile stage) gave 200s of end-of-text tokens, and the
+        # next stages cached that KV, in RAM and on the SSD tier, for later requests after a restart too
+        if not mx.all(mx.isfinite(hidden)).item():
+            raise StageLinkError(f"stage {self.peer} sent activations that are not finite (NaN or infinity) for "
+                                 f"step {step}")
         return hidden
 
     # -- bytes --------------------------------------------------------------------------

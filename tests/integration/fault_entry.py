@@ -71,6 +71,11 @@ def _plant(kind: str, arg: int) -> None:
         packet[stage_wire.HEADER.size + 1:stage_wire.HEADER.size + 5] = (99).to_bytes(4, "big")  # the dtype code
         self.send(bytes(packet), timeout)
 
+    def nan_send(self, step, pos, hidden, timeout):  # a well-formed packet of NaN from step `arg` on
+        import mlx.core as mx
+
+        return send_activation(self, step, pos, hidden if step < arg else mx.full(hidden.shape, mx.nan), timeout)
+
     from meshlm.model import loader
 
     load_model = loader.load_model
@@ -105,6 +110,7 @@ def _plant(kind: str, arg: int) -> None:
                "skip_step": [(Runner, "prepare", skipping_prepare), (Runner, "launch", skipping_launch)],
                "stall_step": [(Runner, "prepare", stalling_prepare)],
                "corrupt_activation": [(StageLink, "send_activation", corrupting_send)],
+               "nan_activation": [(StageLink, "send_activation", nan_send)],
                "stall_load": [(loader, "load_model", stalling_load)],
                "exit_before_join": [(ranks, "init_group", exiting_join)],
                "unmasked_token": [(sampler, "process_logits", unmasking_process_logits)],

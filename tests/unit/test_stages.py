@@ -122,6 +122,14 @@ def test_an_activation_crosses_a_link():
     a.close()  # after a bad packet the stream cannot be trusted: the cluster stops (it never reads on)
     b.close()
     out = _pair()
+    a, b = out["connected"], out["accepted"]
+    for bad in (mx.nan, mx.inf):  # well-formed, but what the next stages would compute and cache on
+        a.send_activation(7, 12, mx.concatenate([hidden[:, :2], mx.full((1, 1, 8), bad)], axis=1), 5.0)
+        with pytest.raises(StageLinkError, match="stage 0 sent activations that are not finite"):
+            b.recv_activation(7, 12, 3, ActivationSpec(8, mx.float32), 5.0)
+    a.close()
+    b.close()
+    out = _pair()
     out["connected"].close()
     with pytest.raises(StageLinkError, match="stage 0 closed the link"):
         out["accepted"].recv_activation(0, 0, 3, ActivationSpec(8, mx.float32), 5.0)
