@@ -22,6 +22,7 @@ naming the stage, which ends the step (and the cluster) like any rank failure.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -161,8 +162,16 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
     slots = HandshakeSlots(HANDSHAKES_PER_HOST, HANDSHAKES)
     refusals = RefusalLog(log, f"stage {own}: dropped a connection from %s to its stage link: %s")
     proven: queue.Queue = queue.Queue()
-    problems: list[str] = []
+    # The last few refusals, for the deadline's message, and their count: a list of every one grew by ~45 MB
+    # in 35 s of a flood of connections (helper-61)
+    problems: collections.deque[str] = collections.deque(maxlen=3)
+    refused = [0]
     lock = threading.Lock()
+
+    def problem(text: str) -> None:
+        with lock:
+            problems.append(text)
+            refused[0] += 1
     taken = threading.Event()  # set once accept returns: handshakes still running close their sockets
     running: list[threading.Thread] = []
 
@@ -170,7 +179,7 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
         try:
             _accept_handshake(sock, secret, own, peer, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
         except (StageLinkError, OSError) as exc:
-            problems.append(f"{where}: {exc}")
+            problem(f"{where}: {exc}")
             refusals.refused(where, str(exc))
             sock.close()
             return
@@ -199,7 +208,8 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
                     sock.close()
                     raise StageLinkError(f"link from stage {peer} failed: {exc}") from None
             if left == 0:
-                seen = f" (refused {len(problems)}: {'; '.join(problems[-3:])})" if problems else ""
+                with lock:  # handshake threads may still be adding
+                    seen = f" (refused {refused[0]}: {'; '.join(problems)})" if problems else ""
                 raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
             server.settimeout(min(left, 0.05))
             try:
@@ -208,7 +218,7 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
                 continue
             where, host = f"{addr[0]}:{addr[1]}", host_key(addr[0])
             if not slots.take(host):
-                problems.append(f"{where}: too many connections still to prove themselves")
+                problem(f"{where}: too many connections still to prove themselves")
                 refusals.refused(where, "too many connections still to prove themselves")
                 sock.close()
                 continue

@@ -160,6 +160,31 @@ def test_a_large_activation_waits_for_a_busy_stage_longer_than_the_liveness():
     b.close()
 
 
+def test_a_flood_of_refused_connections_is_counted_not_kept():
+    """Every refused connection's text was kept until the deadline: ~45 MB in 35 s of a flood (helper-61).
+    The deadline's message counts them and names the last few."""
+    server = stage_link.listen("127.0.0.1", 0)
+    port = server.getsockname()[1]
+    got: dict = {}
+
+    def accept():
+        try:
+            stage_link.accept(server, SECRET, 1, 0, 2.0, 5.0)
+        except StageLinkError as exc:
+            got["error"] = str(exc)
+
+    t = threading.Thread(target=accept)
+    t.start()
+    for _ in range(60):  # each says something that is not a handshake, then hangs up
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+            c.sendall(b"x" * 200)
+    t.join()
+    server.close()
+    assert "stage 0 did not connect to stage 1 within 2 s (refused" in got["error"]
+    refused = int(got["error"].split("(refused ")[1].split(":")[0])
+    assert refused >= 50 and got["error"].count("127.0.0.1:") <= 3, got["error"]
+
+
 def test_a_stage_with_the_wrong_secret_or_place_is_refused():
     out = _pair(connect_secret=ClusterSecret("b" * 64), timeout=1.5)
     assert "did not prove it holds the cluster secret" in str(out["connect_error"])
