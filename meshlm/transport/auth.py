@@ -172,8 +172,8 @@ class Candidate:
         self.link.read_available()
         while (frame := self.link.next_frame()) is not None:
             if frame.kind is Kind.REJECT:
-                # Anyone can send one: unproven, it ends nothing but this connection. (A rank of another
-                # build writes it in its own version: VersionMismatch, which does end the start.)
+                # Anyone can send one: unproven, it ends nothing but this connection (so does a frame of
+                # another version, VersionMismatch: a rank of another build, told why in its own version).
                 reason = repr(wire.decode_reason(frame.payload)[:200])
                 raise Refused(f"it refused the leader before proving it holds the secret, saying {reason}")
             if self.hello is None:
@@ -252,7 +252,9 @@ def _refuse_version(link: Link, joining: Joining, version: int) -> str:
 
 
 def _rejected(frame: Frame, joining: Joining) -> str:
-    reason = wire.decode_reason(frame.payload)
+    # Unproven (before WELCOME): cut, and its control characters escaped, so that a squatter on the control
+    # port cannot write megabytes, or forged lines, into this rank's log (helper-61: 8 MB and a fake INFO line)
+    reason = "".join(c if c.isprintable() else repr(c)[1:-1] for c in wire.decode_reason(frame.payload)[:400])
     if frame.version != wire.VERSION:
         return (f"the leader at {joining.leader} (control protocol version {frame.version}, this build speaks "
                 f"{wire.VERSION}) rejected rank {joining.hello.rank}: {reason}")

@@ -335,12 +335,14 @@ class ControlLeader:
             return
         try:
             hello = cand.authenticate(self._secret)
-        except VersionMismatch as e:  # a real rank of another build: waiting cannot help
-            problem = (f"{cand.link.peer} speaks control protocol version {e.version}, this leader speaks "
-                       f"{wire.VERSION}: all ranks must run the same meshlm version")
-            sel.unregister(cand.link.sock)
-            self._reject(cand.link, problem, version=e.version)
-            raise HandshakeError(problem) from None
+        except VersionMismatch as e:
+            # A rank of another build, told why in its own version (it fails at once on its side), or anyone
+            # writing 28 bytes: unproven, it ends this connection only (it ended the cluster's start), and the
+            # deadline's message names it
+            problem = (f"speaks control protocol version {e.version}, this leader speaks {wire.VERSION}: all "
+                       "ranks must run the same meshlm version")
+            self._drop(sel, cand, problem, version=e.version)
+            return
         except (Refused, ProtocolError, LinkClosed) as e:
             # A stranger (port scan, wrong service, wrong secret) must not abort the cluster: drop it, remember why.
             self._drop(sel, cand, str(e))
@@ -361,13 +363,14 @@ class ControlLeader:
             if remaining(cand.deadline) == 0:
                 self._drop(sel, cand, f"no HELLO and PROOF within {self.auth_timeout:.1f} s")
 
-    def _drop(self, sel: selectors.BaseSelector, cand: Candidate, reason: str) -> None:
-        """Refuse one unauthenticated connection; the reason names no secret and no proof."""
+    def _drop(self, sel: selectors.BaseSelector, cand: Candidate, reason: str, version: int = wire.VERSION) -> None:
+        """Refuse one unauthenticated connection (in its protocol `version`); the reason names no secret and
+        no proof."""
         self._dropped.append(f"{cand.link.peer}: {reason}")
         self._dropped_count += 1
         self._refusals.refused(cand.link.peer, reason)
         sel.unregister(cand.link.sock)
-        self._reject(cand.link, reason)
+        self._reject(cand.link, reason, version)
 
     def _hello_problem(self, hello: Hello, admitted: dict[int, Candidate]) -> str | None:
         r = hello.rank
@@ -749,11 +752,14 @@ class ControlWorker:
         Raises HandshakeError. `gone`: why the leader will never listen (asked between connection attempts)."""
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            self._link = Link(self._dial(deadline, gone), wire.LEADER_KINDS, self.max_payload)
+            # Until the leader has proved itself, no frame above MAX_HELLO_BYTES: whoever holds the control
+            # port could make this rank buffer a 64 MiB one first (helper-61: +130 MB)
+            self._link = Link(self._dial(deadline, gone), wire.LEADER_KINDS, MAX_HELLO_BYTES)
             self._seq = 0
             try:
                 joining = Joining(Hello(self.rank, self.world_size, new_nonce()), self._leader)
                 welcome = prove_worker(self._link, self._send, self._secret, joining, deadline)
+                self._link.decoder.max_payload = self.max_payload
                 break
             except LeaderBusy as e:  # dropped to make room before it could prove itself: not a verdict
                 self._link.close()  # the link only: close() would also stop this rank's heartbeats for good
