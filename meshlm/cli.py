@@ -66,8 +66,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--long-prefill-context", type=int, default=8192,
                    help="prompt chunks starting past this context are shortened so that a step does no more work "
                         "than a whole --max-tokens-per-step chunk starting here (attention grows with the context): "
-                        "streams keep flowing and steps stay within --step-timeout while long prompts are read; "
-                        "0: chunks of the token budget at any context (default 8192)")
+                        "a step's length stops growing with the prompt, so streams keep flowing, and a step that fits "
+                        "--step-timeout at this context fits it at any; 0: chunks of the token budget at any context "
+                        "(default 8192)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--async-scheduling", choices=AUTO_ON_OFF, default="auto",
                    help="plan each decode step while the previous one runs, on its tokens still on the device "
