@@ -4,7 +4,7 @@ corrupt activation packet ends requests with an error in seconds and /health say
 
 Tolerance: greedy text identical; logprobs of the chosen tokens within TOL = 1e-3. A stage boundary
 only moves where the hidden state is handed over, but micro-batches change how a prompt is chunked, and
-a chunk of up to batch.SPLIT_MAX_TOKENS tokens after cached ones runs as decode rows (another kernel,
+a short chunk after cached ones (batch.SPLIT_MAX_TOKENS, SPLIT_MAX_PAIRS) runs as decode rows (another kernel,
 another summation order). The tiny random qwen3 is sensitive to that: measured 2026-11-25, its fp32
 logprobs on PROMPTS differ from float64 by up to 2.4e-4 with stock mlx-lm and 2.7e-4 with meshlm in one
 process; one process gives a prompt's first chosen-token logprob 2.4e-4 apart (and its logprobs across

@@ -404,6 +404,17 @@ def test_short_continuing_rows_split_into_decode_rows_and_others_do_not():
     assert b.logit_rows == [1, 1, 1, 4, 5, 2] + [3] * long  # LOGITS_LAST of uid 5: its last token
 
 
+def test_short_rows_after_a_long_context_attend_as_one_row_but_the_shortest():
+    """Each decode row reads its whole context: past a few tokens after thousands of positions, the paged
+    causal kernel (one read of the context) is the cheaper (batch.SPLIT_MAX_PAIRS)."""
+    blocks = tuple(range(8_200 // BS + 1))
+    rows = [RowSpec(1, 8_000, tuple(range(9)), blocks, LOGITS_ALL), RowSpec(2, 8_000, (1, 2, 3, 4), blocks, LOGITS_ALL),
+            RowSpec(3, 1_000, tuple(range(9)), blocks[:130], LOGITS_ALL)]
+    b = Batch.build(rows, BS)
+    assert b.decode.count == 4 + 9  # uid 2's four tokens and uid 3's nine; uid 1 stays a row of nine
+    assert b.logit_rows == [2] * 4 + [3] * 9 + [1] * 9
+
+
 def test_trim_rolls_a_row_back_and_the_next_tokens_see_only_what_was_kept(path, reference):
     prompt = [21, 22, 23, 24, 25, 26, 27]
     tokens, rows = reference(prompt, 6)
