@@ -102,7 +102,13 @@ def run_worker(cfg: ParallelConfig, control: ControlWorker, rank: RankState, fin
     except (ControlError, RuntimeError) as exc:
         control.close()
         raise ClusterError(str(exc)) from None
-    watchdog = Watchdog(cfg.step_timeout, _hard_exit, name=f"meshlm-watchdog-{cfg.rank}")
+    def expire(message: str) -> None:
+        # Told first, the leader names the deadline: its own may fire later (its step began later), and it
+        # saw only "connection reset by peer" when this rank had exited before (helper-60)
+        control.leave(f"rank {cfg.rank}: {message}")
+        _hard_exit(message)
+
+    watchdog = Watchdog(cfg.step_timeout, expire, name=f"meshlm-watchdog-{cfg.rank}")
     watchdog.probe = _leader_gone_probe(control, watchdog, cfg.rank)
     try:
         return _serve_plans(control, rank, watchdog, io, sums)

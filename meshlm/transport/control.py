@@ -116,6 +116,13 @@ def _last_words(link: Link) -> Ack | str | None:
     return None
 
 
+def _reason(frame: Frame) -> str:
+    try:
+        return wire.decode_reason(frame.payload)
+    except ControlError as e:
+        return f"(an unreadable reason: {e})"
+
+
 def _message(rank: int, frame: Frame, kind: Kind, out_of_turn: str):
     """The message in `rank`'s `frame`, which must be of `kind` (else it was sent `out_of_turn`); any
     problem is a ProtocolError naming the rank."""
@@ -568,6 +575,8 @@ class ControlLeader:
                     break
 
     def _check_ack(self, rank: int, frame: Frame) -> Ack:
+        if frame.kind is Kind.REJECT:  # a worker leaving on its own says why first (ControlWorker.leave)
+            raise self._lose(rank, WorkerLost(rank, f"it left: {_reason(frame)}"))
         ack = _message(rank, frame, Kind.ACK, "after the handshake")
         if not self._pending[rank]:
             raise ProtocolError(f"rank {rank} acked step {ack.step_id}, but no plan is outstanding")

@@ -321,6 +321,24 @@ def test_hung_worker_is_ended_by_the_watchdogs(model, tmp_path):
     assert "--step-timeout" in hc.log(1).read_text() and "--max-tokens-per-step" in hc.log(1).read_text()
 
 
+def test_a_worker_past_its_own_deadline_tells_the_leader_why(model, tmp_path):
+    """A worker's step deadline that passes before the leader's (its step began sooner, or its
+    --step-timeout is shorter, as here): the leader said only that the connection was reset (helper-60)."""
+    hc = HandCluster.create(tmp_path)
+    procs = [hc.start(model, 0, extra=("--step-timeout", "30")),
+             hc.start(model, 1, launcher=(FAULT_ENTRY, "stall_step", "3"), env={"MESHLM_OPENBLAS": "0"},
+                      extra=("--step-timeout", "3"))]
+    try:
+        wait_healthy(hc.url, procs)
+        t0 = time.monotonic()
+        r = complete(hc.url, [5, 6, 7, 8], n=20, timeout=40)
+        assert r.status_code == 503 and time.monotonic() - t0 < 15
+        assert "rank 1: step 3 outlived its 3 s deadline" in r.json()["error"]["message"], r.text
+        assert procs[1].wait(10) == 5
+    finally:
+        finish(procs)
+
+
 def test_a_worker_whose_leader_is_killed_mid_step_leaves_at_once(model, tmp_path):
     """Ranks on two hosts (here by hand, from a hostfile): the leader killed while rank 1 waits in a step's
     collective. Its sends fail but the wait stayed until the step's 60 s deadline (exit 5, a word about a
