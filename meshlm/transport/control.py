@@ -191,8 +191,6 @@ class ControlLeader:
         # the engine thread holds the other waiting for acks.
         self._send_lock = threading.Lock()
         self._closed = threading.Event()  # ends the pulse thread (`_keep_pulsing`)
-        self._dropped: collections.deque[str] = collections.deque(maxlen=5)  # the latest refused connections
-        self._dropped_count = 0
         self._refusals = RefusalLog(log, "control: dropped connection from %s during the handshake: %s")
         # Unproven connections held per host: every worker of a cluster on one machine, and a few more
         self._per_host = min(MAX_CANDIDATES, world_size + 3)
@@ -373,8 +371,6 @@ class ControlLeader:
     def _drop(self, sel: selectors.BaseSelector, cand: Candidate, reason: str, version: int = wire.VERSION) -> None:
         """Refuse one unauthenticated connection (in its protocol `version`); the reason names no secret and
         no proof."""
-        self._dropped.append(f"{cand.link.peer}: {reason}")
-        self._dropped_count += 1
         self._refusals.refused(cand.link.peer, reason)
         sel.unregister(cand.link.sock)
         self._reject(cand.link, reason, version)
@@ -392,9 +388,10 @@ class ControlLeader:
     def _missing_message(self, admitted: dict[int, Candidate], waiting: bool = False) -> str:
         missing = [r for r in range(1, self.world_size) if r not in admitted]
         msg = f"{'still waiting' if waiting else 'timed out waiting'} for workers on port {self.port}: missing ranks {missing}"
-        if self._dropped_count:
-            latest = f" (latest {len(self._dropped)})" if self._dropped_count > len(self._dropped) else ""
-            msg += f"; refused {self._dropped_count} connection(s){latest}: {'; '.join(self._dropped)}"
+        if self._refusals.count:
+            dropped = self._refusals.latest()
+            latest = f" (latest {len(dropped)})" if self._refusals.count > len(dropped) else ""
+            msg += f"; refused {self._refusals.count} connection(s){latest}: {'; '.join(dropped)}"
         return msg
 
     def _welcome_all(self, admitted: dict[int, Candidate]) -> None:

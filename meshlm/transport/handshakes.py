@@ -9,6 +9,7 @@ keeps many hosts from exhausting file descriptors.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -46,13 +47,20 @@ class RefusalLog:
     """Each of the first `first` refusals in a line of its own, then a line at most every `every` seconds
     saying how many more there were: a localhost flood wrote ~1,500 warnings a second."""
 
-    def __init__(self, log: logging.Logger, line: str, first: int = 5, every: float = 10.0) -> None:
-        """`line`: the warning, with %s for the peer and then the reason."""
+    def __init__(self, log: logging.Logger, line: str, first: int = 5, every: float = 10.0, keep: int = 5) -> None:
+        """`line`: the warning, with %s for the peer and then the reason; `keep`: how many of the latest
+        refusals `latest` names (a deadline's message), the rest only counted (a flood's held ~45 MB)."""
         self.log, self.line, self.first, self.every = log, line, first, every
         self._lock = threading.Lock()
         self.count = 0  # refusals so far
+        self._latest: collections.deque[str] = collections.deque(maxlen=keep)
         self._unsaid = 0  # refusals since the last line
         self._last = 0.0
+
+    def latest(self) -> list[str]:
+        """The latest refusals, `peer: reason`, oldest first."""
+        with self._lock:
+            return list(self._latest)
 
     def close(self) -> None:
         """Once the listener stops taking connections: the refusals no line has counted yet, in one."""
@@ -64,6 +72,7 @@ class RefusalLog:
     def refused(self, peer: str, reason: str) -> None:
         with self._lock:
             self.count += 1
+            self._latest.append(f"{peer}: {reason}")
             now = time.monotonic()
             if self.count > self.first and now - self._last < self.every:
                 self._unsaid += 1

@@ -22,7 +22,6 @@ naming the stage, which ends the step (and the cluster) like any rank failure.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import logging
@@ -160,18 +159,10 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
     and the wait goes on until the deadline."""
     deadline = time.monotonic() + timeout
     slots = HandshakeSlots(HANDSHAKES_PER_HOST, HANDSHAKES)
-    refusals = RefusalLog(log, f"stage {own}: dropped a connection from %s to its stage link: %s")
+    # The last three refusals name themselves in the deadline's message, the rest are counted
+    refusals = RefusalLog(log, f"stage {own}: dropped a connection from %s to its stage link: %s", keep=3)
     proven: queue.Queue = queue.Queue()
-    # The last few refusals, for the deadline's message, and their count: a list of every one grew by ~45 MB
-    # in 35 s of a flood of connections (helper-61)
-    problems: collections.deque[str] = collections.deque(maxlen=3)
-    refused = [0]
     lock = threading.Lock()
-
-    def problem(text: str) -> None:
-        with lock:
-            problems.append(text)
-            refused[0] += 1
     taken = threading.Event()  # set once accept returns: handshakes still running close their sockets
     running: list[threading.Thread] = []
 
@@ -179,7 +170,6 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
         try:
             _accept_handshake(sock, secret, own, peer, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
         except (StageLinkError, OSError) as exc:
-            problem(f"{where}: {exc}")
             refusals.refused(where, str(exc))
             sock.close()
             return
@@ -208,8 +198,8 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
                     sock.close()
                     raise StageLinkError(f"link from stage {peer} failed: {exc}") from None
             if left == 0:
-                with lock:  # handshake threads may still be adding
-                    seen = f" (refused {refused[0]}: {'; '.join(problems)})" if problems else ""
+                latest = refusals.latest()
+                seen = f" (refused {refusals.count}: {'; '.join(latest)})" if latest else ""
                 raise StageLinkError(f"stage {peer} did not connect to stage {own} within {timeout:.0f} s{seen}")
             server.settimeout(min(left, 0.05))
             try:
@@ -218,7 +208,6 @@ def accept(server: socket.socket, secret: ClusterSecret, own: int, peer: int, ti
                 continue
             where, host = f"{addr[0]}:{addr[1]}", host_key(addr[0])
             if not slots.take(host):
-                problem(f"{where}: too many connections still to prove themselves")
                 refusals.refused(where, "too many connections still to prove themselves")
                 sock.close()
                 continue

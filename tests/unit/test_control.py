@@ -1428,7 +1428,7 @@ def test_a_flood_from_one_host_neither_evicts_a_worker_of_another_nor_floods_the
             flood.append(_from("127.0.0.2", leader.port))
     assert set(waiting.outcome()) == {1}
     assert "trying again" not in caplog.text  # never evicted
-    assert leader._dropped_count > 0  # the flood did fill the slots
+    assert leader._refusals.count > 0  # the flood did fill the slots
     _serve_one_plan(leader, workers)
     assert len(re.findall("dropped connection from", caplog.text)) <= 6, caplog.text[-2000:]
     for sock in flood:
@@ -1468,7 +1468,7 @@ def test_silent_strangers_from_many_hosts_are_dropped_before_a_worker_that_spoke
         with contextlib.suppress(ConnectionRefusedError):
             flood.append(_from(f"127.0.1.{i + 1}", leader.port))
     assert set(waiting.outcome()) == {1}
-    assert "trying again" not in caplog.text and leader._dropped_count > 0
+    assert "trying again" not in caplog.text and leader._refusals.count > 0
     _serve_one_plan(leader, workers)
     for sock in flood:
         sock.close()
