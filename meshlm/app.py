@@ -72,9 +72,9 @@ class FatalExit:
 def step_work(long_prefill_context: int, args) -> StepWork | None:
     """How the scheduler bounds a long context's steps; None when asked not to, or the model's shapes do not
     say what attention costs against its matrices (the token budget alone then)."""
-    keys = keys_per_token(args)
     if not long_prefill_context:
         return None
+    keys = keys_per_token(args)
     if keys is None:
         log.warning("--long-prefill-context: the model's config does not say its attention's shape; a long "
                     "prompt's chunks keep the token budget's size")

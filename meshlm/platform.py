@@ -244,8 +244,8 @@ def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/
             places = [(root / "memory", "memory.limit_in_bytes")]
         else:
             continue
+        here = Path(path.strip() or "/")
         for base, name in places:
-            here = Path(path.strip() or "/")
             for directory in (here, *here.parents):
                 try:
                     text = (base / str(directory).lstrip("/") / name).read_text().strip()

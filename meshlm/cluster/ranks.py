@@ -66,7 +66,7 @@ class Topology:
     # written any earlier, every start that failed before the join left a directory in /tmp.
     ring_hosts: list[list[str]] | None = None
     leader_gone: Callable[[], str | None] | None = None  # a local worker's watch on rank 0, its parent
-    ranks_here: int = 1  # this cluster's ranks on this machine, which share its default KV budget
+    ranks_here: int = 1  # this cluster's ranks on this machine, which share its default KV budget and SSD tier
 
 
 def resolve_topology(p: ParallelConfig, ports: ClusterPorts) -> tuple[Topology, LocalCluster | None]:

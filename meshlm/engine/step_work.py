@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 # The fewest tokens the step's first prompt chunk takes when decode rows have used the step's work: a
-# prompt always progresses. Chunks this short run as decode rows (model/batch.py: SPLIT_MAX_TOKENS).
+# prompt always progresses.
 MIN_CHUNK = 16
 
 

@@ -248,7 +248,7 @@ class CPUBackend:
     def extend_paged(self, q, pool_k, pool_v, slots, scale):
         if q.dtype == mx.float32 and self._causal is not None:
             return self.native.causal_attention_paged(q, pool_k, pool_v, slots, scale * LOG2E)
-        return self.extend(q, _gather(pool_k, slots), _gather(pool_v, slots), scale)
+        return PortableBackend.extend_paged(self, q, pool_k, pool_v, slots, scale)
 
     def extend_group(self, q, keys, values, mask, scale):
         if q.dtype != mx.float32:
